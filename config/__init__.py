@@ -1,0 +1,1 @@
+"""Config files of skyrl-megatron (Hydra). Installed as the package `skyrl_megatron.conf`."""

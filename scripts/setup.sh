@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Idempotent set-up of .venv (Python 3.12) in the order that works on a CPU-only box
+# (docs/install.md explains each step). A second run with unchanged inputs takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${SKYRL_MEGATRON_VENV:-.venv}
+STAMP="$VENV/.skyrl-megatron-setup"
+
+find_python312() {
+  if [[ -n "${PYTHON312:-}" ]]; then echo "$PYTHON312"; return; fi
+  if command -v pyenv >/dev/null 2>&1; then
+    local root; root="$(pyenv root)"
+    for v in 3.12.1 $(ls "$root/versions" 2>/dev/null | grep -E '^3\.12\.[0-9]+$' | sort -V -r); do
+      if [[ -x "$root/versions/$v/bin/python3.12" ]]; then echo "$root/versions/$v/bin/python3.12"; return; fi
+    done
+  fi
+  if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+  echo "setup: no Python 3.12 found (tried \$PYTHON312, pyenv, python3.12 on PATH); install Python 3.12" >&2
+  exit 1
+}
+
+inputs_hash() { cat scripts/setup.sh requirements/*.txt pyproject.toml | sha256sum | cut -c1-16; }
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" && -x "$VENV/bin/python" ]]; then
+  echo "setup: $VENV is up to date"
+  exit 0
+fi
+
+PY=$(find_python312)
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "setup: creating $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+"${PIP[@]}" -q --upgrade pip
+
+# 1. torch and the build helpers first: flash-attn's setup.py imports torch.
+"${PIP[@]}" -r requirements/base.txt
+# 2. flash-attn as pure Python: no CUDA compile, no prebuilt-binary download (the host hard-depends on it).
+FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
+  "${PIP[@]}" --no-build-isolation --no-deps -r requirements/flash_attn.txt
+# 3. the host, megatron-core and the rest.
+"${PIP[@]}" -r requirements/host.txt
+# 4. Megatron-Bridge without its metadata deps (they pin hydra-core>=1.3.4 and CUDA-only packages).
+"${PIP[@]}" --no-deps -r requirements/bridge.txt
+# 5. this package, editable.
+"${PIP[@]}" --no-deps -e .
+
+inputs_hash > "$STAMP"
+echo "setup: done ($VENV)"

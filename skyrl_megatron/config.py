@@ -1,0 +1,412 @@
+"""Typed view of the ``megatron_config`` group and up-front validation.
+
+The YAML lives in ``config/megatron/{policy,ref,critic}.yaml`` and is composed into the host's config
+at ``trainer.<role>.megatron_config``. :func:`validate_config` runs before Ray or any model is
+touched, collects every problem it finds, and raises one :class:`ConfigError` whose lines each name
+the key, what is wrong, and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from skyrl_megatron.parallel import ParallelConfig
+from skyrl_megatron.runtime import quiet_megatron_import
+
+ROLES = ("policy", "ref", "critic")
+KNOWN_STRATEGIES = ("fsdp", "fsdp2", "deepspeed", "megatron")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        fix = self.fix if self.fix.endswith((".", "?", "!")) else self.fix + "."
+        return f"{self.key}: {self.message}. Fix: {fix}"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, reported together."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems = list(problems)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        count = len(self.problems)
+        head = "invalid skyrl-megatron config" + (f" ({count} problems)" if count > 1 else "")
+        return head + ": " + " ".join(str(p) for p in self.problems)
+
+
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    suggestion = closest(name, candidates)
+    return f"did you mean '{suggestion}'?" if suggestion else "remove it"
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraSettings:
+    lora_type: str = "lora"  # "lora" | "canonical_lora" (Megatron-Bridge PEFT)
+
+
+@dataclass
+class MegatronWorkerConfig:
+    """``trainer.<role>.megatron_config`` as a dataclass. Field names are the YAML keys."""
+
+    runtime: str = "auto"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = True
+    max_tokens_per_microbatch: int | None = None
+    checkpoint_cache_dir: str | None = None
+    force_reconvert: bool = False
+    empty_cuda_cache: bool = True
+    ddp_config: dict[str, Any] = field(default_factory=dict)
+    optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
+    transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_config_kwargs: dict[str, Any] = field(default_factory=dict)
+    lora_config: LoraSettings = field(default_factory=LoraSettings)
+    torch_profiler_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "MegatronWorkerConfig":
+        unknown = [k for k in data if k not in cls.field_names()]
+        if unknown:
+            raise ConfigError(
+                Problem(f"megatron_config.{k}", "unknown key", _did_you_mean(k, cls.field_names())) for k in unknown
+            )
+        values = dict(data)
+        if isinstance(values.get("lora_config"), Mapping):
+            values["lora_config"] = LoraSettings(**values["lora_config"])
+        return cls(**values)
+
+    @classmethod
+    def from_host_config(cls, cfg, role: str) -> "MegatronWorkerConfig":
+        from omegaconf import OmegaConf
+
+        node = cfg.trainer[role].get("megatron_config")
+        data = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+        return cls.from_mapping(data)
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor=self.tensor_model_parallel_size,
+            pipeline=self.pipeline_model_parallel_size,
+            virtual_pipeline=self.virtual_pipeline_model_parallel_size,
+            context=self.context_parallel_size,
+            expert=self.expert_model_parallel_size,
+            expert_tensor=self.expert_tensor_parallel_size,
+            sequence_parallel=self.sequence_parallel and self.tensor_model_parallel_size > 1,
+        )
+
+    def transformer_overrides(self) -> dict[str, Any]:
+        """Pass-through kwargs for TransformerConfig; null means "keep Megatron's default"."""
+        return {k: v for k, v in self.transformer_config_kwargs.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------------------------
+# The model's shape, read from its HF config.json (cheap: no weights, no transformers import)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    num_experts: int | None
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> "ModelShape":
+        text = config.get("text_config") or config
+        heads = int(text["num_attention_heads"])
+        experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+        return cls(
+            model_type=str(config.get("model_type", "unknown")),
+            num_layers=int(text["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_query_groups=int(text.get("num_key_value_heads") or heads),
+            num_experts=int(experts) if experts else None,
+        )
+
+
+def _is_local_path(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+
+
+def read_model_shape(path: str) -> ModelShape | None:
+    """The shape of a local HF checkpoint, or None for a hub id that is not cached locally."""
+    local = Path(os.path.expanduser(path))
+    config_file = local / "config.json"
+    if not config_file.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, "config.json")
+        except Exception:  # not a valid repo id
+            cached = None
+        if not isinstance(cached, str):
+            return None
+        config_file = Path(cached)
+    return ModelShape.from_hf_config(json.loads(config_file.read_text()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _megatron_dataclass_fields() -> dict[str, tuple[str, set[str]]]:
+    """Pass-through section -> (Megatron dataclass name, its field names)."""
+    with quiet_megatron_import():
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer import TransformerConfig
+
+    def names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    return {
+        "ddp_config": ("DistributedDataParallelConfig", names(DistributedDataParallelConfig)),
+        "optimizer_config_kwargs": ("OptimizerConfig", names(OptimizerConfig)),
+        "transformer_config_kwargs": ("TransformerConfig", names(TransformerConfig)),
+    }
+
+
+def active_roles(cfg) -> list[str]:
+    """The worker roles the host trainer will build for this config."""
+    roles = ["policy"]
+    algorithm = cfg.trainer.algorithm
+    if algorithm.get("use_kl_loss") or algorithm.get("use_kl_in_reward"):
+        roles.append("ref")
+    if cfg.trainer.critic.model.get("path"):
+        roles.append("critic")
+    return roles
+
+
+def role_world_size(cfg, role: str) -> int:
+    placement = cfg.trainer.placement
+    return int(placement[f"{role}_num_nodes"]) * int(placement[f"{role}_num_gpus_per_node"])
+
+
+def _model_path(cfg, role: str) -> str | None:
+    return cfg.trainer[role].model.get("path")
+
+
+def check_strategy(cfg) -> list[Problem]:
+    strategy = cfg.trainer.get("strategy")
+    if strategy in KNOWN_STRATEGIES:
+        return []
+    return [
+        Problem(
+            "trainer.strategy",
+            f"unknown strategy {strategy!r}",
+            f"use one of {', '.join(KNOWN_STRATEGIES)}" + (f" (did you mean '{closest(str(strategy), KNOWN_STRATEGIES)}'?)" if closest(str(strategy), KNOWN_STRATEGIES) else ""),
+        )
+    ]
+
+
+def check_model_paths(cfg) -> list[Problem]:
+    problems = []
+    reported: set[str] = set()
+    for role in active_roles(cfg):
+        key = f"trainer.{role}.model.path"
+        path = _model_path(cfg, role)
+        if path in reported:  # e.g. the ref's path interpolates the policy's
+            continue
+        reported.add(path)
+        if not path:
+            problems.append(Problem(key, "no model path is set", f"set {key}=<HF checkpoint dir or hub id>"))
+        elif _is_local_path(path) and not (Path(os.path.expanduser(path)) / "config.json").is_file():
+            what = "does not exist" if not Path(os.path.expanduser(path)).exists() else "has no config.json"
+            problems.append(
+                Problem(key, f"{path!r} {what}", f"point {key} at a Hugging Face checkpoint directory")
+            )
+    return problems
+
+
+def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Problem]:
+    prefix = f"trainer.{role}.megatron_config"
+    node = cfg.trainer[role].get("megatron_config")
+    if node is None:
+        return [Problem(prefix, "missing", "compose the config through `skyrl-megatron` (it adds the megatron group)")]
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=True)
+    problems: list[Problem] = []
+    known = MegatronWorkerConfig.field_names()
+    for key in data:
+        if key not in known:
+            problems.append(Problem(f"{prefix}.{key}", "unknown key", _did_you_mean(key, known)))
+    for section, (cls_name, fields) in _megatron_dataclass_fields().items():
+        for key in data.get(section) or {}:
+            if key not in fields:
+                problems.append(
+                    Problem(
+                        f"{prefix}.{section}.{key}",
+                        f"not a field of Megatron's {cls_name}",
+                        _did_you_mean(key, fields),
+                    )
+                )
+    if problems:
+        return problems  # the sizes below may be meaningless when keys are misspelt
+
+    mc = MegatronWorkerConfig.from_mapping(data)
+    tp, pp, cp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size
+    ep, etp, vpp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size, mc.virtual_pipeline_model_parallel_size
+    for name, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+        ("expert_model_parallel_size", ep),
+    ):
+        if not isinstance(value, int) or value < 1:
+            problems.append(Problem(f"{prefix}.{name}", f"must be a positive integer, got {value!r}", "set it to 1 or more"))
+    if problems:
+        return problems
+
+    world = role_world_size(cfg, role)
+    placement = f"trainer.placement.{role}_num_nodes * {role}_num_gpus_per_node"
+    if world % (tp * pp * cp):
+        problems.append(
+            Problem(
+                f"{prefix}.tensor/pipeline/context_parallel_size",
+                f"{role} world size {world} ({placement}) is not divisible by TP*PP*CP = {tp}*{pp}*{cp} = {tp * pp * cp}",
+                f"choose sizes whose product divides {world}, or change {placement}",
+            )
+        )
+    expert_tp = etp if etp is not None else tp
+    if (ep > 1 or etp is not None) and world % (expert_tp * ep * pp):
+        problems.append(
+            Problem(
+                f"{prefix}.expert_model_parallel_size",
+                f"{role} world size {world} is not divisible by ETP*EP*PP = {expert_tp}*{ep}*{pp}",
+                "choose expert_model_parallel_size (and expert_tensor_parallel_size) so that the product divides the world size",
+            )
+        )
+    if vpp is not None:
+        if vpp < 1:
+            problems.append(Problem(f"{prefix}.virtual_pipeline_model_parallel_size", f"must be >= 1 or null, got {vpp}", "set null to disable interleaving"))
+        elif vpp > 1 and pp == 1:
+            problems.append(
+                Problem(
+                    f"{prefix}.virtual_pipeline_model_parallel_size",
+                    f"virtual pipeline stages ({vpp}) need pipeline_model_parallel_size > 1",
+                    "set pipeline_model_parallel_size >= 2 or virtual_pipeline_model_parallel_size=null",
+                )
+            )
+    if cp > 1 and not cfg.trainer.get("use_sample_packing", False):
+        problems.append(
+            Problem(
+                f"{prefix}.context_parallel_size",
+                f"context parallelism ({cp}) splits packed sequences and needs sample packing",
+                "set trainer.use_sample_packing=true or context_parallel_size=1",
+            )
+        )
+    if mc.runtime not in ("auto", "cuda", "cpu"):
+        problems.append(Problem(f"{prefix}.runtime", f"unknown runtime {mc.runtime!r}", "use auto, cuda or cpu"))
+    if mc.lora_config.lora_type not in ("lora", "canonical_lora"):
+        problems.append(Problem(f"{prefix}.lora_config.lora_type", f"unknown LoRA type {mc.lora_config.lora_type!r}", "use lora or canonical_lora"))
+    if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
+        problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
+
+    if shape is not None:
+        problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
+    return problems
+
+
+def _check_against_model(prefix: str, shape: ModelShape, tp: int, pp: int, vpp: int | None, ep: int) -> list[Problem]:
+    problems = []
+    if shape.num_attention_heads % tp:
+        problems.append(
+            Problem(
+                f"{prefix}.tensor_model_parallel_size",
+                f"the model's {shape.num_attention_heads} attention heads are not divisible by TP={tp}",
+                f"choose a TP that divides {shape.num_attention_heads}",
+            )
+        )
+    if shape.num_query_groups % tp:
+        problems.append(
+            Problem(
+                f"{prefix}.tensor_model_parallel_size",
+                f"the model's {shape.num_query_groups} key/value heads (query groups) are not divisible by TP={tp}",
+                f"choose a TP that divides {shape.num_query_groups}",
+            )
+        )
+    stages = pp * (vpp or 1)
+    if shape.num_layers % stages:
+        problems.append(
+            Problem(
+                f"{prefix}.pipeline_model_parallel_size",
+                f"the model's {shape.num_layers} layers do not split evenly into PP*VPP = {pp}*{vpp or 1} = {stages} stages",
+                f"choose PP and VPP whose product divides {shape.num_layers}",
+            )
+        )
+    if ep > 1 and not shape.num_experts:
+        problems.append(
+            Problem(
+                f"{prefix}.expert_model_parallel_size",
+                f"expert parallelism ({ep}) was asked for, but {shape.model_type} is a dense model",
+                "set expert_model_parallel_size=1",
+            )
+        )
+    elif shape.num_experts and shape.num_experts % ep:
+        problems.append(
+            Problem(
+                f"{prefix}.expert_model_parallel_size",
+                f"the model's {shape.num_experts} experts are not divisible by EP={ep}",
+                f"choose an EP that divides {shape.num_experts}",
+            )
+        )
+    return problems
+
+
+def validate_config(cfg, *, run_host_checks: bool = True) -> None:
+    """Check the whole composed config; raise one ConfigError listing every problem."""
+    problems = check_strategy(cfg)
+    if problems:
+        raise ConfigError(problems)
+    problems += check_model_paths(cfg)
+    if cfg.trainer.strategy == "megatron":
+        for role in active_roles(cfg):
+            path = _model_path(cfg, role)
+            shape = read_model_shape(path) if path else None
+            problems += check_megatron_role(cfg, role, shape)
+    if problems:
+        raise ConfigError(problems)
+    if run_host_checks:
+        from skyrl_megatron.host import validate_host_config
+
+        validate_host_config(cfg)

@@ -1,0 +1,9 @@
+"""The critic worker on Megatron-Core."""
+
+from skyrl_train.workers.worker import CriticWorkerBase
+
+from skyrl_megatron.workers.base import MegatronWorkerMixin
+
+
+class CriticWorker(MegatronWorkerMixin, CriticWorkerBase):
+    role = "critic"

@@ -1,0 +1,9 @@
+"""The ref worker on Megatron-Core."""
+
+from skyrl_train.workers.worker import RefWorkerBase
+
+from skyrl_megatron.workers.base import MegatronWorkerMixin
+
+
+class RefWorker(MegatronWorkerMixin, RefWorkerBase):
+    role = "ref"
