@@ -33,6 +33,14 @@ def _normalise_overrides(argv: list[str]) -> list[str]:
     return [f"++{arg}" if _MEGATRON_KEY.match(arg) else arg for arg in argv]
 
 
+def compose_config(overrides: list[str] | None = None):
+    """The config `skyrl-megatron` would run with, for programs and tests (no Hydra app, no side effects)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3", job_name="skyrl_megatron"):
+        return compose(config_name=CONFIG_NAME, overrides=_normalise_overrides(list(overrides or [])))
+
+
 def report_config_error(err: ConfigError) -> None:
     print(f"skyrl-megatron: {err}", file=sys.stderr)
 

@@ -53,7 +53,7 @@ class ConfigError(ValueError):
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
 
 

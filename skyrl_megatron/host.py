@@ -89,15 +89,18 @@ def activate() -> None:
     """Make the host choose our workers for ``trainer.strategy=megatron``. Idempotent.
 
     Works for the host's own ``BasePPOExp`` and its subclasses, in the driver and inside the Ray
-    task that builds the trainer (Ray processes started after this call run it too).
+    task that builds the trainer (Ray processes started after this call run it too). Activation is
+    light: our workers are imported only when the host imports its Megatron worker module, because
+    Ray's worker set-up hook must not import the host's worker modules (Ray aborts the process).
     """
     global _ACTIVE
     _apply_compat_fixes()
     if not any(finder is _ALIAS for finder in sys.meta_path):
         sys.meta_path.insert(0, _ALIAS)
-    # if the host's (or a stale) module object was imported before activation, replace it
-    our_module = importlib.import_module(OUR_WORKER_MODULE)
-    sys.modules[HOST_MEGATRON_WORKER_MODULE] = our_module
+    existing = sys.modules.get(HOST_MEGATRON_WORKER_MODULE)
+    if existing is not None and existing.__name__ != OUR_WORKER_MODULE:
+        # the host's module was imported before activation: replace it
+        sys.modules[HOST_MEGATRON_WORKER_MODULE] = importlib.import_module(OUR_WORKER_MODULE)
     os.environ[ACTIVATION_ENV_VAR] = "1"
     if not _ACTIVE:
         _wrap_ray_init()
@@ -194,13 +197,19 @@ def _allow_flash_attn_import_without_kernels() -> None:
         return
     placeholder = types.ModuleType("flash_attn_2_cuda")
 
-    def _missing(name: str):
-        raise RuntimeError(
-            f"flash_attn_2_cuda.{name}: flash-attn's CUDA kernels are not built in this environment; "
-            "skyrl-megatron does not use them (its attention comes from the Megatron layer spec)"
-        )
+    def _kernel_stub(name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
 
-    placeholder.__getattr__ = _missing  # type: ignore[method-assign]
+        def kernel(*args, **kwargs):
+            raise RuntimeError(
+                f"flash_attn_2_cuda.{name}: flash-attn's CUDA kernels are not built in this environment; "
+                "skyrl-megatron does not use them (its attention comes from the Megatron layer spec)"
+            )
+
+        return kernel
+
+    placeholder.__getattr__ = _kernel_stub  # type: ignore[method-assign]
     placeholder.__doc__ = "placeholder registered by skyrl_megatron.host: the compiled extension is absent"
     sys.modules["flash_attn_2_cuda"] = placeholder
 

@@ -56,6 +56,22 @@ class Runtime:
     def is_cpu(self) -> bool:
         return self.device is Device.CPU
 
+    def transformer_config_overrides(self) -> dict[str, Any]:
+        """TransformerConfig settings this device needs: Megatron's fused kernels are CUDA-only."""
+        if self.device is Device.CUDA:
+            return {}
+        return dict(
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+        )
+
 
 _ACTIVE: Runtime | None = None
 

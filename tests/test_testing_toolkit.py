@@ -11,11 +11,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-# Imported as a module, not by name: spawned ranks re-import this file to find the rank functions,
-# and the package loads `transformers` only when a model/tokenizer helper is first used.
+# Spawned ranks re-import this file to find the rank functions, so its import must stay cheap:
+# the package loads `transformers` (seconds per rank) only when a model/tokenizer name is first
+# used, and nothing below touches one at import time.
 import skyrl_megatron.testing as toolkit
 
 BIG_RESULT_NUMEL = 1 << 20  # 4 MiB of float32, far beyond a pipe buffer
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize `family` at collection time, which (unlike a decorator) spawned ranks never run."""
+    if "family" in metafunc.fixturenames:
+        metafunc.parametrize("family", toolkit.FAMILIES)
 
 
 # ---- rank functions (top level so that spawn can pickle them) ------------------------------------
@@ -108,7 +115,6 @@ def _load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", toolkit.FAMILIES)
 def test_tiny_model_loads_offline_and_gives_finite_logits(family: str, tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,7 +135,6 @@ def test_tiny_model_loads_offline_and_gives_finite_logits(family: str, tmp_path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", toolkit.FAMILIES)
 def test_tiny_model_norms_and_biases_are_perturbed(family: str, tmp_path: Path):
     state = _load_state_dict(toolkit.make_tiny_hf_model(family, tmp_path))
 
@@ -143,7 +148,6 @@ def test_tiny_model_norms_and_biases_are_perturbed(family: str, tmp_path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", toolkit.FAMILIES)
 def test_tiny_model_same_seed_is_bitwise_identical(family: str, tmp_path: Path):
     first = _load_state_dict(toolkit.make_tiny_hf_model(family, tmp_path / "a", seed=3))
     second = _load_state_dict(toolkit.make_tiny_hf_model(family, tmp_path / "b", seed=3))

@@ -65,12 +65,16 @@ def run_on_ranks(
     """Call ``fn(rank, world_size, *args, **kwargs)`` on `world_size` spawned ranks; return results by rank.
 
     `fn` must be a picklable top-level function, and so must its arguments and return value (CPU
-    copies of returned tensors are sent back). `env` entries are set in each child before the
-    process group is created. Each child uses one intra-op thread so that N ranks do not
-    oversubscribe a small CI machine; set ``SKYRL_MEGATRON_TEST_THREADS`` to change that.
+    copies of returned tensors are sent back). Each rank re-imports `fn`'s module, so keep that
+    module's import-time work light: it is paid once per rank. `timeout`, `backend` and `env` are
+    consumed here and never reach `fn`. `env` entries are set in each child before the process
+    group is created. Each child uses one intra-op thread so that N ranks do not oversubscribe a
+    small CI machine; set ``SKYRL_MEGATRON_TEST_THREADS`` to change that.
 
-    Raises `DistributedTestError` if any rank fails or the ranks are not all done after `timeout`
-    seconds; no child process outlives the call.
+    Raises `DistributedTestError` if any rank fails, or if the ranks are not all done `timeout`
+    seconds after spawning (start-up included). Once one rank has failed, the others get a short
+    grace period rather than the full timeout. No child outlives the call; on Linux children are
+    also killed if the calling process itself dies.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -131,12 +135,24 @@ def _rank_main(
             result = fn(rank, world_size, *args, **kwargs)
         finally:
             dist.destroy_process_group()
+            _stop_own_children()
         # Pickle here, not in the queue's feeder thread, so an unpicklable result is reported as
         # this rank's error instead of being dropped and looking like a silent death.
         report = _Report(rank, True, pickle.dumps(_to_cpu(result)))
     except BaseException:  # noqa: BLE001 - the whole point is to ship any failure to the parent
         report = _Report(rank, False, traceback.format_exc())
     reports.put(report)
+
+
+def _stop_own_children() -> None:
+    """Stop helper processes `fn` left behind (e.g. the multiprocessing Manager that Megatron's
+    checkpoint writer starts), which would otherwise outlive this rank as orphans."""
+    for child in mp.active_children():
+        child.terminate()
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def _die_with_parent() -> None:

@@ -9,7 +9,6 @@ prompts such as ``"12+7=19"`` compare text without worrying about merges or whit
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers

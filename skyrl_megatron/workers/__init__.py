@@ -1,11 +1,25 @@
 """Megatron-Core workers for the host trainer.
 
 This module is also what the host imports as ``skyrl_train.workers.megatron.megatron_worker`` once
-:func:`skyrl_megatron.activate` has run, so it exports the three names the host expects.
+:func:`skyrl_megatron.activate` has run, so it exports the three names the host expects, as Ray
+actor classes (the host's trainer creates actors from them with ``.options(...).remote(...)``).
 """
 
-from skyrl_megatron.workers.critic import CriticWorker
-from skyrl_megatron.workers.policy import PolicyWorker
-from skyrl_megatron.workers.ref import RefWorker
+import ray
 
-__all__ = ["PolicyWorker", "RefWorker", "CriticWorker"]
+from skyrl_megatron.workers.critic import MegatronCriticWorker
+from skyrl_megatron.workers.policy import MegatronPolicyWorker
+from skyrl_megatron.workers.ref import MegatronRefWorker
+
+PolicyWorker = ray.remote(num_gpus=1)(MegatronPolicyWorker)
+RefWorker = ray.remote(num_gpus=1)(MegatronRefWorker)
+CriticWorker = ray.remote(num_gpus=1)(MegatronCriticWorker)
+
+__all__ = [
+    "PolicyWorker",
+    "RefWorker",
+    "CriticWorker",
+    "MegatronPolicyWorker",
+    "MegatronRefWorker",
+    "MegatronCriticWorker",
+]

@@ -5,5 +5,5 @@ from skyrl_train.workers.worker import CriticWorkerBase
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
 
-class CriticWorker(MegatronWorkerMixin, CriticWorkerBase):
+class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
     role = "critic"

@@ -5,5 +5,5 @@ from skyrl_train.workers.worker import PolicyWorkerBase
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
 
-class PolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
+class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
     role = "policy"

@@ -5,5 +5,5 @@ from skyrl_train.workers.worker import RefWorkerBase
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
 
-class RefWorker(MegatronWorkerMixin, RefWorkerBase):
+class MegatronRefWorker(MegatronWorkerMixin, RefWorkerBase):
     role = "ref"

@@ -1,0 +1,33 @@
+"""Shared fixtures. Nothing here touches a model hub: every checkpoint is built from a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def hf_config_dir(tmp_path: Path):
+    """Factory: a directory holding only a tiny model's config.json (enough for config validation)."""
+    from skyrl_megatron.testing import tiny_config
+
+    def make(family: str = "qwen3", **overrides) -> str:
+        out = tmp_path / f"{family}-{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        tiny_config(family, **overrides).to_json_file(out / "config.json")
+        return str(out)
+
+    return make
+
+
+@pytest.fixture
+def compose(tmp_path: Path):
+    """Factory: the composed `skyrl-megatron` config with overrides, writing only under tmp_path."""
+    from skyrl_megatron.cli import compose_config
+
+    def make(*overrides: str):
+        base = [f"trainer.export_path={tmp_path}/export", f"trainer.ckpt_path={tmp_path}/ckpt"]
+        return compose_config(base + list(overrides))
+
+    return make

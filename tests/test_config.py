@@ -1,0 +1,178 @@
+"""The composed config (host keys + megatron group) and one test per validation rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_megatron.config import ConfigError, MegatronWorkerConfig, validate_config
+
+MC = "trainer.policy.megatron_config"
+
+
+def problems_of(cfg, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, **kwargs)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- composition
+
+
+def test_composed_config_keeps_host_keys_and_adds_megatron_group(compose):
+    cfg = compose()
+    # host keys, untouched
+    assert cfg.trainer.policy.optimizer_config.lr == 1.0e-6
+    assert cfg.trainer.algorithm.advantage_estimator == "grpo"
+    assert cfg.generator.n_samples_per_prompt > 0
+    # the host's own megatron_config keys survive the merge
+    assert "torch_profiler_config" in cfg.trainer.policy.megatron_config
+    # our group, for all three roles
+    for role in ("policy", "ref", "critic"):
+        mc = cfg.trainer[role].megatron_config
+        assert mc.runtime == "auto"
+        assert mc.virtual_pipeline_model_parallel_size is None
+        assert "checkpoint_cache_dir" in mc
+    assert cfg.trainer.strategy == "megatron"
+    # recompute is off by default (the host's default turns full recompute on)
+    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity is None
+
+
+def test_cli_overrides_reach_host_and_megatron_keys(compose):
+    cfg = compose(
+        "trainer.policy.optimizer_config.lr=3e-6",
+        f"{MC}.tensor_model_parallel_size=2",
+        f"{MC}.transformer_config_kwargs.recompute_granularity=full",
+        f"{MC}.ddp_config.overlap_grad_reduce=true",
+        "trainer.strategy=fsdp2",
+    )
+    assert cfg.trainer.policy.optimizer_config.lr == 3e-6
+    assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2
+    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity == "full"
+    assert cfg.trainer.policy.megatron_config.ddp_config.overlap_grad_reduce is True
+    assert cfg.trainer.strategy == "fsdp2"
+    typed = MegatronWorkerConfig.from_host_config(cfg, "policy")
+    assert typed.parallel().tensor == 2 and typed.parallel().sequence_parallel
+    assert typed.transformer_overrides() == {"recompute_granularity": "full"}
+
+
+def test_valid_config_passes_ours_and_the_hosts_checks(compose, hf_config_dir):
+    cfg = compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.tensor_model_parallel_size=2")
+    validate_config(cfg)  # must not raise
+
+
+# ---------------------------------------------------------------- one test per rule
+
+
+def test_unknown_strategy_names_the_closest(compose, hf_config_dir):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", "trainer.strategy=megatorn"))
+    assert "trainer.strategy" in msg and "'megatorn'" in msg and "did you mean 'megatron'" in msg
+
+
+def test_missing_model_path(compose):
+    msg = problems_of(compose("trainer.policy.model.path=null"))
+    assert "trainer.policy.model.path: no model path is set" in msg
+
+
+def test_nonexistent_model_path(compose, tmp_path):
+    msg = problems_of(compose(f"trainer.policy.model.path={tmp_path}/nope"))
+    assert f"'{tmp_path}/nope' does not exist" in msg and "trainer.policy.model.path" in msg
+    assert msg.count("does not exist") == 1  # the ref inherits the path: reported once
+
+
+def test_world_size_not_divisible(compose, hf_config_dir):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.pipeline_model_parallel_size=3"))
+    assert "policy world size 4" in msg and "not divisible by TP*PP*CP = 1*3*1 = 3" in msg
+
+
+def test_heads_not_divisible_by_tp(compose, hf_config_dir):
+    path = hf_config_dir(num_attention_heads=6, num_key_value_heads=6, head_dim=16)
+    msg = problems_of(
+        compose(f"trainer.policy.model.path={path}", f"{MC}.tensor_model_parallel_size=4")
+    )
+    assert "6 attention heads are not divisible by TP=4" in msg
+
+
+def test_query_groups_not_divisible_by_tp(compose, hf_config_dir):
+    path = hf_config_dir(num_attention_heads=4, num_key_value_heads=2)
+    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.tensor_model_parallel_size=4"))
+    assert "2 key/value heads (query groups) are not divisible by TP=4" in msg
+    assert "attention heads are not divisible" not in msg
+
+
+def test_layers_not_divisible_by_pp_times_vpp(compose, hf_config_dir):
+    path = hf_config_dir(num_hidden_layers=6)
+    msg = problems_of(
+        compose(
+            f"trainer.policy.model.path={path}",
+            f"{MC}.pipeline_model_parallel_size=2",
+            f"{MC}.virtual_pipeline_model_parallel_size=2",
+        )
+    )
+    assert "6 layers do not split evenly into PP*VPP = 2*2 = 4 stages" in msg
+
+
+def test_vpp_needs_pp(compose, hf_config_dir):
+    msg = problems_of(
+        compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.virtual_pipeline_model_parallel_size=2")
+    )
+    assert "virtual pipeline stages (2) need pipeline_model_parallel_size > 1" in msg
+
+
+def test_experts_not_divisible_by_ep(compose, hf_config_dir):
+    path = hf_config_dir("qwen3_moe", num_experts=6)
+    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.expert_model_parallel_size=4"))
+    assert "6 experts are not divisible by EP=4" in msg
+
+
+def test_expert_parallel_on_dense_model(compose, hf_config_dir):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.expert_model_parallel_size=2"))
+    assert "expert parallelism (2) was asked for, but qwen3 is a dense model" in msg
+
+
+def test_context_parallel_without_packing(compose, hf_config_dir):
+    msg = problems_of(
+        compose(
+            f"trainer.policy.model.path={hf_config_dir()}",
+            f"{MC}.context_parallel_size=2",
+            "trainer.use_sample_packing=false",
+        )
+    )
+    assert "context parallelism (2) splits packed sequences and needs sample packing" in msg
+    assert "trainer.use_sample_packing=true" in msg
+
+
+@pytest.mark.parametrize(
+    "section,typo,suggestion,dataclass",
+    [
+        ("ddp_config", "grad_reduce_in_fp3", "grad_reduce_in_fp32", "DistributedDataParallelConfig"),
+        ("optimizer_config_kwargs", "adam_bta1", "adam_beta1", "OptimizerConfig"),
+        ("transformer_config_kwargs", "recompute_granularty", "recompute_granularity", "TransformerConfig"),
+    ],
+)
+def test_unknown_pass_through_key_names_the_closest_field(compose, hf_config_dir, section, typo, suggestion, dataclass):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.{section}.{typo}=1"))
+    assert f"{MC}.{section}.{typo}: not a field of Megatron's {dataclass}" in msg
+    assert f"did you mean '{suggestion}'" in msg
+
+
+def test_unknown_megatron_key_names_the_closest(compose, hf_config_dir):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.tensor_parallel_size=2"))
+    assert f"{MC}.tensor_parallel_size: unknown key" in msg and "did you mean 'tensor_model_parallel_size'" in msg
+
+
+def test_every_problem_is_reported_at_once(compose, hf_config_dir):
+    path = hf_config_dir(num_hidden_layers=6)
+    msg = problems_of(
+        compose(
+            f"trainer.policy.model.path={path}",
+            f"{MC}.pipeline_model_parallel_size=4",
+            "trainer.ref.megatron_config.tensor_model_parallel_size=3",
+        )
+    )
+    assert "(3 problems)" in msg or "(4 problems)" in msg
+    assert "trainer.ref.megatron_config" in msg and "6 layers" in msg
+
+
+def test_host_rules_still_apply(compose, hf_config_dir):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", "trainer.train_batch_size=100", "trainer.policy_mini_batch_size=64"))
+    assert "(host check)" in msg and "train_batch_size" in msg

@@ -1,0 +1,111 @@
+"""`activate()` routes trainer.strategy=megatron to our workers through the host's own code path."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Runs the host's real BasePPOExp._setup_trainer (through a subclass, as users write them) up to the
+# point where it has imported the worker classes for the strategy, then reports which classes it got.
+_PROBE = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    from omegaconf import OmegaConf
+    {activate}
+    from skyrl_train.entrypoints.main_base import BasePPOExp
+
+    class Captured(Exception):
+        pass
+
+    class UserExp(BasePPOExp):
+        def __init__(self, cfg):  # skip tokenizer/dataset loading: only worker selection is probed
+            self.cfg = cfg
+
+        def get_tracker(self):  # the host calls this right after importing the worker classes
+            frame = sys._getframe(1)
+            found = {{}}
+            for name in ("PolicyWorker", "CriticWorker", "RefWorker"):
+                actor_class = frame.f_locals[name]
+                # the host's worker modules export Ray actor classes; report the user class inside
+                cls = actor_class.__ray_metadata__.modified_class.__mro__[1]
+                found[name] = f"{{cls.__module__}}.{{cls.__qualname__}}"
+            raise Captured(found)
+
+    tmp = tempfile.mkdtemp()
+    cfg = OmegaConf.create({{"trainer": {{"strategy": "{strategy}", "export_path": tmp, "ckpt_path": tmp}}}})
+    try:
+        UserExp(cfg)._setup_trainer()
+    except Captured as found:
+        print(json.dumps(found.args[0]))
+    """
+)
+
+
+def _probe(strategy: str, activate: bool) -> dict:
+    code = _PROBE.format(strategy=strategy, activate="import skyrl_megatron; skyrl_megatron.activate()" if activate else "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_megatron_strategy_gets_our_workers_in_a_fresh_process():
+    classes = _probe("megatron", activate=True)
+    assert classes == {
+        "PolicyWorker": "skyrl_megatron.workers.policy.MegatronPolicyWorker",
+        "CriticWorker": "skyrl_megatron.workers.critic.MegatronCriticWorker",
+        "RefWorker": "skyrl_megatron.workers.ref.MegatronRefWorker",
+    }
+
+
+def test_fsdp2_strategy_still_gets_the_hosts_workers():
+    classes = _probe("fsdp2", activate=True)
+    assert classes == {
+        "PolicyWorker": "skyrl_train.workers.fsdp.fsdp_worker.FSDPPolicyWorkerBase",
+        "CriticWorker": "skyrl_train.workers.fsdp.fsdp_worker.FSDPCriticWorkerBase",
+        "RefWorker": "skyrl_train.workers.fsdp.fsdp_worker.FSDPRefWorkerBase",
+    }
+
+
+def test_without_activation_the_host_cannot_import_its_own_megatron_path():
+    """Sanity check of the probe: the host's built-in Megatron module fails on megatron-core 0.19."""
+    code = _PROBE.format(strategy="megatron", activate="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "megatron" in out.stderr
+
+
+def test_entry_point_group_declares_megatron():
+    eps = importlib.metadata.entry_points(group="skyrl_train.strategies")
+    (ep,) = [ep for ep in eps if ep.name == "megatron"]
+    spec = ep.load()()
+    assert spec["policy"] == "skyrl_megatron.workers:PolicyWorker"
+    assert spec["strategy"] == "megatron"
+
+
+@pytest.mark.slow
+def test_activation_reaches_ray_worker_processes():
+    """Ray tasks run in fresh worker processes: the setup hook must activate there too."""
+    code = textwrap.dedent(
+        """
+        import json, ray, skyrl_megatron
+        skyrl_megatron.activate()
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+        @ray.remote
+        def which():
+            import os
+            from skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorker
+            return MegatronPolicyWorker.__module__, os.environ.get("SKYRL_MEGATRON_ACTIVE")
+
+        print(json.dumps(ray.get(which.remote())))
+        ray.shutdown()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["skyrl_megatron.workers.policy", "1"]
