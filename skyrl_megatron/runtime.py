@@ -175,7 +175,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             tensor = args[0]
             return _CUDA_TYPE_NAMES.get(tensor.dtype, func(*args))
         if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros) and args:
-            args = (args[0],) + tuple(_to_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args[1:])
+            # positional device arguments: strings, torch.device, and bare CUDA ordinals (not bools)
+            args = (args[0],) + tuple(_to_cpu_device(a) for a in args[1:])
         return func(*args, **kwargs)
 
 

@@ -1,0 +1,1 @@
+"""Compute on a built model: micro-batch schedules, logprobs, losses."""

@@ -1,0 +1,73 @@
+"""Which transformer block spec a model is built with (Megatron-Core's ModuleSpec mechanism).
+
+Transformer Engine's layer spec when TE is importable on GPU; otherwise Megatron's local (TE-free)
+layer spec with our sequence-parallel-capable torch norms in place of Megatron's wrapped ones
+(including the block's final norm). The choice is logged once per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from skyrl_megatron.model.bridge_import import have_transformer_engine
+from skyrl_megatron.model.norm import TorchNorm
+from skyrl_megatron.runtime import Runtime
+
+logger = logging.getLogger(__name__)
+_REPORTED: set[str] = set()
+
+
+def _report(choice: str) -> None:
+    if choice not in _REPORTED:
+        _REPORTED.add(choice)
+        logger.info("skyrl-megatron layer spec: %s", choice)
+
+
+def _replace_modules(spec, old, new):
+    """A copy of a ModuleSpec tree with every reference to module `old` replaced by `new`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is old:
+        return new
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(
+            spec,
+            module=new if spec.module is old else spec.module,
+            submodules=_replace_modules(spec.submodules, old, new),
+        )
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _replace_modules(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def local_block_spec(config, vp_stage: int | None = None):
+    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    layer = _replace_modules(layer, WrappedTorchNorm, TorchNorm)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
+
+
+def layer_spec_for(provider, runtime: Runtime):
+    """The spec (or spec factory) to set as `provider.transformer_layer_spec`."""
+    if have_transformer_engine() and not runtime.is_cpu:
+        from megatron.bridge.models.gpt_provider import transformer_engine_layer_spec
+
+        _report("transformer_engine")
+        return transformer_engine_layer_spec
+    _report("local (Megatron-Core layers, torch norms; TE not installed)")
+    return local_block_spec
