@@ -266,3 +266,47 @@ def _install_cpu_redirects() -> None:
 
     _CPU_MODE = _CudaToCpuMode()
     _CPU_MODE.__enter__()  # stays on the mode stack for the life of the process
+    _allow_uneven_all_gather_on_gloo()
+    _patch_megatron_for_cpu()
+
+
+def _allow_uneven_all_gather_on_gloo() -> None:
+    """gloo's all_gather needs equal sizes; NCCL's does not, and Megatron's MoE dispatch relies on it
+    (tokens per rank differ). Pad to the largest first dimension, gather, and copy the slices out."""
+    import torch.distributed as dist
+
+    original = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = {t.shape[0] for t in tensor_list} | {tensor.shape[0]}
+        if len(sizes) == 1 or async_op or tensor.dim() == 0:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded = [torch.empty((longest, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in tensor_list]
+        source = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        source[: tensor.shape[0]] = tensor
+        original(padded, source, group=group)
+        for out, full in zip(tensor_list, padded):
+            out.copy_(full[: out.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
+
+
+def _patch_megatron_for_cpu() -> None:
+    """Megatron code paths whose CPU behaviour differs from CUDA in ways the mode cannot see."""
+    with quiet_megatron_import():
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        # On CUDA the MoE split sizes come back as numpy arrays; on CPU the original returns the
+        # tensor unchanged, and all_to_all then rejects tensor split sizes.
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
