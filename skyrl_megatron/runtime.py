@@ -266,8 +266,25 @@ def _install_cpu_redirects() -> None:
 
     _CPU_MODE = _CudaToCpuMode()
     _CPU_MODE.__enter__()  # stays on the mode stack for the life of the process
+    _redirect_in_custom_backward()
     _allow_uneven_all_gather_on_gloo()
     _patch_megatron_for_cpu()
+
+
+def _redirect_in_custom_backward() -> None:
+    """The autograd engine runs custom `Function.backward`s without the Python mode stack, and
+    Megatron's TP/SP backward passes allocate CUDA buffers there: re-enter the mode for them."""
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction.apply
+
+    def apply(self, *args):
+        if torch._C._len_torch_function_stack() == 0:
+            with _CudaToCpuMode():
+                return original(self, *args)
+        return original(self, *args)
+
+    BackwardCFunction.apply = apply
 
 
 def _allow_uneven_all_gather_on_gloo() -> None:
