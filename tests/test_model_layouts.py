@@ -16,10 +16,6 @@ BATCH, SEQ = 2, 12
 LOGIT_ATOL = 1e-4
 
 
-def pytest_generate_tests(metafunc):  # keeps ranks from importing transformers at collection
-    pass
-
-
 def _tokens(vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 

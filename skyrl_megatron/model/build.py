@@ -59,15 +59,6 @@ class BuiltModel:
         return self.provider
 
 
-def supported_model_types() -> list[str]:
-    import_bridge()
-    from megatron.bridge.models.conversion.model_bridge import get_model_bridge  # noqa: F401
-    from megatron.bridge.models.conversion import model_bridge
-
-    registry = getattr(model_bridge, "_MODEL_BRIDGE_REGISTRY", None) or {}
-    return sorted(str(k) for k in registry)
-
-
 def _hf_model_type(hf_path: str) -> str:
     config_file = Path(hf_path) / "config.json"
     if config_file.is_file():
