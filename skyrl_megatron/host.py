@@ -9,6 +9,8 @@ changing this file only:
   every Ray process started afterwards;
 * validation: the host's ``validate_cfg`` with its Megatron section replaced by ours;
 * the host's config directory, Ray start-up and entrypoint;
+* what workers use from the host: worker bases, MeshRank, batch types, the policy-loss registry and
+  KL estimator (see "Worker-side host API" below);
 * compatibility fixes for the pinned release (see :func:`_apply_compat_fixes`).
 """
 
@@ -298,3 +300,56 @@ def worker_classes(strategy: str):
     else:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(HOST_STRATEGIES)}")
     return module.PolicyWorker, module.CriticWorker, module.RefWorker
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker-side host API: everything our workers take from skyrl-train
+# ----------------------------------------------------------------------------------------------
+
+
+def worker_bases():
+    """(PolicyWorkerBase, RefWorkerBase, CriticWorkerBase): the host's worker contract."""
+    from skyrl_train.workers.worker import CriticWorkerBase, PolicyWorkerBase, RefWorkerBase
+
+    return PolicyWorkerBase, RefWorkerBase, CriticWorkerBase
+
+
+def make_mesh_rank(*, dp: int, cp: int, tp: int, pp: int, world_size: int, dp_size: int, pp_size: int):
+    """The host's MeshRank; the host collects from ``sp == 0``, so a Megatron rank puts its CP rank there."""
+    from skyrl_train.distributed.dispatch import MeshRank
+
+    return MeshRank(dp=dp, sp=cp, tp=tp, pp=pp, world_size=world_size, dp_size=dp_size, pp_size=pp_size)
+
+
+def training_output(tensors: dict | None = None, metadata: dict | None = None):
+    from skyrl_train.training_batch import TrainingOutputBatch
+
+    out = TrainingOutputBatch(tensors or {})
+    out.metadata = metadata or {}
+    return out
+
+
+def policy_loss_function(name: str):
+    """The host's registered policy loss `name` (regular, dual_clip, gspo, cispo, ... or a user's)."""
+    from skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    return PolicyLossRegistry.get(name)
+
+
+def masked_mean(tensor, mask, dim=None):
+    from skyrl_train.utils.ppo_utils import masked_mean as host_masked_mean
+
+    return host_masked_mean(tensor, mask, dim=dim)
+
+
+def approx_kl(log_probs, base_log_probs, loss_mask, estimator: str):
+    """The host's KL estimator *with* gradients.
+
+    Host 0.3.1 wraps `compute_approx_kl` in ``torch.no_grad()``, so its KL loss trains nothing. We
+    call the undecorated function (kept by functools.wraps as ``__wrapped__``) so the KL term
+    actually regularises the policy.
+    """
+    from skyrl_train.utils.ppo_utils import compute_approx_kl
+
+    fn = getattr(compute_approx_kl, "__wrapped__", compute_approx_kl)
+    return fn(log_probs, base_log_probs, loss_mask=loss_mask, kl_estimator_type=estimator)

@@ -174,8 +174,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             tensor = args[0]
             return _CUDA_TYPE_NAMES.get(tensor.dtype, func(*args))
-        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros) and args:
-            # positional device arguments: strings, torch.device, and bare CUDA ordinals (not bools)
+        if func is torch.Tensor.to and args:
+            # positional device arguments: strings, torch.device, and bare CUDA ordinals (not bools);
+            # only `to` takes them positionally (`new_zeros(3)` is a size, not a device)
             args = (args[0],) + tuple(_to_cpu_device(a) for a in args[1:])
         return func(*args, **kwargs)
 

@@ -12,6 +12,7 @@ With TE installed this module does nothing.
 from __future__ import annotations
 
 import importlib
+import logging
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -90,5 +91,7 @@ def import_bridge():
             sys.meta_path.insert(0, _ScopedFinder())
     from skyrl_megatron.runtime import quiet_megatron_import
 
+    # Without TE the bridge logs a full traceback at INFO for every optional TE symbol it probes.
+    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     with quiet_megatron_import():
         return importlib.import_module("megatron.bridge")

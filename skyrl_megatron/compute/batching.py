@@ -1,0 +1,254 @@
+"""From the host's padded RL batch to Megatron micro-batches, and per-token results back.
+
+The host hands a worker `sequences` [B, S] whose rows are a left-padded prompt followed by a
+right-padded response, with `attention_mask` marking the real tokens (one contiguous run per row),
+and per-response tensors [B, A] for the last A columns. Megatron's attention (ours or TE's) is
+causal without a padding mask, so the real tokens of a row must start at position 0:
+
+* padded layout: every row is shifted left so its real tokens start at column 0 (trailing padding
+  is harmless under a causal mask: no real token attends to it);
+* packed layout (THD): the real tokens of all rows are concatenated into one row, with
+  `PackedSeqParams` marking the boundaries; no compute is spent on padding.
+
+Either way the model's per-token outputs are mapped back to the host's [B, S] columns, and the
+response values are the columns predicting the last A tokens. Which rows go together is decided by
+:func:`plan_micro_batches`: a fixed number of rows, or a token budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+IGNORE_LABEL = -100
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """Where each row's real tokens are: columns [start, start + length) of the host's [B, S] layout."""
+
+    start: torch.Tensor  # [B] int64
+    length: torch.Tensor  # [B] int64
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor) -> "RowSpans":
+        mask = attention_mask.bool()
+        length = mask.sum(-1)
+        # the first real column; rows without any real token start at 0 with length 0
+        start = torch.where(length > 0, mask.int().argmax(-1), torch.zeros_like(length))
+        columns = torch.arange(mask.shape[1]).unsqueeze(0)
+        contiguous = mask == ((columns >= start.unsqueeze(1)) & (columns < (start + length).unsqueeze(1)))
+        if not bool(contiguous.all()):
+            raise ValueError(
+                "attention_mask rows must mark one contiguous run of real tokens (left-padded prompt, "
+                "right-padded response); got a row with a gap"
+            )
+        return cls(start=start.long(), length=length.long())
+
+    def select(self, rows: torch.Tensor) -> "RowSpans":
+        return RowSpans(start=self.start[rows], length=self.length[rows])
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    """How rows become model inputs.
+
+    `align` pads each padded row (and each packed sequence) to a multiple of this many tokens: TP
+    with sequence parallelism needs the sequence divisible by TP, and context parallelism needs each
+    sequence divisible by 2 x CP (load-balanced chunks).
+    """
+
+    packed: bool = False
+    align: int = 1
+
+    @classmethod
+    def for_layout(cls, *, packed: bool, tensor: int, sequence_parallel: bool, context: int) -> "PackingSettings":
+        align = 2 * context if context > 1 else 1
+        if sequence_parallel and tensor > 1:
+            align = math.lcm(align, tensor * (2 * context if context > 1 else 1))
+        return cls(packed=packed, align=align)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch as the model consumes it, and how to map its per-token outputs back."""
+
+    input_ids: torch.Tensor  # [b, s] (padded) or [1, T] (packed)
+    position_ids: torch.Tensor
+    labels: torch.Tensor  # next-token ids in the same layout, IGNORE_LABEL where there is none
+    packed_seq_params: Any | None  # megatron PackedSeqParams for the packed layout
+    spans: RowSpans
+    host_columns: int  # S
+    packed_offsets: torch.Tensor | None = None  # [b] start of each row in the packed row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.spans.length.sum())
+
+    def to_host_columns(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Per-token outputs in the model layout -> [b, S] in the host's columns (0 at padding)."""
+        device = per_token.device
+        start, length = self.spans.start.to(device), self.spans.length.to(device)
+        b = length.numel()
+        width = int(self.spans.length.max()) if b else 0
+        steps = torch.arange(width, device=device)
+        valid = steps.unsqueeze(0) < length.unsqueeze(1)  # [b, width]
+        if self.packed_offsets is not None:
+            flat = (self.packed_offsets.to(device).unsqueeze(1) + steps).clamp(max=per_token.numel() - 1)
+            source = per_token.reshape(-1)[flat]
+        else:
+            source = per_token[:b, :width]
+        out = per_token.new_zeros(b, self.host_columns)
+        columns = (start.unsqueeze(1) + steps).clamp(max=self.host_columns - 1)
+        return out.scatter(1, columns, torch.where(valid, source, torch.zeros_like(source)))
+
+
+def _next_token_labels(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    labels = torch.full_like(tokens, IGNORE_LABEL)
+    if length > 1:
+        labels[: length - 1] = tokens[1:length]
+    return labels
+
+
+def build_model_inputs(
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: PackingSettings,
+    *,
+    pad_token_id: int = 0,
+    padded_shape: tuple[int, int] | None = None,
+) -> ModelInputs:
+    """Model inputs for rows `sequences` [b, S] with their `attention_mask`.
+
+    `padded_shape` forces the model-side shape ([rows, columns] for padded, [1, tokens] for packed):
+    pipeline stages exchange fixed-shape activations, so every micro-batch of one schedule call is
+    given the same shape.
+    """
+    spans = RowSpans.from_attention_mask(attention_mask)
+    b, host_columns = sequences.shape
+    rows = [sequences[i, int(spans.start[i]) : int(spans.start[i] + spans.length[i])] for i in range(b)]
+    if settings.packed:
+        return _packed_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape)
+    return _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape)
+
+
+def _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape) -> ModelInputs:
+    width = _round_up(max([len(r) for r in rows] + [1]), settings.align)
+    num_rows = len(rows)
+    if padded_shape is not None:
+        if padded_shape[0] < num_rows or padded_shape[1] < width:
+            raise ValueError(f"padded_shape {padded_shape} is smaller than the micro-batch ({num_rows}, {width})")
+        num_rows, width = padded_shape
+    input_ids = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
+    labels = torch.full((num_rows, width), IGNORE_LABEL, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+        labels[i] = _next_token_labels(input_ids[i], len(row))
+    position_ids = torch.arange(width).unsqueeze(0).expand(num_rows, width).contiguous()
+    return ModelInputs(input_ids, position_ids, labels, None, spans, host_columns)
+
+
+def _packed_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape) -> ModelInputs:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    padded_lengths = [_round_up(max(len(r), 1), settings.align) for r in rows]
+    total = sum(padded_lengths)
+    if padded_shape is not None:
+        if padded_shape[1] < total:
+            raise ValueError(f"padded_shape {padded_shape} is smaller than the packed micro-batch ({total} tokens)")
+        # the spare tokens form one extra (ignored) sequence so every token belongs to a sequence
+        if padded_shape[1] > total:
+            padded_lengths.append(padded_shape[1] - total)
+            total = padded_shape[1]
+    input_ids = torch.full((total,), pad_token_id, dtype=torch.long)
+    labels = torch.full((total,), IGNORE_LABEL, dtype=torch.long)
+    position_ids = torch.zeros(total, dtype=torch.long)
+    offsets = [0]
+    for length in padded_lengths:
+        offsets.append(offsets[-1] + length)
+    for i, length in enumerate(padded_lengths):
+        begin = offsets[i]
+        position_ids[begin : begin + length] = torch.arange(length)
+        if i < len(rows):
+            row = rows[i]
+            input_ids[begin : begin + len(row)] = row
+            labels[begin : begin + len(row)] = _next_token_labels(row, len(row))[: len(row)]
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens,
+        max_seqlen_q=max(padded_lengths),
+        max_seqlen_kv=max(padded_lengths),
+    )
+    return ModelInputs(
+        input_ids.unsqueeze(0),
+        position_ids.unsqueeze(0),
+        labels.unsqueeze(0),
+        params,
+        spans,
+        host_columns,
+        packed_offsets=cu_seqlens[: len(rows)].long(),
+    )
+
+
+def model_shape(inputs: list[ModelInputs]) -> tuple[int, int]:
+    """The common model-side shape of a list of micro-batch inputs (max rows, max columns)."""
+    return max(x.input_ids.shape[0] for x in inputs), max(x.input_ids.shape[1] for x in inputs)
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Which local rows form each micro-batch (indices into the rank's batch), in order."""
+
+    groups: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+def plan_micro_batches(
+    lengths: torch.Tensor,
+    *,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+) -> MicroBatchPlan:
+    """Split rows (with `lengths` real tokens each) into micro-batches.
+
+    With `max_tokens`, rows are taken in order and a micro-batch is closed before it would exceed the
+    budget (a single longer row gets a micro-batch of its own); otherwise every `micro_batch_size`
+    rows form one. Order is kept so results map back without a permutation.
+    """
+    n = lengths.numel()
+    if max_tokens is None:
+        if not micro_batch_size or micro_batch_size < 1:
+            raise ValueError("plan_micro_batches needs micro_batch_size >= 1 or max_tokens")
+        return MicroBatchPlan([torch.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)])
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens}")
+    groups, current, used = [], [], 0
+    for i, length in enumerate(lengths.tolist()):
+        if current and used + length > max_tokens:
+            groups.append(torch.tensor(current))
+            current, used = [], 0
+        current.append(i)
+        used += length
+    if current:
+        groups.append(torch.tensor(current))
+    return MicroBatchPlan(groups)
+
+
+def pad_plan(plan: MicroBatchPlan, num_micro_batches: int) -> MicroBatchPlan:
+    """Append empty micro-batches up to `num_micro_batches` (ranks that share expert or pipeline
+    collectives must run the same number of forward passes)."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return MicroBatchPlan(list(plan.groups) + [empty] * (num_micro_batches - len(plan.groups)))

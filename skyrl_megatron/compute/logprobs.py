@@ -1,0 +1,350 @@
+"""Per-token logprobs (and entropy) of given labels, straight from the last hidden state.
+
+RL needs log p(label_t | prefix) for every response token, at the sampling temperature, and for
+training their gradients. The obvious route, logits -> log_softmax -> gather, materialises a
+[tokens, vocab] fp32 tensor (and as much again for its gradient): 8k tokens of a 152k vocabulary
+are 5 GB. Here the output projection, the softmax statistics and the label lookup are fused and
+walked in chunks of tokens, so only one chunk of logits exists at a time:
+
+* vocab-parallel: each TP rank holds the rows [V/TP, h] of the output weight; the max and the
+  partition sums are all-reduced over the TP group, and the label's logit comes from the rank
+  that owns it. Labels are global vocabulary ids.
+* memory: forward keeps the hidden states, per-token log-sum-exp and entropy; backward recomputes
+  each chunk's logits from them. The transient peak is one fp32 chunk of logits, two with entropy.
+* precision: the projection runs in the weight's dtype (bf16 in production) and its output is
+  cast to fp32 before the softmax, as Megatron's own cross entropy does, so the results equal
+  the materialised path's.
+
+Two entry points: :func:`vocab_parallel_logprobs` on tensors, and :class:`LogprobOutputProcessor`,
+a hook for ``GPTModel.forward(output_processor=...)`` that makes the model return
+:class:`TokenLogprobs` instead of logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+DEFAULT_LOGITS_CHUNK_BYTES = 256 * 2**20
+_FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per-token results, shaped like the labels; 0 at masked positions."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LogprobTargets:
+    """What to score in one micro-batch (the ``output_processor_context`` of a model call).
+
+    `labels[b, t]` is the global vocabulary id that follows position t (the caller shifts the
+    tokens); positions where `mask` is false (or 0) cost nothing and come back as 0. Both are
+    [b, s], for the sequence positions this rank's model sees (its own slice under context
+    parallelism), and identical on the ranks of a TP group (their collectives run over the kept
+    tokens).
+    """
+
+    labels: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+def chunk_tokens_for(vocab_local: int, logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> int:
+    """Tokens per chunk such that one chunk's fp32 logits [tokens, vocab_local] fit the budget."""
+    return max(1, logits_chunk_bytes // (_FP32_BYTES * vocab_local))
+
+
+def vocab_parallel_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    tp_group: ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    chunk_tokens: int | None = None,
+) -> TokenLogprobs:
+    """log softmax(hidden @ weight.T / temperature)[label] per token, without the full logits.
+
+    `hidden` is [..., h] ([T, h] or Megatron's [s, b, h]); `weight` is this rank's vocabulary shard
+    [V/TP, h] of the output projection (the whole [V, h] when `tp_group` is None). `labels` and
+    `mask` have the shape of `hidden` without its last dimension, after the sequence-parallel
+    gather when `sequence_parallel` is set (then `hidden` holds this rank's slice of the first
+    dimension, as in a ColumnParallelLinear). Gradients flow to `hidden` and `weight` from both
+    outputs. `chunk_tokens` defaults to a 256 MiB fp32 logits chunk.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    hidden = _enter_vocab_parallel_region(hidden, tp_group, sequence_parallel)
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)}")
+    if mask is not None and mask.shape != labels.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} does not match labels {tuple(labels.shape)}")
+    chunk_tokens = chunk_tokens or chunk_tokens_for(weight.shape[0])
+
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if mask is not None:
+        # Scoring only the kept tokens makes padding free; the index costs one host sync per call.
+        kept = mask.reshape(-1).nonzero().squeeze(1)
+        flat_hidden = flat_hidden.index_select(0, kept)
+        flat_labels = flat_labels.index_select(0, kept)
+
+    logprobs, entropy = _ChunkedVocabParallelLogprobs.apply(
+        flat_hidden, weight, flat_labels, temperature, with_entropy, chunk_tokens, tp_group
+    )
+    if mask is not None:
+        logprobs = _scatter_kept(logprobs, kept, labels.numel())
+        entropy = _scatter_kept(entropy, kept, labels.numel()) if with_entropy else None
+    return TokenLogprobs(
+        logprobs=logprobs.view(labels.shape),
+        entropy=entropy.view(labels.shape) if with_entropy else None,
+    )
+
+
+@dataclass(frozen=True)
+class LogprobOutputProcessor:
+    """``GPTModel.forward(output_processor=...)`` hook: returns :class:`TokenLogprobs` [b, s].
+
+    Pass the micro-batch's :class:`LogprobTargets` as ``output_processor_context``. The model's
+    last hidden state goes through the output layer's (or the tied embedding's) weight shard with
+    the output layer's TP group and sequence-parallel setting, so no logits are ever produced.
+    """
+
+    temperature: float = 1.0
+    with_entropy: bool = False
+    logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
+
+    def __call__(
+        self,
+        *,
+        hidden_states: torch.Tensor,
+        output_layer: Any,
+        output_weight: torch.Tensor | None,
+        context: LogprobTargets,
+        config: Any,
+        **_unused: Any,
+    ) -> TokenLogprobs:
+        if config.defer_embedding_wgrad_compute:
+            raise NotImplementedError("defer_embedding_wgrad_compute expects the output layer's own backward")
+        weight = output_weight if output_weight is not None else output_layer.weight
+        # MuP multiplies the logits by mup_output_mult (GPTModel._scale_logits); fold it into the temperature.
+        logit_multiplier = config.mup_output_mult if config.use_mup else 1.0
+        mask = context.mask.t() if context.mask is not None else None
+        result = vocab_parallel_logprobs(
+            hidden_states,
+            weight,
+            context.labels.t(),  # [b, s] -> Megatron's [s, b]
+            mask=mask,
+            temperature=self.temperature / logit_multiplier,
+            with_entropy=self.with_entropy,
+            tp_group=output_layer.tp_group,
+            sequence_parallel=output_layer.sequence_parallel,
+            chunk_tokens=chunk_tokens_for(weight.shape[0], self.logits_chunk_bytes),
+        )
+        return TokenLogprobs(
+            logprobs=result.logprobs.t(),
+            entropy=result.entropy.t() if result.entropy is not None else None,
+        )
+
+
+def _enter_vocab_parallel_region(
+    hidden: torch.Tensor, tp_group: ProcessGroup | None, sequence_parallel: bool
+) -> torch.Tensor:
+    """What a ColumnParallelLinear does to its input: every TP rank needs all tokens, and in
+    backward each rank's hidden-state gradient covers only its vocab shard, so the partial grads
+    are summed (all-reduce), or summed and re-split along the sequence (reduce-scatter) under SP."""
+    if tp_group is None or tp_group.size() == 1:
+        return hidden
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+    return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+
+
+def _scatter_kept(values: torch.Tensor, kept: torch.Tensor, numel: int) -> torch.Tensor:
+    """Place the kept tokens' values back among zeros (differentiable w.r.t. `values`)."""
+    return values.new_zeros(numel).index_copy(0, kept, values)
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, tp_group: ProcessGroup | None) -> None:
+    if tp_group is not None and tp_group.size() > 1:
+        dist.all_reduce(tensor, op=op, group=tp_group)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """This shard's tempered logits of a chunk, fp32 [tokens, V/TP], in a buffer the caller owns."""
+    logits = (hidden @ weight.t()).float()
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels as column indices into this shard (0 where another rank owns them), and ownership."""
+    local = labels - vocab_start
+    owned = (local >= 0) & (local < vocab_local)
+    return torch.where(owned, local, 0), owned
+
+
+class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
+    """hidden [T, h], weight [V/TP, h], labels [T] -> logprobs [T], entropy [T] or None (fp32).
+
+    Each chunk is handled in its own function so that its [tokens, V/TP] buffers are freed before
+    the next chunk allocates (a loop variable would keep the previous chunk alive meanwhile).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, with_entropy, chunk_tokens, tp_group):
+        vocab_start = (tp_group.rank() if tp_group is not None else 0) * weight.shape[0]
+        num_tokens = hidden.shape[0]
+        logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
+        log_partition = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else None
+        for start in range(0, num_tokens, chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            _forward_chunk(
+                hidden[rows],
+                weight,
+                labels[rows],
+                temperature,
+                vocab_start,
+                tp_group,
+                logprobs=logprobs[rows],
+                log_partition=log_partition[rows],
+                entropy=entropy[rows] if with_entropy else None,
+            )
+
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, labels, log_partition, entropy)
+        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start = temperature, chunk_tokens, vocab_start
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, labels, log_partition, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return (None,) * 7
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(log_partition)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # fp32 accumulation across chunks, as into Megatron's main_grad; cast once at the end
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            _backward_chunk(
+                hidden[rows],
+                weight,
+                labels[rows],
+                ctx.temperature,
+                ctx.vocab_start,
+                log_partition=log_partition[rows],
+                entropy=entropy[rows] if grad_entropy is not None else None,
+                grad_logprobs=grad_logprobs[rows],
+                grad_entropy=grad_entropy[rows] if grad_entropy is not None else None,
+                grad_hidden=grad_hidden[rows] if need_hidden else None,
+                grad_weight=grad_weight,
+            )
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _forward_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    tp_group: ProcessGroup | None,
+    *,
+    logprobs: torch.Tensor,
+    log_partition: torch.Tensor,
+    entropy: torch.Tensor | None,
+) -> None:
+    """Fill one chunk's logprobs, log-partition (lse) and entropy; two collectives over TP."""
+    logits = _chunk_logits(hidden, weight, temperature)
+    target, owned = _local_targets(labels, vocab_start, weight.shape[0])
+    target_logit = torch.where(owned, logits.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+
+    row_max = logits.amax(dim=1)
+    _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
+    shifted = logits.sub_(row_max.unsqueeze(1))
+    # One SUM all-reduce for all per-token statistics: the partition sum, the label's logit
+    # (non-owners add 0) and, for the entropy, sum_v exp(z_v - max) * (z_v - max). Without the
+    # entropy the exponentials overwrite the logits: one chunk buffer instead of two.
+    if entropy is None:
+        stats = [shifted.exp_().sum(dim=1), target_logit]
+    else:
+        exp_shifted = shifted.exp()
+        stats = [exp_shifted.sum(dim=1), target_logit, shifted.mul_(exp_shifted).sum(dim=1)]
+    stats = torch.stack(stats, dim=1)
+    _all_reduce(stats, dist.ReduceOp.SUM, tp_group)
+
+    log_sum_exp_shifted = stats[:, 0].log()
+    log_partition.copy_(row_max + log_sum_exp_shifted)
+    logprobs.copy_(stats[:, 1] - log_partition)
+    if entropy is not None:
+        # H = lse - E_p[z] = log sum exp(z - max) - E_p[z - max]
+        entropy.copy_(log_sum_exp_shifted - stats[:, 2] / stats[:, 0])
+
+
+def _backward_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    *,
+    log_partition: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """Recompute one chunk's probabilities from the saved lse; write its hidden grad, add its weight grad.
+
+    No collective is needed: p_v = exp(z_v - lse) uses the global lse, and the hidden grad is this
+    shard's partial sum, which the region mapping in front of the Function reduces over TP.
+    """
+    g_logprob = grad_logprobs.unsqueeze(1)
+    log_probs = _chunk_logits(hidden, weight, temperature).sub_(log_partition.unsqueeze(1))
+    # d logprob / dz_v = 1[v = label] - p_v;  d entropy / dz_v = -p_v (z_v - E_p[z]) = -p_v (log p_v + H)
+    if grad_entropy is None:
+        grad_logits = log_probs.exp_().mul_(-g_logprob)
+    else:
+        probs = log_probs.exp()
+        coefficient = log_probs.add_(entropy.unsqueeze(1)).mul_(grad_entropy.unsqueeze(1)).add_(g_logprob)
+        grad_logits = probs.mul_(coefficient).neg_()
+    target, owned = _local_targets(labels, vocab_start, weight.shape[0])
+    grad_logits.scatter_add_(1, target.unsqueeze(1), torch.where(owned.unsqueeze(1), g_logprob, 0.0))
+    if temperature != 1.0:
+        grad_logits.div_(temperature)
+    grad_logits = grad_logits.to(weight.dtype)
+
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden)
+    if grad_weight is not None:
+        _accumulate_matmul(grad_weight, grad_logits.t(), hidden)
+
+
+def _accumulate_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """accumulator += a @ b; for low-precision inputs the product is formed in their dtype first
+    (CPU has no mixed-dtype addmm), which rounds once per chunk, not once per accumulation."""
+    if a.dtype == accumulator.dtype:
+        accumulator.addmm_(a, b)
+    else:
+        accumulator.add_(a @ b)

@@ -1,0 +1,129 @@
+"""The policy objective: the host's loss functions, normalised over the whole mini-batch.
+
+The host's loss functions (policy-loss registry, KL estimator, masked means) reduce over the tensors
+they are given. Called on one micro-batch, a `token_mean` loss is the mean over that micro-batch's
+tokens, so the mini-batch loss would depend on how rows were split into micro-batches and DP ranks
+(token-budget micro-batches make that split data dependent). We call the host's functions per
+micro-batch and weight each result by its share of the mini-batch (tokens for token means,
+sequences for sequence means), with the totals summed over DP ranks. The sum over micro-batches and
+ranks is then exactly the host's formula applied to the whole mini-batch, whatever the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from skyrl_megatron import host
+
+# host `loss_reduction` -> which count a micro-batch result is weighted by
+_REDUCTION_UNIT = {"token_mean": "tokens", "sequence_mean": "sequences", "seq_mean_token_sum_norm": "sequences"}
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """The loss-related keys of the host's `trainer.algorithm` section."""
+
+    policy_loss_type: str = "regular"
+    loss_reduction: str = "token_mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_estimator_type: str = "k3"
+    use_entropy_loss: bool = False
+    entropy_loss_coef: float = 0.0
+    algorithm: Any = None  # the host's DictConfig, passed through to its loss functions
+
+    @classmethod
+    def from_algorithm_config(cls, algorithm: Any) -> "ObjectiveSettings":
+        if algorithm.loss_reduction not in _REDUCTION_UNIT:
+            raise ValueError(
+                f"trainer.algorithm.loss_reduction={algorithm.loss_reduction!r} is not supported; "
+                f"use one of {sorted(_REDUCTION_UNIT)}"
+            )
+        return cls(
+            policy_loss_type=str(algorithm.policy_loss_type),
+            loss_reduction=str(algorithm.loss_reduction),
+            use_kl_loss=bool(algorithm.use_kl_loss),
+            kl_loss_coef=float(algorithm.kl_loss_coef),
+            kl_estimator_type=str(algorithm.kl_estimator_type),
+            use_entropy_loss=bool(algorithm.use_entropy_loss),
+            entropy_loss_coef=float(algorithm.entropy_loss_coef),
+            algorithm=algorithm,
+        )
+
+
+@dataclass(frozen=True)
+class MiniBatchTotals:
+    """Token and sequence counts of a whole mini-batch (summed over DP ranks)."""
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor, dp_group=None) -> "MiniBatchTotals":
+        import torch.distributed as dist
+
+        counts = torch.tensor([float(loss_mask.sum()), float(loss_mask.shape[0])], dtype=torch.float64)
+        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(counts, group=dp_group)
+        return cls(tokens=max(counts[0].item(), 1.0), sequences=max(counts[1].item(), 1.0))
+
+    def share(self, loss_mask: torch.Tensor, unit: str) -> float:
+        if unit == "tokens":
+            return float(loss_mask.sum()) / self.tokens
+        return loss_mask.shape[0] / self.sequences
+
+
+class PolicyObjective:
+    """Loss of one micro-batch, as its share of the mini-batch objective, plus metrics."""
+
+    def __init__(self, settings: ObjectiveSettings):
+        self.settings = settings
+        self.policy_loss_fn = host.policy_loss_function(settings.policy_loss_type)
+
+    def __call__(
+        self,
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        batch: Mapping[str, torch.Tensor],
+        totals: MiniBatchTotals,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        s = self.settings
+        loss_mask = batch["loss_mask"]
+        token_share = totals.share(loss_mask, "tokens")
+        sequence_share = totals.share(loss_mask, "sequences")
+        policy_share = token_share if _REDUCTION_UNIT[s.loss_reduction] == "tokens" else sequence_share
+
+        policy_loss, clip_ratio = self.policy_loss_fn(
+            log_probs,
+            batch["action_log_probs"],
+            batch["advantages"],
+            config=s.algorithm,
+            loss_mask=loss_mask,
+            rollout_logprobs=batch.get("rollout_logprobs"),
+        )
+        loss = policy_loss * policy_share
+        with torch.no_grad():
+            # the first mini-batch of a step must see log_probs == old log_probs: ratio 1, ppo_kl 0
+            ppo_kl = host.masked_mean(batch["action_log_probs"] - log_probs, loss_mask) * token_share
+        metrics = {
+            "policy_loss": (policy_loss * policy_share).detach(),
+            "ppo_kl": ppo_kl,
+            # the host's clip ratio is a token mean over the micro-batch
+            "ppo_clip_ratio": torch.tensor(float(clip_ratio) * token_share, dtype=torch.float64),
+        }
+        if entropy is not None:
+            entropy_mean = host.masked_mean(entropy, loss_mask) * token_share
+            metrics["policy_entropy"] = entropy_mean.detach()
+            if s.use_entropy_loss:
+                loss = loss - s.entropy_loss_coef * entropy_mean
+        if s.use_kl_loss:
+            kl = host.approx_kl(log_probs, batch["base_action_log_probs"], loss_mask, s.kl_estimator_type)
+            # the host's form: per-sequence token mean, then the batch mean
+            kl_mean = host.masked_mean(kl, loss_mask, dim=-1).sum() / totals.sequences
+            loss = loss + s.kl_loss_coef * kl_mean
+            metrics["policy_kl"] = kl_mean.detach()
+        metrics["final_loss"] = loss.detach()
+        return loss, {k: v.to(torch.float64).reshape(()) for k, v in metrics.items()}

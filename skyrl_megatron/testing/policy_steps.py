@@ -1,0 +1,81 @@
+"""Run a few policy-training steps on ranks spawned by `run_on_ranks` (shared by tests and bench smoke).
+
+Everything a worker does per step, without Ray: build the model from an HF checkpoint under a
+layout, take this DP rank's share of a synthetic RL batch, score old logprobs, then train
+mini-batches with the host's objective and Megatron's optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def policy_steps(
+    rank: int,
+    world_size: int,
+    hf_dir: str,
+    layout: dict[str, Any],
+    batching: dict[str, Any],
+    *,
+    host_overrides: list[str] = (),
+    steps: int = 3,
+    rows: int = 8,
+    prompt_length: int = 6,
+    response_length: int = 6,
+    lr: float = 1e-2,
+    distributed_optimizer: bool = True,
+    seed: int = 5,
+) -> dict[str, Any]:
+    """Returns per-step metrics (all ranks agree on them) and this rank's final logprobs (last stage)."""
+    from megatron.core import parallel_state as ps
+
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.optim import OptimizerSettings, optimizer_step
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.testing.rl_batches import make_rl_batch
+    from skyrl_megatron.workers.runner import MicroBatching, ModelRunner
+
+    init_distributed("cpu")
+    parallel = ParallelConfig(**layout)
+    initialize_model_parallel(parallel, seed=seed)
+    ddp = {"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True, "average_in_collective": True}
+    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp))
+    # the host derives max_seq_len in validate_cfg (needed by seq_mean_token_sum_norm)
+    max_seq_len = f"++trainer.algorithm.max_seq_len={prompt_length + response_length}"
+    cfg = compose_config([f"trainer.policy.optimizer_config.lr={lr}", max_seq_len, *host_overrides])
+    settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, "fp32")
+    optimizer = settings.build_optimizer(built.chunks)
+    scheduler = settings.build_scheduler(optimizer)
+    runner = ModelRunner(built.chunks, parallel)
+    runner.attach_optimizer(optimizer)
+    objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(cfg.trainer.algorithm))
+    micro = MicroBatching(**batching)
+
+    full = make_rl_batch(rows, prompt_length, response_length, seed=seed)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
+    batch = {k: v[share] for k, v in full.items()}
+    old = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
+    batch["action_log_probs"] = old if old is not None else torch.zeros_like(batch["loss_mask"], dtype=torch.float32)
+    batch["base_action_log_probs"] = batch["action_log_probs"] - 0.1 * batch["loss_mask"]
+
+    history = []
+    response = {k: v for k, v in batch.items() if k not in ("sequences", "attention_mask")}
+    for _ in range(steps):
+        metrics = runner.train_mini_batch(
+            batch["sequences"],
+            batch["attention_mask"],
+            response,
+            objective,
+            micro,
+            dp_group=ps.get_data_parallel_group(),
+        )
+        result = optimizer_step(optimizer, scheduler)
+        metrics["grad_norm"] = result.grad_norm
+        history.append(metrics)
+    final = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
+    return {"history": history, "logprobs": final, "rows": (share.start, share.stop)}
