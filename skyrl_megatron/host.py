@@ -353,3 +353,10 @@ def approx_kl(log_probs, base_log_probs, loss_mask, estimator: str):
 
     fn = getattr(compute_approx_kl, "__wrapped__", compute_approx_kl)
     return fn(log_probs, base_log_probs, loss_mask=loss_mask, kl_estimator_type=estimator)
+
+
+def weight_chunk(bucket):
+    """The host's ``WeightChunk`` for a :class:`skyrl_megatron.weights.WeightBucket` (the same four fields)."""
+    from skyrl_train.weight_sync import WeightChunk
+
+    return WeightChunk(names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes, tensors=bucket.tensors)

@@ -1,6 +1,8 @@
 """HF checkpoint -> Megatron (through Megatron-Bridge) under every parallel layout, on CPU over gloo.
 
 Each layout must reproduce the Hugging Face model's logits (fp32) and export the exact HF weights.
+Packed (THD) batches, with context parallelism and combined with TP+SP or PP, must reproduce HF's
+logits sequence by sequence.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ def _tokens(vocab: int = 256) -> torch.Tensor:
 
 
 def _megatron_logits_and_export(rank, world_size, hf_dir: str, layout: dict):
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from skyrl_megatron.compute.packing import ContextParallelSplit
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -31,14 +35,17 @@ def _megatron_logits_and_export(rank, world_size, hf_dir: str, layout: dict):
     parallel = ParallelConfig(**layout)
     coords = initialize_model_parallel(parallel)
     built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32"))
-    tokens = _tokens()
-    positions = torch.arange(SEQ).unsqueeze(0)
+    # under CP each rank holds its load-balanced share of the sequence (identity without CP)
+    split = ContextParallelSplit.for_padded(SEQ, coords.cp, parallel.context)
+    tokens = split.local(_tokens())
+    positions = split.local(torch.arange(SEQ).unsqueeze(0))
 
     def forward(model, micro_batch):
         return model(micro_batch, positions, None)
 
     def collect(output, micro_batch):
-        return gather_from_tensor_model_parallel_region(output)
+        logits = gather_from_tensor_model_parallel_region(output)
+        return split.gather(logits, ps.get_context_parallel_group(), dim=1)
 
     micro_batches = [tokens[i : i + 1] for i in range(BATCH)]
     outputs = forward_only(built.chunks, micro_batches, forward, collect, seq_length=SEQ, micro_batch_size=1)
@@ -77,20 +84,21 @@ def checkpoints(tmp_path_factory):
 
 
 DENSE = ["qwen3", "llama", "qwen2"]
+FAMILIES = [*DENSE, "qwen3_moe"]
 LAYOUTS = {
     "world1": (1, {}),
     "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}),
     "pp2": (2, {"pipeline": 2}),
     "pp2_vpp2": (2, {"pipeline": 2, "virtual_pipeline": 2}),
     "dp2": (2, {}),
+    "cp2": (2, {"context": 2}),
 }
 MOE_LAYOUTS = {
-    "world1": (1, {}),
     "ep2": (2, {"expert": 2}),
     "tp2_ep2": (4, {"tensor": 2, "expert": 2, "sequence_parallel": True}),
 }
 
-CASES = [(f, name, *LAYOUTS[name]) for f in DENSE for name in LAYOUTS] + [
+CASES = [(f, name, *LAYOUTS[name]) for f in FAMILIES for name in LAYOUTS] + [
     ("qwen3_moe", name, *MOE_LAYOUTS[name]) for name in MOE_LAYOUTS
 ]
 
@@ -109,3 +117,75 @@ def test_layout_matches_hf_logits_and_exports_bitwise(checkpoints, family, layou
     assert sorted(exported) == sorted(hf_files)
     for name, tensor in hf_files.items():
         assert torch.equal(exported[name], tensor), name
+
+
+# ---- packed (THD) batches -----------------------------------------------------------------------------
+
+PACKED_LENGTHS = (7, 12, 3, 9)
+PACKED_CASES = [(family, "cp2", 2, {"context": 2}) for family in FAMILIES] + [
+    # users combine CP with the other model-parallel dimensions
+    ("qwen3", "tp2_sp_cp2", 4, {"tensor": 2, "sequence_parallel": True, "context": 2}),
+    ("llama", "pp2_cp2", 4, {"pipeline": 2, "context": 2}),
+]
+
+
+def _packed_sequences() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, 256, (n,), generator=gen) for n in PACKED_LENGTHS]
+
+
+def _megatron_packed_logits(rank, world_size, hf_dir: str, layout: dict):
+    """Logits per sequence of a skyrl-style padded batch, packed into one THD micro-batch."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from skyrl_megatron.compute.packing import ContextParallelSplit, pack_padded_batch, unpack_to_padded
+    from skyrl_megatron.compute.schedule import forward_only
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    parallel = ParallelConfig(**layout)
+    coords = initialize_model_parallel(parallel)
+    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32"))
+
+    sequences = _packed_sequences()
+    tokens = torch.zeros(len(sequences), max(PACKED_LENGTHS) + 3, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, sequence in enumerate(sequences):
+        left = i % 3  # a left-padded prompt, like skyrl-train's batches
+        tokens[i, left : left + len(sequence)] = sequence
+        mask[i, left : left + len(sequence)] = 1
+    packed = pack_padded_batch(tokens, mask, parallel)
+    split = ContextParallelSplit.for_packed(packed, coords.cp, parallel.context)
+
+    def forward(model, batch):
+        local_tokens, local_positions = split.local(batch.tokens), split.local(batch.position_ids)
+        return model(local_tokens, local_positions, None, packed_seq_params=batch.packed_seq_params)
+
+    def collect(output, batch):
+        logits = gather_from_tensor_model_parallel_region(output)
+        logits = unpack_to_padded(split.gather(logits, ps.get_context_parallel_group(), dim=1), batch)
+        return [logits[i][mask[i].bool()] for i in range(len(sequences))]
+
+    outputs = forward_only(built.chunks, [packed], forward, collect, seq_length=packed.num_tokens, micro_batch_size=1)
+    return outputs[0] if outputs else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,layout_name,world,layout", PACKED_CASES, ids=[f"{c[0]}-{c[1]}-packed" for c in PACKED_CASES]
+)
+def test_packed_layout_matches_hf_logits_per_sequence(checkpoints, family, layout_name, world, layout):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = checkpoints(family)[0]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = [model(sequence.unsqueeze(0)).logits[0] for sequence in _packed_sequences()]
+    results = [r for r in run_on_ranks(_megatron_packed_logits, world, hf_dir, layout, timeout=600) if r is not None]
+    assert results, "no rank returned logits (last pipeline stage missing?)"
+    for per_sequence in results:
+        for logits, reference in zip(per_sequence, expected, strict=True):
+            assert logits.shape[0] == reference.shape[0]
+            assert (logits[:, : reference.shape[-1]] - reference).abs().max().item() <= LOGIT_ATOL

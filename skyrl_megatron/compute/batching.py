@@ -17,11 +17,13 @@ response values are the columns predicting the last A tokens. Which rows go toge
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from skyrl_megatron.compute.packing import PackedBatch, pack_padded_batch, packing_alignment, unpack_to_padded
+from skyrl_megatron.parallel import ParallelConfig
 
 IGNORE_LABEL = -100
 
@@ -54,22 +56,25 @@ class RowSpans:
 
 @dataclass(frozen=True)
 class PackingSettings:
-    """How rows become model inputs.
+    """How rows become model inputs: padded or packed, for the TP/SP/CP sizes that constrain lengths.
 
-    `align` pads each padded row (and each packed sequence) to a multiple of this many tokens: TP
-    with sequence parallelism needs the sequence divisible by TP, and context parallelism needs each
-    sequence divisible by 2 x CP (load-balanced chunks).
+    Under context parallelism every sequence is cut into 2 x CP equal chunks, and under sequence
+    parallelism each CP rank's share must divide among the TP ranks (see compute/packing.py).
     """
 
     packed: bool = False
-    align: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+    context: int = 1
 
-    @classmethod
-    def for_layout(cls, *, packed: bool, tensor: int, sequence_parallel: bool, context: int) -> "PackingSettings":
-        align = 2 * context if context > 1 else 1
-        if sequence_parallel and tensor > 1:
-            align = math.lcm(align, tensor * (2 * context if context > 1 else 1))
-        return cls(packed=packed, align=align)
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor=self.tensor, context=self.context, sequence_parallel=self.sequence_parallel)
+
+    @property
+    def row_align(self) -> int:
+        """Multiple for a padded row's length (and a packed row's total length)."""
+        return packing_alignment(self.parallel)[1]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -86,7 +91,7 @@ class ModelInputs:
     packed_seq_params: Any | None  # megatron PackedSeqParams for the packed layout
     spans: RowSpans
     host_columns: int  # S
-    packed_offsets: torch.Tensor | None = None  # [b] start of each row in the packed row
+    packed: PackedBatch | None = None  # the packing, for mapping outputs back
 
     @property
     def num_tokens(self) -> int:
@@ -94,20 +99,28 @@ class ModelInputs:
 
     def to_host_columns(self, per_token: torch.Tensor) -> torch.Tensor:
         """Per-token outputs in the model layout -> [b, S] in the host's columns (0 at padding)."""
+        b = self.spans.length.numel()
+        if b == 0:
+            return per_token.new_zeros(0, self.host_columns)
+        if self.packed is not None:
+            return unpack_to_padded(per_token, self.packed)
         device = per_token.device
         start, length = self.spans.start.to(device), self.spans.length.to(device)
-        b = length.numel()
-        width = int(self.spans.length.max()) if b else 0
+        width = int(self.spans.length.max())
         steps = torch.arange(width, device=device)
         valid = steps.unsqueeze(0) < length.unsqueeze(1)  # [b, width]
-        if self.packed_offsets is not None:
-            flat = (self.packed_offsets.to(device).unsqueeze(1) + steps).clamp(max=per_token.numel() - 1)
-            source = per_token.reshape(-1)[flat]
-        else:
-            source = per_token[:b, :width]
+        source = per_token[:b, :width]
         out = per_token.new_zeros(b, self.host_columns)
         columns = (start.unsqueeze(1) + steps).clamp(max=self.host_columns - 1)
         return out.scatter(1, columns, torch.where(valid, source, torch.zeros_like(source)))
+
+
+def _host_labels(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] next-token labels in the host's columns: the following token where it is real."""
+    labels = torch.full_like(sequences, IGNORE_LABEL)
+    follows = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    labels[:, :-1] = torch.where(follows, sequences[:, 1:], labels[:, :-1])
+    return labels
 
 
 def _next_token_labels(tokens: torch.Tensor, length: int) -> torch.Tensor:
@@ -132,15 +145,15 @@ def build_model_inputs(
     given the same shape.
     """
     spans = RowSpans.from_attention_mask(attention_mask)
+    if settings.packed:
+        return _packed_inputs(sequences, attention_mask, spans, settings, pad_token_id, padded_shape)
     b, host_columns = sequences.shape
     rows = [sequences[i, int(spans.start[i]) : int(spans.start[i] + spans.length[i])] for i in range(b)]
-    if settings.packed:
-        return _packed_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape)
     return _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape)
 
 
 def _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape) -> ModelInputs:
-    width = _round_up(max([len(r) for r in rows] + [1]), settings.align)
+    width = _round_up(max([len(r) for r in rows] + [1]), settings.row_align)
     num_rows = len(rows)
     if padded_shape is not None:
         if padded_shape[0] < num_rows or padded_shape[1] < width:
@@ -155,50 +168,26 @@ def _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_sha
     return ModelInputs(input_ids, position_ids, labels, None, spans, host_columns)
 
 
-def _packed_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape) -> ModelInputs:
+def _packed_inputs(sequences, attention_mask, spans, settings, pad_token_id, padded_shape) -> ModelInputs:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    padded_lengths = [_round_up(max(len(r), 1), settings.align) for r in rows]
-    total = sum(padded_lengths)
-    if padded_shape is not None:
-        if padded_shape[1] < total:
-            raise ValueError(f"padded_shape {padded_shape} is smaller than the packed micro-batch ({total} tokens)")
-        # the spare tokens form one extra (ignored) sequence so every token belongs to a sequence
-        if padded_shape[1] > total:
-            padded_lengths.append(padded_shape[1] - total)
-            total = padded_shape[1]
-    input_ids = torch.full((total,), pad_token_id, dtype=torch.long)
-    labels = torch.full((total,), IGNORE_LABEL, dtype=torch.long)
-    position_ids = torch.zeros(total, dtype=torch.long)
-    offsets = [0]
-    for length in padded_lengths:
-        offsets.append(offsets[-1] + length)
-    for i, length in enumerate(padded_lengths):
-        begin = offsets[i]
-        position_ids[begin : begin + length] = torch.arange(length)
-        if i < len(rows):
-            row = rows[i]
-            input_ids[begin : begin + len(row)] = row
-            labels[begin : begin + len(row)] = _next_token_labels(row, len(row))[: len(row)]
-    cu_seqlens = torch.tensor(offsets, dtype=torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens,
-        cu_seqlens_kv_padded=cu_seqlens,
-        max_seqlen_q=max(padded_lengths),
-        max_seqlen_kv=max(padded_lengths),
-    )
-    return ModelInputs(
-        input_ids.unsqueeze(0),
-        position_ids.unsqueeze(0),
-        labels.unsqueeze(0),
-        params,
-        spans,
-        host_columns,
-        packed_offsets=cu_seqlens[: len(rows)].long(),
-    )
+    host_columns = sequences.shape[1]
+    min_tokens = padded_shape[1] if padded_shape is not None else 0
+    if sequences.shape[0] == 0:
+        # an empty micro-batch (padding the count across ranks): one ignored sequence of pad tokens
+        total = max(min_tokens, settings.row_align)
+        cu = torch.tensor([0, total], dtype=torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu, max_seqlen_q=total, max_seqlen_kv=total,
+        )
+        ids = torch.full((1, total), pad_token_id, dtype=torch.long)
+        return ModelInputs(ids, torch.arange(total).unsqueeze(0), torch.full_like(ids, IGNORE_LABEL), params, spans, host_columns)
+    packed = pack_padded_batch(sequences, attention_mask, settings.parallel, pad_token_id, min_tokens=min_tokens)
+    labels = pack_padded_batch(
+        _host_labels(sequences, attention_mask), attention_mask, settings.parallel, IGNORE_LABEL, min_tokens=min_tokens
+    ).tokens
+    return ModelInputs(packed.tokens, packed.position_ids, labels, packed.packed_seq_params, spans, host_columns, packed)
 
 
 def model_shape(inputs: list[ModelInputs]) -> tuple[int, int]:

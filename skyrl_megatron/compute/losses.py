@@ -62,10 +62,11 @@ class MiniBatchTotals:
     sequences: float
 
     @classmethod
-    def of(cls, loss_mask: torch.Tensor, dp_group=None) -> "MiniBatchTotals":
+    def of(cls, loss_mask: torch.Tensor, dp_group=None, device=None) -> "MiniBatchTotals":
         import torch.distributed as dist
 
-        counts = torch.tensor([float(loss_mask.sum()), float(loss_mask.shape[0])], dtype=torch.float64)
+        # on the collective's device (NCCL reduces only CUDA tensors)
+        counts = torch.tensor([float(loss_mask.sum()), float(loss_mask.shape[0])], dtype=torch.float64, device=device)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(counts, group=dp_group)
         return cls(tokens=max(counts[0].item(), 1.0), sequences=max(counts[1].item(), 1.0))

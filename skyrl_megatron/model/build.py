@@ -2,13 +2,17 @@
 
 One function, :func:`build_model`, turns a :class:`ModelSpec` into model chunks (one per virtual
 pipeline stage) for the process groups that :mod:`skyrl_megatron.parallel` created. The layer spec is
-chosen in :mod:`skyrl_megatron.model.layer_spec`; device-specific flags come from the runtime.
+chosen in :mod:`skyrl_megatron.model.layer_spec`; device-specific flags come from the runtime. With
+`ModelSpec.cache` set, the weights come from the conversion cache (:mod:`skyrl_megatron.model.cache`)
+when it holds this checkpoint, and the bridge converts (and fills the cache) only when it does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.model.bridge_import import import_bridge
+from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
 
@@ -39,6 +44,7 @@ class ModelSpec:
     wrap_with_ddp: bool = False
     ddp_config: dict[str, Any] = field(default_factory=dict)
     load_weights: bool = True
+    cache: ConversionCacheSettings | None = None  # None: convert through the bridge on every build
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -47,12 +53,21 @@ class ModelSpec:
         except KeyError:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}") from None
 
+    @property
+    def conversion_settings(self) -> dict[str, Any]:
+        """The settings besides the checkpoint that decide the converted weights (part of the cache key).
+
+        The parallel layout is not one of them: cache entries are layout-independent.
+        """
+        return {"dtype": str(self.torch_dtype)}
+
 
 @dataclass
 class BuiltModel:
     chunks: list  # one Megatron module per virtual pipeline stage (a single one without VPP)
     bridge: Any  # megatron.bridge.AutoBridge, for weight export
     provider: Any  # the finalised GPTModelProvider (a TransformerConfig)
+    load_report: LoadReport  # cache hit or miss, conversion and load times
 
     @property
     def config(self):
@@ -104,6 +119,13 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if getattr(provider, "num_moe_experts", None):
+        # The load-balancing loss is a pre-training device: in RL it pulls the router away from the
+        # policy and makes the update depend on padding and micro-batch composition. Off unless a
+        # user sets moe_aux_loss_coeff in transformer_config_kwargs (then it is logged).
+        settings["moe_aux_loss_coeff"] = 0.0
+        if spec.transformer_overrides.get("moe_aux_loss_coeff"):
+            logger.info("MoE load-balancing loss on: coeff %s", spec.transformer_overrides["moe_aux_loss_coeff"])
     settings.update(runtime.transformer_config_overrides())
     settings.update(spec.transformer_overrides)
     for key, value in settings.items():
@@ -113,12 +135,10 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     return provider
 
 
-def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
-    """Build (and load, unless `spec.load_weights` is false) the model for the current process groups."""
+def _instantiate(spec: ModelSpec, bridge, runtime: Runtime) -> tuple[Any, list]:
+    """The provider and the model chunks; the bridge loads the HF weights when `spec.load_weights`."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    runtime = runtime or current_runtime()
-    bridge = load_bridge(spec.hf_path)
     provider = make_provider(spec, bridge, runtime)
     ddp_config = DistributedDataParallelConfig(**spec.ddp_config) if spec.wrap_with_ddp else None
     chunks = provider.provide_distributed_model(
@@ -128,4 +148,58 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
         fp16=False,
         use_cpu_initialization=runtime.is_cpu,
     )
-    return BuiltModel(chunks=list(chunks), bridge=bridge, provider=provider)
+    return provider, list(chunks)
+
+
+def _skeleton(spec: ModelSpec) -> ModelSpec:
+    """The spec for chunks whose weights will be read from the cache: random init would be wasted work."""
+    overrides = {**spec.transformer_overrides, "perform_initialization": False}
+    return dataclasses.replace(spec, load_weights=False, transformer_overrides=overrides)
+
+
+def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
+    """Build (and load, unless `spec.load_weights` is false) the model for the current process groups.
+
+    Collective over the default process group when `spec.cache` is set (rank 0 decides, all load or save).
+    """
+    runtime = runtime or current_runtime()
+    bridge = load_bridge(spec.hf_path)
+    if spec.cache is not None and spec.load_weights:
+        hf_dir = local_checkpoint_dir(spec.hf_path)
+        if hf_dir is not None:
+            provider, chunks, report = _build_through_cache(spec, hf_dir, bridge, runtime)
+        else:
+            logger.warning("conversion cache skipped: %r is not a local checkpoint directory", spec.hf_path)
+            provider, chunks, report = _build_uncached(spec, bridge, runtime, reason="not a local checkpoint")
+    else:
+        reason = "no cache configured" if spec.load_weights else "random initialisation"
+        provider, chunks, report = _build_uncached(spec, bridge, runtime, reason=reason)
+    if torch.distributed.get_rank() == 0:
+        logger.info("model weights: %s", report.summary())
+    return BuiltModel(chunks=chunks, bridge=bridge, provider=provider, load_report=report)
+
+
+def _build_uncached(spec: ModelSpec, bridge, runtime: Runtime, reason: str) -> tuple[Any, list, LoadReport]:
+    started = time.perf_counter()
+    provider, chunks = _instantiate(spec, bridge, runtime)
+    report = LoadReport(hit=None, entry=None, reason=reason, conversion_seconds=time.perf_counter() - started)
+    return provider, chunks, report
+
+
+def _build_through_cache(spec: ModelSpec, hf_dir: Path, bridge, runtime: Runtime) -> tuple[Any, list, LoadReport]:
+    with claim_entry(hf_dir, spec.cache, spec.conversion_settings) as claim:
+        started = time.perf_counter()
+        if claim.hit:
+            provider, chunks = _instantiate(_skeleton(spec), bridge, runtime)
+            claim.load(chunks)
+            return provider, chunks, claim.report(load_seconds=time.perf_counter() - started)
+        provider, chunks = _instantiate(spec, bridge, runtime)
+        conversion_seconds = time.perf_counter() - started
+        details = {
+            "hf_source": str(hf_dir),
+            "conversion_seconds": round(conversion_seconds, 3),
+            "writer_layout": dataclasses.asdict(spec.parallel),
+            "writer_world_size": torch.distributed.get_world_size(),
+        }
+        save_seconds = claim.store(chunks, details)
+        return provider, chunks, claim.report(conversion_seconds=conversion_seconds, save_seconds=save_seconds)

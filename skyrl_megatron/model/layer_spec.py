@@ -2,7 +2,9 @@
 
 Transformer Engine's layer spec when TE is importable on GPU; otherwise Megatron's local (TE-free)
 layer spec with our sequence-parallel-capable torch norms in place of Megatron's wrapped ones
-(including the block's final norm). The choice is logged once per process.
+(including the block's final norm) and our core attention (SDPA / varlen flash attention, packed
+sequences, context parallelism) in place of Megatron's `DotProductAttention`. The choice is logged
+once per process.
 """
 
 from __future__ import annotations
@@ -42,14 +44,25 @@ def _replace_modules(spec, old, new):
     return spec
 
 
+def _with_core_attention(layer, core_attention):
+    """A copy of a TransformerLayer spec whose self-attention uses `core_attention`."""
+    self_attention = layer.submodules.self_attention
+    self_attention = dataclasses.replace(
+        self_attention, submodules=dataclasses.replace(self_attention.submodules, core_attention=core_attention)
+    )
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=self_attention))
+
+
 def local_block_spec(config, vp_stage: int | None = None):
-    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms."""
+    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+
+    from skyrl_megatron.model.attention import CoreAttention
 
     layer = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
@@ -58,6 +71,7 @@ def local_block_spec(config, vp_stage: int | None = None):
         normalization=config.normalization,
     )
     layer = _replace_modules(layer, WrappedTorchNorm, TorchNorm)
+    layer = _with_core_attention(layer, CoreAttention)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
 
@@ -69,5 +83,10 @@ def layer_spec_for(provider, runtime: Runtime):
 
         _report("transformer_engine")
         return transformer_engine_layer_spec
-    _report("local (Megatron-Core layers, torch norms; TE not installed)")
+    from skyrl_megatron.model.attention import describe_core_attention
+
+    _report(
+        "local (Megatron-Core layers, torch norms; TE not installed); "
+        f"core attention: {describe_core_attention(runtime)}"
+    )
     return local_block_spec

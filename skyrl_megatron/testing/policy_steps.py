@@ -24,11 +24,13 @@ def policy_steps(
     rows: int = 8,
     prompt_length: int = 6,
     response_length: int = 6,
-    lr: float = 1e-2,
+    lr: float = 1e-3,
     distributed_optimizer: bool = True,
     seed: int = 5,
+    old_logprob_noise: float = 0.0,
 ) -> dict[str, Any]:
-    """Returns per-step metrics (all ranks agree on them) and this rank's final logprobs (last stage)."""
+    """Returns per-step metrics (all ranks agree on them), the logprobs scored before training (on
+    the last pipeline stage, else None) and which rows of the batch this rank's DP group had."""
     from megatron.core import parallel_state as ps
 
     from skyrl_megatron.cli import compose_config
@@ -36,8 +38,8 @@ def policy_steps(
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
-    from skyrl_megatron.testing.rl_batches import make_rl_batch
-    from skyrl_megatron.workers.runner import MicroBatching, ModelRunner
+    from skyrl_megatron.testing.rl_batches import make_rl_batch, perturb_logprobs
+    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
     init_distributed("cpu")
     parallel = ParallelConfig(**layout)
@@ -60,7 +62,12 @@ def policy_steps(
     share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
     batch = {k: v[share] for k, v in full.items()}
     old = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
-    batch["action_log_probs"] = old if old is not None else torch.zeros_like(batch["loss_mask"], dtype=torch.float32)
+    old_full = torch.zeros(rows, response_length)
+    if old is not None:
+        old_full[share] = old
+    # the same noise on every layout: drawn for the whole batch, then sliced
+    old_full = perturb_logprobs(old_full, full["loss_mask"], old_logprob_noise, seed=seed)
+    batch["action_log_probs"] = old_full[share]
     batch["base_action_log_probs"] = batch["action_log_probs"] - 0.1 * batch["loss_mask"]
 
     history = []
@@ -77,5 +84,4 @@ def policy_steps(
         result = optimizer_step(optimizer, scheduler)
         metrics["grad_norm"] = result.grad_norm
         history.append(metrics)
-    final = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
-    return {"history": history, "logprobs": final, "rows": (share.start, share.stop)}
+    return {"history": history, "initial_logprobs": old, "rows": (share.start, share.stop)}

@@ -40,3 +40,12 @@ def make_rl_batch(
         "advantages": advantages.contiguous(),
         "rollout_logprobs": -torch.rand(rows, response_length, generator=g) * loss_mask,
     }
+
+
+def perturb_logprobs(logprobs: torch.Tensor, loss_mask: torch.Tensor, scale: float, seed: int = 0) -> torch.Tensor:
+    """`logprobs` moved by seeded noise on the response tokens: "old" logprobs that differ from the
+    current policy's, so ratios leave 1 and clipping engages."""
+    if scale == 0:
+        return logprobs
+    noise = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed)) * scale
+    return logprobs + noise * loss_mask

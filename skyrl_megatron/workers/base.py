@@ -1,26 +1,46 @@
-"""What every Megatron worker role shares: runtime, process groups, the host's MeshRank."""
+"""What every Megatron worker role shares: process groups, the host's MeshRank, the model, forward.
+
+The host calls its workers through a fixed contract (skyrl_train.workers.worker): `init_model`,
+`forward`, `offload_to_cpu` / `backload_to_gpu`, `empty_cache`, `get_mesh_rank`. This mixin
+implements it on top of a :class:`~skyrl_megatron.compute.runner.ModelRunner`; the role classes
+add training (policy) or nothing (ref).
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Any
+
+import torch
+
+from skyrl_megatron import host
 from skyrl_megatron.config import MegatronWorkerConfig
+from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
+from skyrl_megatron.model.cache import ConversionCacheSettings
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
+from skyrl_megatron.workers.offload import ModelOffloader
+from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class MegatronWorkerMixin:
     """Mixed into the host's worker bases; `role` selects the config section (policy/ref/critic)."""
 
     role: str
+    trains: bool = False
+
+    # -- set-up -----------------------------------------------------------------------------------
 
     def _init_parallel(self) -> MeshCoordinates:
-        from skyrl_train.distributed.dispatch import MeshRank
-
         self.megatron_cfg = MegatronWorkerConfig.from_host_config(self.cfg, self.role)
         self.runtime = init_distributed(self.megatron_cfg.runtime)
-        coords = initialize_model_parallel(self.megatron_cfg.parallel(), seed=self.cfg.trainer.seed)
-        # The host's dispatch collects from sp == 0: a Megatron rank puts its CP rank in that slot.
-        self.mesh_rank = MeshRank(
+        self.parallel_config = self.megatron_cfg.parallel()
+        coords = initialize_model_parallel(self.parallel_config, seed=self.cfg.trainer.seed)
+        self.mesh_rank = host.make_mesh_rank(
             dp=coords.dp,
-            sp=coords.cp,
+            cp=coords.cp,
             tp=coords.tp,
             pp=coords.pp,
             world_size=coords.world_size,
@@ -29,10 +49,91 @@ class MegatronWorkerMixin:
         )
         return coords
 
+    def init_worker_process_group(self) -> None:
+        """Replaces the host's NCCL + device-mesh set-up (DistributedTorchRayActor).
+
+        The host's actor group calls this right after creating the actors and then reads
+        `get_mesh_rank()` once to plan every later dispatch, so the Megatron groups, and with them
+        the real (dp, cp, tp, pp) coordinates, must exist before `init_model`.
+        """
+        self._init_parallel()
+
     def get_mesh_rank(self):
         return self.mesh_rank
 
-    def init_model(self, model_path: str, *args, **kwargs):
-        raise NotImplementedError(
-            f"skyrl-megatron {self.role} worker: model building is not implemented yet in this release"
+    def _model_spec(self, model_path: str) -> ModelSpec:
+        m = self.megatron_cfg
+        return ModelSpec(
+            hf_path=model_path,
+            parallel=self.parallel_config,
+            dtype="bf16" if self.cfg.trainer.bf16 else "fp32",
+            transformer_overrides=m.transformer_overrides(),
+            wrap_with_ddp=self.trains,
+            ddp_config=dict(m.ddp_config),
+            cache=ConversionCacheSettings(root=m.checkpoint_cache_dir, force_reconvert=m.force_reconvert),
         )
+
+    def _build(self, model_path: str) -> BuiltModel:
+        if getattr(self, "parallel_config", None) is None:  # not started through the host's actor group
+            self._init_parallel()
+        started = time.perf_counter()
+        self.built = build_model(self._model_spec(model_path))
+        logger.info("skyrl-megatron %s: model ready in %.1f s", self.role, time.perf_counter() - started)
+        self.runner = ModelRunner(
+            self.built.chunks, self.parallel_config, pad_token_id=getattr(self, "_pad_token_id", 0) or 0
+        )
+        self.offloader = ModelOffloader(self.built.chunks)
+        return self.built
+
+    def _set_pad_token_id(self, pad_token_id: int) -> None:
+        self._pad_token_id = pad_token_id
+        if getattr(self, "runner", None) is not None:
+            self.runner.pad_token_id = pad_token_id
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def _forward_batching(self) -> MicroBatching:
+        return MicroBatching(
+            micro_batch_size=int(self.cfg.trainer.micro_forward_batch_size_per_gpu),
+            max_tokens=self.megatron_cfg.max_tokens_per_microbatch,
+            packed=bool(self.cfg.trainer.use_sample_packing),
+        )
+
+    def forward(self, data):
+        """Logprobs of the response tokens at the sampling temperature: {"output": [B, A]}."""
+        response_length = int(data.metadata["response_length"])
+        logprobs = self.runner.response_logprobs(
+            data["sequences"],
+            data["attention_mask"],
+            response_length,
+            self._forward_batching(),
+            temperature=float(self.cfg.generator.sampling_params.temperature),
+        )
+        if logprobs is None:  # not the last pipeline stage: the host does not collect from here
+            logprobs = torch.zeros(data["sequences"].shape[0], response_length)
+        return host.training_output({"output": logprobs.cpu()}, dict(data.metadata))
+
+    # -- memory -----------------------------------------------------------------------------------
+
+    def empty_cache(self) -> None:
+        if not self.runtime.is_cpu:
+            torch.cuda.empty_cache()
+
+    def offload_to_cpu(self, pin_memory: bool = True, non_blocking: bool = True, **kwargs: Any):
+        report = self.offloader.offload(
+            model=kwargs.get("offload_model", True),
+            optimizer=kwargs.get("offload_optimizer", True),
+            optimizer_obj=getattr(self, "optimizer", None),
+            pin_memory=pin_memory and not self.runtime.is_cpu,
+        )
+        if self.megatron_cfg.empty_cuda_cache:
+            self.empty_cache()
+        return report.as_dict()
+
+    def backload_to_gpu(self, non_blocking: bool = True, **kwargs: Any):
+        report = self.offloader.backload(
+            model=kwargs.get("backload_model", True),
+            optimizer=kwargs.get("backload_optimizer", True),
+            optimizer_obj=getattr(self, "optimizer", None),
+        )
+        return report.as_dict()

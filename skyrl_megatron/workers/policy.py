@@ -1,9 +1,120 @@
-"""The policy worker on Megatron-Core."""
+"""The policy worker on Megatron-Core: logprobs, PPO/GRPO training, checkpoints, HF export."""
 
-from skyrl_train.workers.worker import PolicyWorkerBase
+from __future__ import annotations
 
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from skyrl_megatron import host
+from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
+from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+from skyrl_megatron.optim import OptimizerSettings, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
+from skyrl_megatron.compute.runner import RESPONSE_KEYS, MicroBatching
+
+logger = logging.getLogger(__name__)
+
+PolicyWorkerBase, _, _ = host.worker_bases()
 
 
 class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
     role = "policy"
+    trains = True
+
+    def init_model(self, model_path: str, num_training_steps: int | None = None):
+        built = self._build(model_path)
+        self._normalize_mini_batch_size()
+        trainer = self.cfg.trainer
+        settings = OptimizerSettings.from_host_config(
+            trainer.policy.optimizer_config,
+            self.megatron_cfg.optimizer_config_kwargs,
+            int(num_training_steps or 1_000_000_000),
+            "bf16" if trainer.bf16 else "fp32",
+        )
+        self.optimizer = settings.build_optimizer(built.chunks)
+        self.scheduler = settings.build_scheduler(self.optimizer)
+        self.runner.attach_optimizer(self.optimizer)
+        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
+        self.skipped_steps = 0
+
+    def _train_batching(self) -> MicroBatching:
+        return MicroBatching(
+            micro_batch_size=int(self.cfg.trainer.micro_train_batch_size_per_gpu),
+            max_tokens=self.megatron_cfg.max_tokens_per_microbatch,
+            packed=bool(self.cfg.trainer.use_sample_packing),
+        )
+
+    def ppo_train(self, train_data):
+        """Epochs x mini-batches of the rank's rows; one optimizer step per mini-batch."""
+        from megatron.core import parallel_state as ps
+
+        trainer = self.cfg.trainer
+        rows = train_data["sequences"].shape[0]
+        mini = int(self.policy_mini_batch_size_per_gpu)
+        if mini < 1 or rows % mini:
+            raise ValueError(
+                f"policy worker got {rows} rows per DP rank, not a multiple of the per-rank mini-batch {mini} "
+                "(trainer.policy_mini_batch_size x generator.n_samples_per_prompt / DP size); adjust "
+                "trainer.train_batch_size or trainer.policy_mini_batch_size"
+            )
+        temperature = float(self.cfg.generator.sampling_params.temperature)
+        history: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        for _ in range(int(trainer.update_epochs_per_batch)):
+            for start in range(0, rows, mini):
+                batch = {k: train_data[k][start : start + mini] for k in ("sequences", "attention_mask")}
+                response = {
+                    k: train_data[k][start : start + mini]
+                    for k in RESPONSE_KEYS
+                    if k in train_data and train_data[k] is not None
+                }
+                metrics = self.runner.train_mini_batch(
+                    batch["sequences"],
+                    batch["attention_mask"],
+                    response,
+                    self.objective,
+                    self._train_batching(),
+                    temperature=temperature,
+                    dp_group=ps.get_data_parallel_group(),
+                )
+                step = optimizer_step(self.optimizer, self.scheduler)
+                steps += 1
+                self.skipped_steps += int(step.skipped)
+                metrics["raw_grad_norm"] = step.grad_norm if step.grad_norm is not None else float("nan")
+                metrics["policy_lr"] = step.lr if step.lr is not None else 0.0
+                for name, value in metrics.items():
+                    history[name].append(value)
+        status = {name: sum(values) / len(values) for name, values in history.items()}
+        status["policy_update_steps"] = steps
+        status["policy_skipped_steps"] = self.skipped_steps
+        return host.training_output(metadata={"train_status": status})
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, ckpt_dir, tokenizer=None):
+        save_checkpoint(
+            ckpt_dir,
+            self.built.chunks,
+            self.optimizer,
+            self.scheduler,
+            step=int(self.scheduler.num_steps),
+            extra={"skipped_steps": self.skipped_steps},
+        )
+        if tokenizer is not None and torch.distributed.get_rank() == 0:
+            tokenizer.save_pretrained(Path(ckpt_dir) / "tokenizer")
+
+    def load_checkpoint(self, ckpt_dir, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
+        state = load_checkpoint(
+            ckpt_dir,
+            self.built.chunks,
+            self.optimizer if load_optimizer_states else None,
+            self.scheduler if load_lr_scheduler_states else None,
+        )
+        self.skipped_steps = int(state.extra.get("skipped_steps", 0))
+        return {"step": state.step, **state.extra}
+
+    def save_hf_model(self, export_dir: str, tokenizer=None):
+        save_hf_model(export_dir, self.built, tokenizer)

@@ -1,9 +1,15 @@
-"""The ref worker on Megatron-Core."""
+"""The reference worker on Megatron-Core: a frozen model that scores response logprobs."""
 
-from skyrl_train.workers.worker import RefWorkerBase
-
+from skyrl_megatron import host
 from skyrl_megatron.workers.base import MegatronWorkerMixin
+
+_, RefWorkerBase, _ = host.worker_bases()
 
 
 class MegatronRefWorker(MegatronWorkerMixin, RefWorkerBase):
     role = "ref"
+
+    def init_model(self, model_path: str, *args, **kwargs):
+        self._build(model_path)
+        for chunk in self.built.chunks:
+            chunk.requires_grad_(False)

@@ -1,0 +1,352 @@
+"""The compute core of a worker, free of Ray and of the host's worker classes.
+
+A :class:`ModelRunner` owns the model chunks of one rank and runs the two things RL asks of them:
+
+* :meth:`ModelRunner.response_logprobs`: logprobs (and entropy) of the response tokens, [B, A];
+* :meth:`ModelRunner.train_mini_batch`: forward + backward of one mini-batch with the policy
+  objective, leaving finalised gradients for the optimizer step.
+
+Both split the rank's rows into micro-batches (:mod:`skyrl_megatron.compute.batching`), run them
+through Megatron's pipeline schedule, and compute logprobs from the last hidden state with the
+chunked vocab-parallel kernel (:mod:`skyrl_megatron.compute.logprobs`), so no [tokens, vocab]
+tensor exists. The host-facing workers (policy, ref) wrap a runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from skyrl_megatron.compute.batching import (
+    IGNORE_LABEL,
+    ModelInputs,
+    PackingSettings,
+    build_model_inputs,
+    model_shape,
+    pad_plan,
+    plan_micro_batches,
+)
+from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
+from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
+from skyrl_megatron.compute.packing import ContextParallelSplit
+from skyrl_megatron.compute.schedule import forward_backward, forward_only
+from skyrl_megatron.parallel import ParallelConfig
+from skyrl_megatron.runtime import current_runtime
+
+# keys of the host's training batch that the policy objective reads, all [B, A]
+RESPONSE_KEYS = ("loss_mask", "action_log_probs", "base_action_log_probs", "advantages", "rollout_logprobs")
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank's rows are split: by row count, or by a token budget (then packed)."""
+
+    micro_batch_size: int = 1
+    max_tokens: int | None = None
+    packed: bool = False
+
+
+@dataclass
+class _MicroBatch:
+    inputs: ModelInputs  # global (all CP ranks' tokens), for mapping outputs back
+    model_input_ids: torch.Tensor  # this CP rank's share of the tokens, on the device
+    model_position_ids: torch.Tensor
+    targets: LogprobTargets  # this CP rank's share, on the device
+    rows: torch.Tensor  # indices into the rank's batch
+    response: dict[str, torch.Tensor]  # [rows, A] slices of the response tensors
+    cp_split: ContextParallelSplit | None = None
+
+
+class _GatherContextParallel(torch.autograd.Function):
+    """All-gather per-token values over CP into global token order.
+
+    Every CP rank then computes the same loss on the whole sequences, so the gradient of a rank's
+    own tokens is just its slice of the incoming gradient (no sum over ranks); Megatron's schedule
+    multiplies the loss by the CP size and DDP averages over DP x CP, which together restore the
+    full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, local, split, group):
+        ctx.split = split
+        return split.gather(local, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.split.local(grad, dim=1), None, None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        parallel: ParallelConfig,
+        *,
+        pad_token_id: int = 0,
+        logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES,
+    ):
+        self.chunks = chunks
+        self.parallel = parallel
+        self.pad_token_id = pad_token_id
+        self.logits_chunk_bytes = logits_chunk_bytes
+        self.optimizer = None
+        self.device = current_runtime().torch_device
+
+    def attach_optimizer(self, optimizer) -> None:
+        """Wire the optimizer and Megatron's gradient hooks into the model config, as the schedules
+        expect: gradients are finalised (DP reduce, TP/SP norm and embedding all-reduces) by
+        `finalize_model_grads` after the last micro-batch, and the overlapped reduce/gather of the
+        DDP buffers is driven by the schedule when the DDP config asks for it."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        self.optimizer = optimizer
+        config = get_model_config(self.chunks[0])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+        ddp_config = getattr(self.chunks[0], "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_grad_reduce:
+            no_sync = [chunk.no_sync for chunk in self.chunks]
+            config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+            if ddp_config.align_param_gather:
+                sync = [chunk.start_grad_sync for chunk in self.chunks]
+                config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+        if ddp_config is not None and ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+            sync = [chunk.start_param_sync for chunk in self.chunks]
+            config.param_sync_func = sync[0] if len(sync) == 1 else sync
+
+    # -- batching ---------------------------------------------------------------------------------
+
+    def _packing(self, packed: bool) -> PackingSettings:
+        p = self.parallel
+        return PackingSettings(packed=packed, tensor=p.tensor, sequence_parallel=p.sequence_parallel, context=p.context)
+
+    def _micro_batches(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        batching: MicroBatching,
+        response: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[list[_MicroBatch], tuple[int, int]]:
+        from skyrl_megatron.compute.batching import RowSpans
+
+        spans = RowSpans.from_attention_mask(attention_mask)
+        packed = batching.packed or batching.max_tokens is not None
+        plan = plan_micro_batches(
+            spans.length, micro_batch_size=batching.micro_batch_size, max_tokens=batching.max_tokens
+        )
+        # every rank runs the same number of micro-batches: expert-parallel all-to-alls and the
+        # pipeline pair up forward passes across data-parallel ranks
+        count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        count = int(count)
+        if self.parallel.virtual_pipeline:
+            # the interleaved schedule walks micro-batches in groups of PP size
+            count = -(-count // self.parallel.pipeline) * self.parallel.pipeline
+        plan = pad_plan(plan, count)
+        settings = self._packing(packed)
+        inputs = [
+            build_model_inputs(sequences[rows], attention_mask[rows], settings, pad_token_id=self.pad_token_id)
+            for rows in plan.groups
+            if rows.numel()
+        ]
+        # pipeline stages exchange fixed-shape activations: give every micro-batch the same shape
+        shape = model_shape(inputs) if inputs else (1, settings.row_align)
+        if not packed:
+            shape = (max(shape[0], batching.micro_batch_size), shape[1])
+        micro_batches = []
+        for rows in plan.groups:
+            model_in = build_model_inputs(
+                sequences[rows], attention_mask[rows], settings, pad_token_id=self.pad_token_id, padded_shape=shape
+            )
+            split = self._context_split(model_in)
+            local = (lambda t: split.local(t, dim=1)) if split is not None else (lambda t: t)
+            labels = local(model_in.labels)
+            targets = LogprobTargets(
+                labels=labels.clamp(min=0).to(self.device), mask=(labels != IGNORE_LABEL).to(self.device)
+            )
+            sliced = {k: v[rows].to(self.device) for k, v in (response or {}).items() if v is not None}
+            if model_in.packed_seq_params is not None:
+                model_in.packed_seq_params = _params_on(model_in.packed_seq_params, self.device)
+            micro_batches.append(
+                _MicroBatch(
+                    inputs=model_in,
+                    model_input_ids=local(model_in.input_ids).to(self.device),
+                    model_position_ids=local(model_in.position_ids).to(self.device),
+                    targets=targets,
+                    rows=rows,
+                    response=sliced,
+                    cp_split=split,
+                )
+            )
+        return micro_batches, shape
+
+    def _context_split(self, model_in: ModelInputs) -> ContextParallelSplit | None:
+        from megatron.core import parallel_state as ps
+
+        cp = self.parallel.context
+        if cp == 1:
+            return None
+        rank = ps.get_context_parallel_rank()
+        if model_in.packed_seq_params is None:
+            return ContextParallelSplit.for_padded(model_in.input_ids.shape[1], rank, cp)
+        cu = model_in.packed_seq_params.cu_seqlens_q_padded.tolist()
+        return ContextParallelSplit(tuple(b - a for a, b in zip(cu[:-1], cu[1:])), rank, cp)
+
+    # -- model call -------------------------------------------------------------------------------
+
+    def _forward_fn(self, temperature: float, with_entropy: bool) -> Callable:
+        processor = LogprobOutputProcessor(
+            temperature=temperature, with_entropy=with_entropy, logits_chunk_bytes=self.logits_chunk_bytes
+        )
+
+        def forward(model, mb: _MicroBatch):
+            out = model(
+                mb.model_input_ids,
+                mb.model_position_ids,
+                None,
+                packed_seq_params=mb.inputs.packed_seq_params,
+                output_processor=processor,
+                output_processor_context=mb.targets,
+            )
+            if isinstance(out, torch.Tensor):  # an inner pipeline stage: hidden states for the next one
+                return out
+            # the schedules pass one tensor to the loss function: stack logprobs and entropy
+            parts = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+            return torch.stack(parts, dim=-1)
+
+        return forward
+
+    @staticmethod
+    def _response_values(output: torch.Tensor, mb: _MicroBatch, response_length: int) -> torch.Tensor:
+        """[b, s(, k)] per-token outputs -> [rows, A(, k)]: the columns predicting the last A tokens."""
+        if mb.cp_split is not None:
+            from megatron.core import parallel_state as ps
+
+            output = _GatherContextParallel.apply(output, mb.cp_split, ps.get_context_parallel_group())
+        if output.dim() == 2:
+            output = output.unsqueeze(-1)
+        columns = [mb.inputs.to_host_columns(output[..., i]) for i in range(output.shape[-1])]
+        per_column = torch.stack(columns, dim=-1)  # [rows, S, k]
+        total = per_column.shape[1]
+        return per_column[:, total - response_length - 1 : total - 1]
+
+    # -- public -----------------------------------------------------------------------------------
+
+    def response_logprobs(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        batching: MicroBatching,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | None:
+        """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere."""
+        for chunk in self.chunks:
+            chunk.eval()
+        micro_batches, shape = self._micro_batches(sequences, attention_mask, batching)
+        outputs = forward_only(
+            self.chunks,
+            micro_batches,
+            self._forward_fn(temperature, with_entropy),
+            lambda output, mb: (mb.rows, self._response_values(output.float(), mb, response_length)),
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+        )
+        if not outputs:
+            return None
+        width = 2 if with_entropy else 1
+        result = torch.zeros(sequences.shape[0], response_length, width, dtype=torch.float32)
+        for rows, values in outputs:
+            result[rows] = values.cpu()
+        return result if with_entropy else result.squeeze(-1)
+
+    def train_mini_batch(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response: Mapping[str, torch.Tensor],
+        objective: PolicyObjective,
+        batching: MicroBatching,
+        *,
+        temperature: float = 1.0,
+        dp_group=None,
+    ) -> dict[str, float]:
+        """Forward + backward of one mini-batch; returns its metrics summed over micro-batches and DP
+        ranks (each micro-batch's metrics are already its share of the mini-batch)."""
+        from megatron.core import parallel_state as ps
+
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        response_length = response["loss_mask"].shape[1]
+        totals = MiniBatchTotals.of(response["loss_mask"], dp_group, device=self.device)
+        micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response)
+        with_entropy = True  # the host always reports policy_entropy
+        # Megatron divides each micro-batch loss by their number and averages gradients over DP;
+        # our losses are already shares of the whole mini-batch, so undo both.
+        dp_size = ps.get_data_parallel_world_size()
+        scale = len(micro_batches) * dp_size
+
+        def loss_fn(output, mb: _MicroBatch):
+            values = self._response_values(output.float(), mb, response_length)
+            log_probs, entropy = values[..., 0], values[..., 1]
+            if mb.rows.numel() == 0:
+                # an empty micro-batch (padding the count across ranks) contributes nothing
+                zero = output.sum() * 0.0
+                return zero, {}
+            loss, metrics = objective(log_probs, entropy, mb.response, totals)
+            return loss * scale, metrics
+
+        per_micro_batch = forward_backward(
+            self.chunks,
+            micro_batches,
+            self._forward_fn(temperature, with_entropy),
+            loss_fn,
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+        )
+        return _sum_metrics(per_micro_batch, dp_group, self.device)
+
+
+def _params_on(params, device):
+    """PackedSeqParams with its index tensors on `device` (attention kernels read them there)."""
+    import dataclasses
+
+    moved = {
+        f.name: getattr(params, f.name).to(device)
+        for f in dataclasses.fields(params)
+        if isinstance(getattr(params, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(params, **moved)
+
+
+def _sum_metrics(per_micro_batch: list[dict], dp_group, device) -> dict[str, float]:
+    """Sum micro-batch metrics, then over DP ranks; broadcast from the last pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    names = sorted({k for m in per_micro_batch for k in m})
+    # every rank must agree on the metric names for the collectives below: take them from the
+    # last stage, where the loss function ran
+    names_list = [names]
+    last = ps.get_pipeline_model_parallel_last_rank()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(names_list, src=last, group=ps.get_pipeline_model_parallel_group())
+    names = names_list[0]
+    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for m in per_micro_batch:
+        for i, name in enumerate(names):
+            if name in m:
+                totals[i] += m[name].to(torch.float64)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(totals, src=last, group=ps.get_pipeline_model_parallel_group())
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(totals, group=dp_group)
+    return {name: float(value) for name, value in zip(names, totals)}

@@ -1,0 +1,244 @@
+"""Megatron optimizer and learning-rate schedule from the host's optimizer config, and one step.
+
+The host (`trainer.policy.optimizer_config`) speaks in transformers' terms: `lr`, `adam_betas`,
+`weight_decay`, `max_grad_norm`, `num_warmup_steps` and a transformers scheduler name. This module
+maps that onto Megatron's `OptimizerConfig` and `OptimizerParamScheduler` so that the same config
+gives the same learning rate at every step as the host's FSDP backend (`transformers.get_scheduler`),
+and lets `megatron_config.optimizer_config_kwargs` override any derived `OptimizerConfig` field.
+
+`optimizer_step` wraps Megatron's `optimizer.step()` so that a step with a non-finite gradient norm
+is skipped (and reported) instead of writing NaNs into the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # megatron is imported lazily: importing it costs seconds
+    from megatron.core.optimizer import OptimizerConfig
+
+# transformers scheduler name -> Megatron lr_decay_style. Megatron's linear warmup from 0 and its
+# cosine/linear decay towards min_lr reproduce transformers' lambdas step for step.
+SCHEDULER_DECAY_STYLES: dict[str, str] = {
+    "constant_with_warmup": "constant",
+    "constant": "constant",
+    "cosine": "cosine",
+    "cosine_with_min_lr": "cosine",
+    "linear": "linear",
+}
+# transformers' "constant" schedule has no warmup phase even when num_warmup_steps is set.
+_SCHEDULERS_WITHOUT_WARMUP = frozenset({"constant"})
+_DECAYING_STYLES = frozenset({"cosine", "linear"})
+
+_PRECISIONS = {"bf16": True, "bfloat16": True, "fp32": False, "float32": False}
+
+
+class OptimizerSettingsError(ValueError):
+    """The optimizer config cannot be turned into a Megatron optimizer and schedule."""
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The arguments of Megatron's OptimizerParamScheduler that the host config decides."""
+
+    decay_style: str  # Megatron's lr_decay_style
+    warmup_steps: int
+    decay_steps: int  # steps over which the decay runs (the whole training run)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """A Megatron `OptimizerConfig` plus the LR schedule, derived from the host's config."""
+
+    config: OptimizerConfig  # final: the pass-through overrides are applied
+    schedule: LrSchedule
+
+    @classmethod
+    def from_host_config(
+        cls,
+        optimizer_config: Mapping[str, Any],
+        optimizer_config_kwargs: Mapping[str, Any] | None,
+        num_training_steps: int,
+        dtype: str,
+    ) -> "OptimizerSettings":
+        """Derive the settings; `optimizer_config_kwargs` (OptimizerConfig fields) win over derived values.
+
+        `optimizer_config` is the host's `trainer.<role>.optimizer_config` (a DictConfig or a dict);
+        `num_training_steps` counts optimizer steps (the host's total mini-batch steps).
+        """
+        from megatron.core.optimizer import OptimizerConfig
+
+        if dtype not in _PRECISIONS:
+            raise OptimizerSettingsError(f"model dtype {dtype!r} is not one of {sorted(_PRECISIONS)}")
+        bf16 = _PRECISIONS[dtype]
+        derived: dict[str, Any] = dict(
+            optimizer="adam",
+            lr=float(_required(optimizer_config, "lr")),
+            weight_decay=float(optimizer_config.get("weight_decay", 0.0)),
+            # max_grad_norm: null turns clipping off, as 0 does in Megatron
+            clip_grad=float(optimizer_config.get("max_grad_norm") or 0.0),
+            bf16=bf16,
+            # bf16 model params with fp32 main params, grads and Adam moments (Megatron's default
+            # for a mixed-precision optimizer; the precision-aware optimizer needs TE)
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
+        derived.update(_adam_betas(optimizer_config))
+        overrides = dict(optimizer_config_kwargs or {})
+        min_lr = overrides.pop("min_lr", None)
+        if min_lr is None:
+            min_lr = optimizer_config.get("min_lr")
+        # Megatron copies min_lr into every param group, where None would break the scheduler
+        derived["min_lr"] = float(min_lr) if min_lr is not None else 0.0
+
+        known = {f.name for f in dataclasses.fields(OptimizerConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise OptimizerSettingsError(
+                f"optimizer_config_kwargs: unknown OptimizerConfig field(s) {unknown}"
+            )
+        config = OptimizerConfig(**{**derived, **overrides})
+        schedule = _lr_schedule(
+            str(optimizer_config.get("scheduler", "constant_with_warmup")),
+            warmup_steps=int(optimizer_config.get("num_warmup_steps", 0) or 0),
+            num_training_steps=num_training_steps,
+            has_min_lr=min_lr is not None,
+        )
+        return cls(config=config, schedule=schedule)
+
+    def build_optimizer(self, chunks: Sequence[torch.nn.Module]):
+        """Megatron's optimizer over the DDP-wrapped model chunks (one per virtual pipeline stage).
+
+        Whether the optimizer is distributed must agree with how the DDP grad buffers were laid
+        out, so it follows `ddp_config.use_distributed_optimizer`; asking for a distributed
+        optimizer over buffers laid out for a plain one is an error.
+        """
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        ddp_config = getattr(chunks[0], "ddp_config", None)
+        if ddp_config is None:
+            raise OptimizerSettingsError(
+                "the model chunks are not wrapped in Megatron DDP; build them with wrap_with_ddp=True"
+            )
+        config = self.config
+        if config.use_distributed_optimizer and not ddp_config.use_distributed_optimizer:
+            raise OptimizerSettingsError(
+                "optimizer_config_kwargs.use_distributed_optimizer=True needs "
+                "ddp_config.use_distributed_optimizer=True (the grad buffers are laid out for it)"
+            )
+        if ddp_config.use_distributed_optimizer and not config.use_distributed_optimizer:
+            config = dataclasses.replace(config, use_distributed_optimizer=True)
+        return get_megatron_optimizer(config, list(chunks))
+
+    def build_scheduler(self, optimizer):
+        """Megatron's OptimizerParamScheduler for this schedule (the LR of step 0 is set at once)."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        weight_decay = self.config.weight_decay
+        return OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0,  # warmup starts from 0, as in transformers
+            max_lr=self.config.lr,
+            min_lr=self.config.min_lr,
+            lr_warmup_steps=self.schedule.warmup_steps,
+            lr_decay_steps=self.schedule.decay_steps,
+            lr_decay_style=self.schedule.decay_style,
+            start_wd=weight_decay,
+            end_wd=weight_decay,
+            wd_incr_steps=self.schedule.decay_steps,
+            wd_incr_style="constant",
+            # a resumed run continues the schedule it was saved with
+            use_checkpoint_opt_param_scheduler=True,
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float | None  # the total gradient norm before clipping (None only without grads)
+    num_zeros_in_grad: int | None  # only when OptimizerConfig.log_num_zeros_in_grad is set
+    skipped: bool  # the update was not applied (non-finite grad norm)
+    lr: float | None  # the learning rate this step used
+
+
+def optimizer_step(optimizer, scheduler) -> StepResult:
+    """Apply one optimizer step unless the gradient norm is non-finite; advance the LR schedule only
+    after an applied update.
+
+    Megatron's bf16/fp32 optimizers only skip on overflow under fp16 loss scaling: with a NaN or
+    inf gradient they would clip by a NaN coefficient and write NaNs into every weight. The norm
+    is therefore computed first (all ranks agree on it: it is all-reduced over the model-parallel
+    group) and the step is skipped on all ranks alike. Gradients must already be finalised
+    (`finalize_model_grads`).
+    """
+    lr = _current_lr(optimizer)
+    # prepare_grads (grads -> main grads) is idempotent for the bf16/fp32 optimizers, so calling
+    # it here and again inside step() only costs an extra copy and an extra norm reduction.
+    found_inf = optimizer.prepare_grads()
+    grad_norm = optimizer.get_grad_norm()
+    if found_inf or grad_norm is None or not math.isfinite(grad_norm):
+        return StepResult(grad_norm=grad_norm, num_zeros_in_grad=None, skipped=True, lr=lr)
+    update_successful, _, num_zeros_in_grad = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=1)
+    return StepResult(
+        grad_norm=float(grad_norm),
+        num_zeros_in_grad=num_zeros_in_grad,
+        skipped=not update_successful,
+        lr=lr,
+    )
+
+
+def _current_lr(optimizer) -> float | None:
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    lr = get_canonical_lr_for_logging(optimizer.param_groups)
+    return float(lr) if lr is not None else None
+
+
+def _required(optimizer_config: Mapping[str, Any], key: str) -> Any:
+    value = optimizer_config.get(key)
+    if value is None:
+        raise OptimizerSettingsError(f"optimizer_config.{key} is required")
+    return value
+
+
+def _adam_betas(optimizer_config: Mapping[str, Any]) -> dict[str, float]:
+    betas = optimizer_config.get("adam_betas")
+    if betas is None:
+        return {}
+    betas = [float(b) for b in betas]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise OptimizerSettingsError(
+            f"optimizer_config.adam_betas must be two numbers in [0, 1), got {betas}"
+        )
+    return {"adam_beta1": betas[0], "adam_beta2": betas[1]}
+
+
+def _lr_schedule(name: str, *, warmup_steps: int, num_training_steps: int, has_min_lr: bool) -> LrSchedule:
+    if name not in SCHEDULER_DECAY_STYLES:
+        raise OptimizerSettingsError(
+            f"optimizer_config.scheduler={name!r} is not supported; use one of {sorted(SCHEDULER_DECAY_STYLES)}"
+        )
+    if name == "cosine_with_min_lr" and not has_min_lr:
+        raise OptimizerSettingsError(
+            "optimizer_config.scheduler='cosine_with_min_lr' needs a floor: set optimizer_config.min_lr "
+            "(or megatron_config.optimizer_config_kwargs.min_lr)"
+        )
+    if warmup_steps < 0:
+        raise OptimizerSettingsError(f"optimizer_config.num_warmup_steps must be >= 0, got {warmup_steps}")
+    decay_style = SCHEDULER_DECAY_STYLES[name]
+    if name in _SCHEDULERS_WITHOUT_WARMUP:
+        warmup_steps = 0
+    if decay_style in _DECAYING_STYLES and num_training_steps <= warmup_steps:
+        raise OptimizerSettingsError(
+            f"optimizer_config.scheduler={name!r} decays over the steps after warmup, but the run has "
+            f"{num_training_steps} optimizer step(s) and num_warmup_steps={warmup_steps}"
+        )
+    # Megatron requires warmup < decay steps even for a constant schedule, where decay_steps is unused
+    decay_steps = max(num_training_steps, warmup_steps + 1)
+    return LrSchedule(decay_style=decay_style, warmup_steps=warmup_steps, decay_steps=decay_steps)

@@ -1,0 +1,68 @@
+"""The host's trainer without generation: its actor groups and dispatch, for tests on CPU.
+
+`RayPPOTrainer.build_models` is where the host creates its worker groups (placement groups,
+`PPORayActorGroup`, the mesh ranks `MeshDispatch` plans with) and initialises the models;
+`fwd_logprobs_values_reward` and `train_critic_and_policy` are its scoring and training phases.
+None of them touches the dataset, the inference engines or the generator, so a trainer built
+without those runs exactly the host code a real run takes between two generation steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+
+def start_ray_for_cpu_workers(num_gpus: int, num_cpus: int, object_store_mb: int = 256) -> None:
+    """Start a local Ray with `num_gpus` *logical* GPUs and every Ray process on our CPU runtime.
+
+    Our actor classes ask for one GPU each, as on a GPU cluster, and the host's placement groups
+    bundle GPUs; Ray schedules them only where it believes GPUs exist, so the CPU box declares
+    them. `host.activate()` first, so its `ray.init` wrapper activates every Ray worker process.
+    """
+    import ray
+
+    from skyrl_megatron import host
+    from skyrl_megatron.runtime import RUNTIME_ENV_VAR
+
+    host.activate()
+    ray.init(
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        object_store_memory=object_store_mb * 2**20,
+        include_dashboard=False,
+        runtime_env={"env_vars": {RUNTIME_ENV_VAR: "cpu"}},
+    )
+
+
+def training_input(batch: Mapping[str, torch.Tensor], response_length: int, global_step: int = 0):
+    """A host `TrainingInputBatch` with the metadata its workers read."""
+    from skyrl_train.training_batch import TrainingInputBatch
+
+    data = TrainingInputBatch({k: v.clone() for k, v in batch.items()})
+    data.metadata = {"response_length": response_length, "global_step": global_step}
+    return data
+
+
+def host_trainer(cfg, tokenizer, total_training_steps: int) -> Any:
+    """A `RayPPOTrainer` with no dataset, tracker, inference engines or generator."""
+    from skyrl_train.trainer import RayPPOTrainer
+
+    class _TrainerWithoutData(RayPPOTrainer):
+        def _build_train_dataloader_and_compute_training_steps(self):
+            # the host's hook for custom dataloaders; the step count sizes the workers' LR schedule
+            self.train_dataloader = None
+            self.total_training_steps = total_training_steps
+
+    return _TrainerWithoutData(
+        cfg, tracker=None, tokenizer=tokenizer, train_dataset=None, inference_engine_client=None, generator=None
+    )
+
+
+def build_worker_groups(trainer) -> None:
+    """The host's `build_models` with the worker classes it picks for `trainer.strategy=megatron`."""
+    from skyrl_megatron import host
+
+    policy, critic, ref = host.worker_classes(host.STRATEGY)
+    trainer.build_models(policy, critic, ref)

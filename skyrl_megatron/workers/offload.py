@@ -1,0 +1,159 @@
+"""Move a worker's model and optimizer state off the accelerator and back (colocated generation).
+
+When the inference engine shares the GPUs, the trainer offloads between phases. Megatron keeps a
+DDP-wrapped model's parameters and gradients in a few large contiguous buffers, and every
+parameter is a view into one of them; offloading therefore copies each buffer to host memory and
+frees the device storage *in place* (``untyped_storage().resize_(0)``), so the views stay valid
+and backloading restores the storage under the same tensors. A model without DDP (the reference
+model) and the optimizer's fp32 main parameters and Adam moments are handled per tensor the same
+way. Each call reports the bytes moved and the seconds it took.
+
+The same code runs in the CPU runtime, where "device" memory is host memory: the copies and
+storage frees are real, which is what the tests check.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TransferReport:
+    direction: str  # "offload" | "backload"
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    parts: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "direction": self.direction,
+            "gib_moved": self.bytes_moved / 2**30,
+            "seconds": self.seconds,
+            "parts": list(self.parts),
+        }
+
+
+class _ParkedTensor:
+    """A tensor whose storage is parked in host memory while its device storage is freed."""
+
+    def __init__(self, tensor: torch.Tensor, pin_memory: bool):
+        self.tensor = tensor
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin_memory)
+        self.host.copy_(tensor, non_blocking=pin_memory)
+        self.nbytes = tensor.untyped_storage().nbytes()
+
+    def free_device(self) -> None:
+        self.tensor.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        self.tensor.untyped_storage().resize_(self.nbytes)
+        self.tensor.copy_(self.host, non_blocking=True)
+
+
+def _model_tensors(chunks) -> list[torch.Tensor]:
+    """The tensors that own the model's storage: DDP buffers when wrapped, else each parameter."""
+    tensors: list[torch.Tensor] = []
+    for chunk in chunks:
+        # a DDP wrapper's `buffers` is its list of contiguous buffers; on a bare module (the
+        # reference model) the name is nn.Module.buffers, a method
+        buffers = [
+            buffer
+            for name in ("buffers", "expert_parallel_buffers")
+            if isinstance(getattr(chunk, name, None), (list, tuple))
+            for buffer in getattr(chunk, name)
+        ]
+        if buffers:
+            for buffer in buffers:
+                tensors.append(buffer.param_data)
+                if buffer.grad_data is not None:
+                    tensors.append(buffer.grad_data)
+        else:
+            tensors.extend(p.data for p in chunk.parameters())
+    return [t for t in tensors if t is not None and t.untyped_storage().nbytes() > 0]
+
+
+def _inner_optimizers(optimizer) -> list:
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for chained in optimizer.chained_optimizers for o in _inner_optimizers(chained)]
+    return [optimizer.optimizer] if hasattr(optimizer, "optimizer") else [optimizer]
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """The inner torch optimizer's parameters (fp32 main params) and state (Adam moments)."""
+    seen: set[int] = set()
+    tensors = []
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                tensors.append(param.data)
+                for value in inner.state.get(param, {}).values():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        tensors.append(value)
+    unique = []
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and t.untyped_storage().nbytes() > 0:
+            seen.add(key)
+            unique.append(t)
+    return unique
+
+
+class ModelOffloader:
+    def __init__(self, chunks):
+        self.chunks = chunks
+        self._parked: dict[str, list[_ParkedTensor]] = {}
+
+    def _park(self, name: str, tensors: list[torch.Tensor], pin_memory: bool, report: TransferReport) -> None:
+        if name in self._parked or not tensors:
+            return
+        if name != "model":
+            # optimizer tensors that are views of the model's storage (fp32 main params) move with
+            # the model, never on their own
+            model_storages = {t.untyped_storage().data_ptr() for t in _model_tensors(self.chunks)}
+            model_storages |= {p.tensor.untyped_storage().data_ptr() for p in self._parked.get("model", [])}
+            tensors = [t for t in tensors if t.untyped_storage().data_ptr() not in model_storages]
+        parked = [_ParkedTensor(t, pin_memory) for t in tensors]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies must land before the storage goes
+        for p in parked:
+            p.free_device()
+        self._parked[name] = parked
+        report.bytes_moved += sum(p.nbytes for p in parked)
+        report.parts.append(name)
+
+    def _restore(self, name: str, report: TransferReport) -> None:
+        for p in self._parked.pop(name, []):
+            p.restore()
+            report.bytes_moved += p.nbytes
+        report.parts.append(name)
+
+    def offload(self, *, model: bool, optimizer: bool, optimizer_obj=None, pin_memory: bool = True) -> TransferReport:
+        report = TransferReport("offload")
+        started = time.perf_counter()
+        if model:
+            self._park("model", _model_tensors(self.chunks), pin_memory, report)
+        if optimizer:
+            self._park("optimizer", _optimizer_tensors(optimizer_obj), pin_memory, report)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def backload(self, *, model: bool, optimizer: bool, optimizer_obj=None) -> TransferReport:
+        report = TransferReport("backload")
+        started = time.perf_counter()
+        if model and "model" in self._parked:
+            self._restore("model", report)
+        if optimizer and "optimizer" in self._parked:
+            self._restore("optimizer", report)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        report.seconds = time.perf_counter() - started
+        return report
+
+    @property
+    def offloaded(self) -> set[str]:
+        return set(self._parked)

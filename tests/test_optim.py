@@ -1,0 +1,218 @@
+"""Optimizer and LR schedule from the host's optimizer config; the skip-on-non-finite optimizer step.
+
+The schedules must give the learning rate transformers' `get_scheduler` gives (what the host's FSDP
+backend uses), Adam must run with the configured betas, and a NaN gradient must leave the weights,
+the optimizer state and the schedule untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyrl_megatron.optim import SCHEDULER_DECAY_STYLES, OptimizerSettings, OptimizerSettingsError
+from skyrl_megatron.testing import run_on_ranks
+
+HOST = {
+    "lr": 1e-3,
+    "adam_betas": [0.9, 0.999],
+    "weight_decay": 1e-2,
+    "max_grad_norm": 1.0,
+    "num_warmup_steps": 3,
+    "scheduler": "constant_with_warmup",
+}
+
+
+def _settings(steps: int = 10, dtype: str = "fp32", kwargs=None, **host) -> OptimizerSettings:
+    return OptimizerSettings.from_host_config({**HOST, **host}, kwargs or {}, num_training_steps=steps, dtype=dtype)
+
+
+def _megatron_lrs(settings: OptimizerSettings, steps: int) -> list[float]:
+    """The LR of each optimizer step 0..steps-1 (the scheduler advances after each step)."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=settings.config.lr)
+    scheduler = settings.build_scheduler(optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=1)
+    return lrs
+
+
+def _transformers_lrs(name: str, lr: float, warmup: int, steps: int, **specific) -> list[float]:
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = get_scheduler(
+        name, optimizer, num_warmup_steps=warmup, num_training_steps=steps, scheduler_specific_kwargs=specific
+    )
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULER_DECAY_STYLES))
+def test_every_host_scheduler_gives_transformers_learning_rates(name):
+    specific = {"min_lr": 1e-4} if name == "cosine_with_min_lr" else {}
+    settings = _settings(steps=12, scheduler=name, **specific)
+    megatron = _megatron_lrs(settings, 12)
+    expected = _transformers_lrs(name, HOST["lr"], HOST["num_warmup_steps"], 12, **specific)
+    assert megatron == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    if name != "constant":
+        assert megatron[0] == 0.0 and megatron[3] == pytest.approx(1e-3)  # warmup from 0, then the peak
+
+
+def test_cosine_and_linear_decay_values():
+    # lr 1, 2 warmup steps, 6 steps: warmup 0, 1/2; decay over steps 2..6
+    cosine = _megatron_lrs(_settings(steps=6, lr=1.0, num_warmup_steps=2, scheduler="cosine"), 6)
+    linear = _megatron_lrs(_settings(steps=6, lr=1.0, num_warmup_steps=2, scheduler="linear"), 6)
+    decay = [(step - 2) / 4 for step in range(2, 6)]
+    assert cosine == pytest.approx([0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * r)) for r in decay])
+    assert linear == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+    floored_settings = _settings(steps=6, lr=1.0, num_warmup_steps=2, scheduler="cosine_with_min_lr", min_lr=0.2)
+    floored = _megatron_lrs(floored_settings, 6)
+    assert floored[4] == pytest.approx(0.2 + 0.8 * 0.5) and min(floored[2:]) >= 0.2
+
+
+def test_host_values_and_overrides_reach_the_optimizer_config():
+    config = _settings(adam_betas=[0.8, 0.95], weight_decay=0.05, max_grad_norm=2.0).config
+    assert (config.lr, config.adam_beta1, config.adam_beta2) == (1e-3, 0.8, 0.95)
+    assert (config.weight_decay, config.clip_grad, config.min_lr) == (0.05, 2.0, 0.0)
+    assert not config.bf16 and config.params_dtype == torch.float32
+
+    overridden = _settings(kwargs={"lr": 3e-4, "adam_beta2": 0.98, "clip_grad": 0.0, "min_lr": 1e-5}).config
+    assert (overridden.lr, overridden.adam_beta2, overridden.clip_grad, overridden.min_lr) == (3e-4, 0.98, 0.0, 1e-5)
+
+    bf16 = _settings(dtype="bf16").config
+    assert bf16.bf16 and bf16.params_dtype == torch.bfloat16 and bf16.main_params_dtype == torch.float32
+    assert _settings(max_grad_norm=None).config.clip_grad == 0.0  # null: no clipping
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"scheduler": "polynomial"}, r"scheduler='polynomial' is not supported; use one of \['constant'"),
+        ({"scheduler": "cosine_with_min_lr"}, "needs a floor: set optimizer_config.min_lr"),
+        ({"scheduler": "cosine", "num_warmup_steps": 10}, "10 optimizer step.* num_warmup_steps=10"),
+        ({"adam_betas": [0.9]}, r"adam_betas must be two numbers in \[0, 1\)"),
+        ({"lr": None}, "optimizer_config.lr is required"),
+    ],
+)
+def test_bad_host_config_names_the_key(change, message):
+    with pytest.raises(OptimizerSettingsError, match=message):
+        _settings(**change)
+
+
+def test_bad_overrides_and_dtype_are_rejected():
+    with pytest.raises(OptimizerSettingsError, match=r"unknown OptimizerConfig field\(s\) \['adam_beta3'\]"):
+        _settings(kwargs={"adam_beta3": 0.5})
+    with pytest.raises(OptimizerSettingsError, match="model dtype 'fp16'"):
+        _settings(dtype="fp16")
+
+
+# ----------------------------------------------------------------------------------------------
+# On a real model (bf16, distributed optimizer, world 1)
+# ----------------------------------------------------------------------------------------------
+
+
+def _adam_and_skip(rank, world, hf_dir):
+    from megatron.core.distributed import finalize_model_grads
+
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.optim import optimizer_step
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    built = build_model(
+        ModelSpec(hf_dir, dtype="bf16", wrap_with_ddp=True, ddp_config={"use_distributed_optimizer": True})
+    )
+    (model,) = built.chunks
+    host = {**HOST, "adam_betas": [0.8, 0.95], "num_warmup_steps": 0, "max_grad_norm": 0.0, "scheduler": "linear"}
+    settings = OptimizerSettings.from_host_config(host, {}, num_training_steps=4, dtype="bf16")
+    optimizer = settings.build_optimizer(built.chunks)
+    scheduler = settings.build_scheduler(optimizer)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).unsqueeze(0)
+
+    def backward(poison: bool):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        model(tokens[:, :-1], positions[:, :-1], None, labels=tokens[:, 1:]).float().mean().backward()
+        finalize_model_grads([model])
+        if poison:
+            next(model.parameters()).main_grad.view(-1)[0] = float("nan")
+
+    def snapshot():
+        params = [p.detach().clone() for p in model.parameters()]
+        adam = [
+            {k: v.clone() for k, v in inner.optimizer.state[p].items()}
+            for inner in optimizer.chained_optimizers
+            for group in inner.optimizer.param_groups
+            for p in group["params"]
+        ]
+        return params, adam
+
+    inner_groups = [g for inner in optimizer.chained_optimizers for g in inner.optimizer.param_groups]
+    report = {
+        "betas": {tuple(g["betas"]) for g in inner_groups},
+        "model_dtypes": {p.dtype for p in model.parameters()},
+        "main_dtypes": {p.dtype for g in inner_groups for p in g["params"]},
+    }
+
+    backward(poison=False)
+    first = optimizer_step(optimizer, scheduler)
+    # one Adam step from zero state: m = (1 - b1) g, v = (1 - b2) g^2 on the fp32 main grads
+    moments_ok = []
+    for inner in optimizer.chained_optimizers:
+        for group in inner.optimizer.param_groups:
+            for main_param in group["params"]:
+                state, grad = inner.optimizer.state[main_param], main_param.grad
+                moments_ok.append(
+                    torch.allclose(state["exp_avg"], (1 - 0.8) * grad, rtol=1e-6, atol=0)
+                    and torch.allclose(state["exp_avg_sq"], (1 - 0.95) * grad * grad, rtol=1e-6, atol=0)
+                )
+    report["moments_ok"] = moments_ok
+    report["first"] = first
+
+    params_before, adam_before = snapshot()
+    backward(poison=True)
+    report["poisoned"] = optimizer_step(optimizer, scheduler)
+    params_after, adam_after = snapshot()
+    report["params_untouched"] = all(torch.equal(a, b) for a, b in zip(params_before, params_after))
+    report["adam_untouched"] = all(
+        all(torch.equal(before[k], after[k]) for k in before) for before, after in zip(adam_before, adam_after)
+    )
+    report["steps_after_skip"] = scheduler.num_steps
+
+    backward(poison=False)
+    report["recovered"] = optimizer_step(optimizer, scheduler)
+    report["params_finite"] = all(torch.isfinite(p).all().item() for p in model.parameters())
+    report["steps_at_end"] = scheduler.num_steps
+    return report
+
+
+@pytest.mark.slow
+def test_adam_betas_bf16_main_params_and_skipped_steps_on_a_model(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=1))
+    (report,) = run_on_ranks(_adam_and_skip, 1, hf_dir, timeout=300)
+
+    assert report["betas"] == {(0.8, 0.95)}
+    assert report["model_dtypes"] == {torch.bfloat16} and report["main_dtypes"] == {torch.float32}
+    assert report["moments_ok"] and all(report["moments_ok"])
+    first, poisoned, recovered = report["first"], report["poisoned"], report["recovered"]
+    assert not first.skipped and math.isfinite(first.grad_norm) and first.lr == pytest.approx(1e-3)
+
+    assert poisoned.skipped and math.isnan(poisoned.grad_norm)
+    assert report["params_untouched"] and report["adam_untouched"]
+    assert report["steps_after_skip"] == 1  # the schedule did not advance
+    assert poisoned.lr == pytest.approx(0.75e-3)  # linear decay over 4 steps, after one step
+
+    assert not recovered.skipped and recovered.lr == pytest.approx(0.75e-3)
+    assert report["params_finite"] and report["steps_at_end"] == 2
