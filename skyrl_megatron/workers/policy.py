@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from pathlib import Path
-
-import torch
 
 from skyrl_megatron import host
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+from skyrl_megatron.compute.runner import RESPONSE_KEYS, MicroBatching
 from skyrl_megatron.optim import OptimizerSettings, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
-from skyrl_megatron.compute.runner import RESPONSE_KEYS, MicroBatching
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +99,8 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             self.scheduler,
             step=int(self.scheduler.num_steps),
             extra={"skipped_steps": self.skipped_steps},
+            tokenizer=tokenizer,  # inside the atomic save
         )
-        if tokenizer is not None and torch.distributed.get_rank() == 0:
-            tokenizer.save_pretrained(Path(ckpt_dir) / "tokenizer")
 
     def load_checkpoint(self, ckpt_dir, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
         state = load_checkpoint(
@@ -113,6 +109,9 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             self.optimizer if load_optimizer_states else None,
             self.scheduler if load_lr_scheduler_states else None,
         )
+        if not load_optimizer_states:
+            # bf16: the optimizer's fp32 main params would overwrite the loaded weights at the next step
+            self.optimizer.reload_model_params()
         self.skipped_steps = int(state.extra.get("skipped_steps", 0))
         return {"step": state.step, **state.extra}
 
