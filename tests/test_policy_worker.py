@@ -132,7 +132,7 @@ def test_layout_matches_world1(models, family, name, world, layout):
     _assert_same_training(runs, model["world1"])
 
 
-def _host_loss_terms(hf_dir: str, loss_type: str, noise: float) -> dict[str, float]:
+def _host_loss_terms(hf_dir: str, overrides: list[str], noise: float) -> dict[str, float]:
     """The host's loss math on the host's own HF logprobs/entropy of the same batch."""
     from skyrl_megatron import host
     from skyrl_megatron.cli import compose_config
@@ -154,11 +154,9 @@ def _host_loss_terms(hf_dir: str, loss_type: str, noise: float) -> dict[str, flo
     mask = batch["loss_mask"]
     old = perturb_logprobs(logprobs.float(), mask, noise, seed=5)
     base = old - 0.1 * mask
-    cfg = compose_config(
-        [f"trainer.algorithm.policy_loss_type={loss_type}", f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}"]
-    )
+    cfg = compose_config([*overrides, f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}"])
     algorithm = cfg.trainer.algorithm
-    policy_loss, clip_ratio = PolicyLossRegistry.get(loss_type)(
+    policy_loss, clip_ratio = PolicyLossRegistry.get(algorithm.policy_loss_type)(
         logprobs, old, batch["advantages"], config=algorithm, loss_mask=mask, rollout_logprobs=batch["rollout_logprobs"]
     )
     kl = masked_mean(compute_approx_kl(logprobs, base, loss_mask=mask, kl_estimator_type="k3"), mask, dim=-1).mean()
@@ -170,13 +168,29 @@ def _host_loss_terms(hf_dir: str, loss_type: str, noise: float) -> dict[str, flo
     }
 
 
+# every policy-loss type with a different loss reduction; TIS (truncated importance sampling) once
+LOSS_CASES = {
+    "regular-token_mean-tis": ("regular", "token_mean", True),
+    "dual_clip-seq_mean_token_sum_norm": ("dual_clip", "seq_mean_token_sum_norm", False),
+    "gspo-sequence_mean": ("gspo", "sequence_mean", False),
+    "cispo-token_mean": ("cispo", "token_mean", False),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["regular", "dual_clip", "gspo", "cispo"])
-def test_single_rank_step_reproduces_host_loss_math(models, loss_type):
+@pytest.mark.parametrize("case", sorted(LOSS_CASES))
+def test_single_rank_step_reproduces_host_loss_math(models, case):
+    loss_type, reduction, tis = LOSS_CASES[case]
     hf_dir = models("qwen3")["dir"]
     noise = 0.3  # old logprobs off-policy, so ratios leave 1 and clipping engages
-    want = _host_loss_terms(hf_dir, loss_type, noise)
-    overrides = (*HOST_OVERRIDES, f"trainer.algorithm.policy_loss_type={loss_type}")
+    algorithm = [
+        f"trainer.algorithm.policy_loss_type={loss_type}",
+        f"trainer.algorithm.loss_reduction={reduction}",
+        f"trainer.algorithm.use_tis={str(tis).lower()}",
+        "trainer.algorithm.tis_imp_ratio_cap=2.0",
+    ]
+    want = _host_loss_terms(hf_dir, [*HOST_OVERRIDES, *algorithm], noise)
+    overrides = (*HOST_OVERRIDES, *algorithm)
     (result,) = run_on_ranks(
         policy_steps,
         1,
@@ -192,4 +206,4 @@ def test_single_rank_step_reproduces_host_loss_math(models, loss_type):
     if loss_type != "gspo":
         assert want["ppo_clip_ratio"] > 0, "the test batch should clip some tokens"
     for name, value in want.items():
-        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{loss_type} {name}: {got[name]} vs host {value}"
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{case} {name}: {got[name]} vs host {value}"
