@@ -360,3 +360,31 @@ def weight_chunk(bucket):
     from skyrl_train.weight_sync import WeightChunk
 
     return WeightChunk(names=bucket.names, dtypes=bucket.dtypes, shapes=bucket.shapes, tensors=bucket.tensors)
+
+
+def inference_engine_interface():
+    """The host's ``InferenceEngineInterface``: what its InferenceEngineClient and generators drive."""
+    from skyrl_train.inference_engines.base import InferenceEngineInterface
+
+    return InferenceEngineInterface
+
+
+def weight_update_request_base():
+    """The host's ``WeightUpdateRequest`` (names, dtypes, shapes), base of every weight-sync request."""
+    from skyrl_train.weight_sync.base import WeightUpdateRequest
+
+    return WeightUpdateRequest
+
+
+def lora_load_request_class():
+    """The host's ``LoraLoadRequest`` (load adapters from disk instead of receiving tensors)."""
+    from skyrl_train.weight_sync.base import LoraLoadRequest
+
+    return LoraLoadRequest
+
+
+def ray_wrapped_inference_engine(actor):
+    """The host's ``RayWrappedInferenceEngine`` around an engine actor handle (how the host holds engines)."""
+    from skyrl_train.inference_engines.ray_wrapped_inference_engine import RayWrappedInferenceEngine
+
+    return RayWrappedInferenceEngine(actor)

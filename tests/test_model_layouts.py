@@ -22,16 +22,15 @@ def _tokens(vocab: int = 256) -> torch.Tensor:
     return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def _megatron_logits_and_export(rank, world_size, hf_dir: str, layout: dict):
+def _megatron_logits_and_export(rank: int, hf_dir: str, layout: dict):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from skyrl_megatron.compute.packing import ContextParallelSplit
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
-    init_distributed("cpu")
     parallel = ParallelConfig(**layout)
     coords = initialize_model_parallel(parallel)
     built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32"))
@@ -65,6 +64,31 @@ def _hf_reference(hf_dir: str):
     for path in glob.glob(f"{hf_dir}/*.safetensors"):
         files.update(load_file(path))
     return logits, files
+
+
+def _run_layouts(rank, world_size, hf_dir: str, jobs: list[tuple[str, str, dict]]):
+    """Every (name, kind, layout) job of one world size in one spawn of ranks: process start-up and
+    imports dominate a tiny model's run, and Megatron's groups can be rebuilt in place."""
+    from skyrl_megatron.parallel import init_distributed
+
+    init_distributed("cpu")
+    run = {"padded": _megatron_logits_and_export, "packed": _megatron_packed_logits}
+    return {(name, kind): run[kind](rank, hf_dir, layout) for name, kind, layout in jobs}
+
+
+@pytest.fixture(scope="module")
+def layout_results(checkpoints):
+    """results[(name, kind)] per rank, computed once per (family, world size)."""
+    cache = {}
+
+    def get(family: str, world: int):
+        if (family, world) not in cache:
+            jobs = [(name, "padded", layout) for f, name, w, layout in CASES if f == family and w == world]
+            jobs += [(name, "packed", layout) for f, name, w, layout in PACKED_CASES if f == family and w == world]
+            cache[(family, world)] = run_on_ranks(_run_layouts, world, checkpoints(family)[0], jobs, timeout=900)
+        return cache[(family, world)]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +129,9 @@ CASES = [(f, name, *LAYOUTS[name]) for f in FAMILIES for name in LAYOUTS] + [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,layout_name,world,layout", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_layout_matches_hf_logits_and_exports_bitwise(checkpoints, family, layout_name, world, layout):
+def test_layout_matches_hf_logits_and_exports_bitwise(checkpoints, layout_results, family, layout_name, world, layout):
     hf_dir, hf_logits, hf_files = checkpoints(family)
-    results = run_on_ranks(_megatron_logits_and_export, world, hf_dir, layout, timeout=600)
+    results = [per_rank[(layout_name, "padded")] for per_rank in layout_results(family, world)]
     with_logits = [r for r in results if r["logits"] is not None]
     assert with_logits, "no rank returned logits (last pipeline stage missing?)"
     for result in with_logits:
@@ -134,7 +158,7 @@ def _packed_sequences() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (n,), generator=gen) for n in PACKED_LENGTHS]
 
 
-def _megatron_packed_logits(rank, world_size, hf_dir: str, layout: dict):
+def _megatron_packed_logits(rank: int, hf_dir: str, layout: dict):
     """Logits per sequence of a skyrl-style padded batch, packed into one THD micro-batch."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -142,9 +166,8 @@ def _megatron_packed_logits(rank, world_size, hf_dir: str, layout: dict):
     from skyrl_megatron.compute.packing import ContextParallelSplit, pack_padded_batch, unpack_to_padded
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
-    init_distributed("cpu")
     parallel = ParallelConfig(**layout)
     coords = initialize_model_parallel(parallel)
     built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32"))
@@ -176,14 +199,15 @@ def _megatron_packed_logits(rank, world_size, hf_dir: str, layout: dict):
 @pytest.mark.parametrize(
     "family,layout_name,world,layout", PACKED_CASES, ids=[f"{c[0]}-{c[1]}-packed" for c in PACKED_CASES]
 )
-def test_packed_layout_matches_hf_logits_per_sequence(checkpoints, family, layout_name, world, layout):
+def test_packed_layout_matches_hf_logits_per_sequence(checkpoints, layout_results, family, layout_name, world, layout):
     from transformers import AutoModelForCausalLM
 
     hf_dir = checkpoints(family)[0]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         expected = [model(sequence.unsqueeze(0)).logits[0] for sequence in _packed_sequences()]
-    results = [r for r in run_on_ranks(_megatron_packed_logits, world, hf_dir, layout, timeout=600) if r is not None]
+    per_rank = [results[(layout_name, "packed")] for results in layout_results(family, world)]
+    results = [r for r in per_rank if r is not None]
     assert results, "no rank returned logits (last pipeline stage missing?)"
     for per_sequence in results:
         for logits, reference in zip(per_sequence, expected, strict=True):
