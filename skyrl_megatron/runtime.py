@@ -331,3 +331,12 @@ def _patch_megatron_for_cpu() -> None:
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    # Activation recompute saves and restores "CUDA" RNG states around each checkpointed block. On
+    # CPU every random draw comes from the CPU generator, which Megatron saves and restores beside
+    # it, so the device state is a placeholder that restoring must not touch.
+    with quiet_megatron_import():
+        from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
