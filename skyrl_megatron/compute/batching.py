@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from skyrl_megatron.compute.packing import PackedBatch, pack_padded_batch, packing_alignment, unpack_to_padded
+from skyrl_megatron.compute.packing import (
+    PackedBatch,
+    pack_padded_batch,
+    packed_lengths,
+    packing_alignment,
+    round_up,
+    unpack_to_padded,
+)
 from skyrl_megatron.parallel import ParallelConfig
 
 IGNORE_LABEL = -100
@@ -50,9 +57,6 @@ class RowSpans:
             )
         return cls(start=start.long(), length=length.long())
 
-    def select(self, rows: torch.Tensor) -> "RowSpans":
-        return RowSpans(start=self.start[rows], length=self.length[rows])
-
 
 @dataclass(frozen=True)
 class PackingSettings:
@@ -77,10 +81,6 @@ class PackingSettings:
         return packing_alignment(self.parallel)[1]
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 @dataclass
 class ModelInputs:
     """One micro-batch as the model consumes it, and how to map its per-token outputs back."""
@@ -92,10 +92,6 @@ class ModelInputs:
     spans: RowSpans
     host_columns: int  # S
     packed: PackedBatch | None = None  # the packing, for mapping outputs back
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.spans.length.sum())
 
     def to_host_columns(self, per_token: torch.Tensor) -> torch.Tensor:
         """Per-token outputs in the model layout -> [b, S] in the host's columns (0 at padding)."""
@@ -123,13 +119,6 @@ def _host_labels(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch
     return labels
 
 
-def _next_token_labels(tokens: torch.Tensor, length: int) -> torch.Tensor:
-    labels = torch.full_like(tokens, IGNORE_LABEL)
-    if length > 1:
-        labels[: length - 1] = tokens[1:length]
-    return labels
-
-
 def build_model_inputs(
     sequences: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -147,23 +136,22 @@ def build_model_inputs(
     spans = RowSpans.from_attention_mask(attention_mask)
     if settings.packed:
         return _packed_inputs(sequences, attention_mask, spans, settings, pad_token_id, padded_shape)
-    b, host_columns = sequences.shape
-    rows = [sequences[i, int(spans.start[i]) : int(spans.start[i] + spans.length[i])] for i in range(b)]
-    return _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape)
+    return _padded_inputs(sequences, attention_mask, spans, settings, pad_token_id, padded_shape)
 
 
-def _padded_inputs(rows, spans, host_columns, settings, pad_token_id, padded_shape) -> ModelInputs:
-    width = _round_up(max([len(r) for r in rows] + [1]), settings.row_align)
-    num_rows = len(rows)
+def _padded_inputs(sequences, attention_mask, spans, settings, pad_token_id, padded_shape) -> ModelInputs:
+    host_columns = sequences.shape[1]
+    num_rows, width = sequences.shape[0], round_up(max([*spans.length.tolist(), 1]), settings.row_align)
     if padded_shape is not None:
         if padded_shape[0] < num_rows or padded_shape[1] < width:
             raise ValueError(f"padded_shape {padded_shape} is smaller than the micro-batch ({num_rows}, {width})")
         num_rows, width = padded_shape
     input_ids = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
     labels = torch.full((num_rows, width), IGNORE_LABEL, dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, : len(row)] = row
-        labels[i] = _next_token_labels(input_ids[i], len(row))
+    host_labels = _host_labels(sequences, attention_mask)
+    for i, (start, length) in enumerate(zip(spans.start.tolist(), spans.length.tolist())):
+        input_ids[i, :length] = sequences[i, start : start + length]
+        labels[i, :length] = host_labels[i, start : start + length]
     position_ids = torch.arange(width).unsqueeze(0).expand(num_rows, width).contiguous()
     return ModelInputs(input_ids, position_ids, labels, None, spans, host_columns)
 
@@ -190,9 +178,16 @@ def _packed_inputs(sequences, attention_mask, spans, settings, pad_token_id, pad
     return ModelInputs(packed.tokens, packed.position_ids, labels, packed.packed_seq_params, spans, host_columns, packed)
 
 
-def model_shape(inputs: list[ModelInputs]) -> tuple[int, int]:
-    """The common model-side shape of a list of micro-batch inputs (max rows, max columns)."""
-    return max(x.input_ids.shape[0] for x in inputs), max(x.input_ids.shape[1] for x in inputs)
+def model_shape(group_lengths: list[list[int]], settings: PackingSettings) -> tuple[int, int]:
+    """The smallest model-side shape (rows, columns) that holds every micro-batch, whose rows have
+    `group_lengths` real tokens each; computed from the lengths, without building the inputs."""
+    groups = [lengths for lengths in group_lengths if lengths]
+    if not groups:
+        return 1, settings.row_align
+    if settings.packed:
+        return 1, max(sum(packed_lengths(lengths, settings.parallel)) for lengths in groups)
+    widest = max(max(lengths) for lengths in groups)
+    return max(len(lengths) for lengths in groups), round_up(max(widest, 1), settings.row_align)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -159,6 +159,17 @@ def packing_alignment(parallel: ParallelConfig) -> tuple[int, int]:
     return per_sequence, total
 
 
+def packed_lengths(seq_lengths: Sequence[int], parallel: ParallelConfig, min_tokens: int = 0) -> list[int]:
+    """Each sequence's length in the packed row (alignment padding included; they sum to T)."""
+    per_sequence, total = packing_alignment(parallel)
+    padded = [round_up(n, per_sequence) for n in seq_lengths]
+    padded[-1] += round_up(sum(padded), total) - sum(padded)
+    if min_tokens % total:
+        raise ValueError(f"min_tokens={min_tokens} is not a multiple of the row alignment {total}")
+    padded[-1] += max(0, min_tokens - sum(padded))
+    return padded
+
+
 def pack_padded_batch(
     tokens: Tensor,
     attention_mask: Tensor,
@@ -185,12 +196,7 @@ def pack_padded_batch(
     seq_lengths = tuple(int(n) for n in mask.sum(dim=1).tolist())
     if not any(seq_lengths):
         raise ValueError("the batch has no tokens (attention_mask is all zero)")
-    per_sequence, total = packing_alignment(parallel)
-    padded = [_round_up(n, per_sequence) for n in seq_lengths]
-    padded[-1] += _round_up(sum(padded), total) - sum(padded)
-    if min_tokens % total:
-        raise ValueError(f"min_tokens={min_tokens} is not a multiple of the row alignment {total}")
-    padded[-1] += max(0, min_tokens - sum(padded))
+    padded = packed_lengths(seq_lengths, parallel, min_tokens)
     starts = [0]
     for length in padded:
         starts.append(starts[-1] + length)

@@ -24,6 +24,7 @@ from skyrl_megatron.compute.batching import (
     IGNORE_LABEL,
     ModelInputs,
     PackingSettings,
+    RowSpans,
     build_model_inputs,
     model_shape,
     pad_plan,
@@ -131,8 +132,6 @@ class ModelRunner:
         batching: MicroBatching,
         response: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[list[_MicroBatch], tuple[int, int]]:
-        from skyrl_megatron.compute.batching import RowSpans
-
         spans = RowSpans.from_attention_mask(attention_mask)
         packed = batching.packed or batching.max_tokens is not None
         plan = plan_micro_batches(
@@ -148,13 +147,8 @@ class ModelRunner:
             count = -(-count // self.parallel.pipeline) * self.parallel.pipeline
         plan = pad_plan(plan, count)
         settings = self._packing(packed)
-        inputs = [
-            build_model_inputs(sequences[rows], attention_mask[rows], settings, pad_token_id=self.pad_token_id)
-            for rows in plan.groups
-            if rows.numel()
-        ]
         # pipeline stages exchange fixed-shape activations: give every micro-batch the same shape
-        shape = model_shape(inputs) if inputs else (1, settings.row_align)
+        shape = model_shape([spans.length[rows].tolist() for rows in plan.groups], settings)
         if not packed:
             shape = (max(shape[0], batching.micro_batch_size), shape[1])
         micro_batches = []

@@ -92,9 +92,10 @@ class MegatronWorkerMixin:
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def _forward_batching(self) -> MicroBatching:
+    def _batching(self, micro_batch_size: int) -> MicroBatching:
+        """Rows per micro-batch from the host's config; the token budget, when set, wins (and packs)."""
         return MicroBatching(
-            micro_batch_size=int(self.cfg.trainer.micro_forward_batch_size_per_gpu),
+            micro_batch_size=int(micro_batch_size),
             max_tokens=self.megatron_cfg.max_tokens_per_microbatch,
             packed=bool(self.cfg.trainer.use_sample_packing),
         )
@@ -106,7 +107,7 @@ class MegatronWorkerMixin:
             data["sequences"],
             data["attention_mask"],
             response_length,
-            self._forward_batching(),
+            self._batching(self.cfg.trainer.micro_forward_batch_size_per_gpu),
             temperature=float(self.cfg.generator.sampling_params.temperature),
         )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here

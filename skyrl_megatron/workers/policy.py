@@ -8,7 +8,7 @@ from collections import defaultdict
 from skyrl_megatron import host
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
-from skyrl_megatron.compute.runner import RESPONSE_KEYS, MicroBatching
+from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.optim import OptimizerSettings, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
@@ -36,13 +36,6 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.runner.attach_optimizer(self.optimizer)
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
         self.skipped_steps = 0
-
-    def _train_batching(self) -> MicroBatching:
-        return MicroBatching(
-            micro_batch_size=int(self.cfg.trainer.micro_train_batch_size_per_gpu),
-            max_tokens=self.megatron_cfg.max_tokens_per_microbatch,
-            packed=bool(self.cfg.trainer.use_sample_packing),
-        )
 
     def ppo_train(self, train_data):
         """Epochs x mini-batches of the rank's rows; one optimizer step per mini-batch."""
@@ -73,7 +66,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                     batch["attention_mask"],
                     response,
                     self.objective,
-                    self._train_batching(),
+                    self._batching(trainer.micro_train_batch_size_per_gpu),
                     temperature=temperature,
                     dp_group=ps.get_data_parallel_group(),
                 )
