@@ -11,7 +11,8 @@ A checkpoint directory holds
 Model and optimizer state are stored in Megatron's global (layout-independent) form, so a
 checkpoint saved under one parallel layout loads under another; the distributed optimizer saves
 its state `fully_reshardable` for that reason. RNG states belong to ranks and are restored only
-under the layout they were saved with.
+under the layout they were saved with. A model carrying LoRA adapters stores only the adapters
+(its base is frozen and is rebuilt from the HF checkpoint); the metadata's `model_state` says which.
 
 Saving is atomic: every rank writes into a `.<name>.partial` sibling, the metadata file is written
 last, and rank 0 renames the directory into place after all ranks finished. An existing checkpoint
@@ -39,6 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from skyrl_megatron.model.lora import is_adapter_name
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -51,6 +54,8 @@ TOKENIZER_SUBDIR = "huggingface"
 # shard's full optimizer state (12 bytes a parameter) on DP rank 0, and loading reads it on every
 # rank before each keeps its slice.
 OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
+MODEL_STATE_FULL = "full"
+MODEL_STATE_ADAPTERS = "adapters"
 _PARTIAL_SUFFIX = ".partial"
 _REPLACED_SUFFIX = ".replaced"
 
@@ -169,6 +174,7 @@ class CheckpointMetadata:
     optimizer: str | None  # "distributed", "plain", or None when no optimizer state was saved
     has_scheduler: bool
     files: dict[str, int]  # shard file (relative to DIST_SUBDIR) -> size in bytes
+    model_state: str = MODEL_STATE_FULL  # MODEL_STATE_FULL | MODEL_STATE_ADAPTERS (LoRA: adapters only)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -185,6 +191,7 @@ class CheckpointMetadata:
             optimizer=data["optimizer"],
             has_scheduler=data["has_scheduler"],
             files=data["files"],
+            model_state=data.get("model_state", MODEL_STATE_FULL),
             format_version=data["format_version"],
         )
 
@@ -234,7 +241,10 @@ def save_checkpoint(
 
     from megatron.core import dist_checkpointing
 
-    sharded = _sharded_training_state(chunks, optimizer, scheduler, is_loading=False, with_rng=True)
+    model_state = _model_state(chunks)  # collective: every rank takes part
+    sharded = _sharded_training_state(
+        chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
+    )
     # returns after a barrier: every rank's shards are on disk
     dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR))
     if dist.get_rank() == 0:
@@ -246,6 +256,7 @@ def save_checkpoint(
             optimizer=None if optimizer is None else _optimizer_kind(optimizer),
             has_scheduler=scheduler is not None,
             files=_file_sizes(partial / DIST_SUBDIR),
+            model_state=model_state,
         )
         _write_durably(partial / METADATA_FILE, metadata.to_json())
     _commit(partial, final)
@@ -272,6 +283,7 @@ def load_checkpoint(
     path = Path(ckpt_dir).absolute()
     metadata = read_checkpoint_metadata(path)
     _check_same_model(metadata, chunks, path)
+    _check_same_model_state(metadata, chunks, path)
     _check_files(metadata, path)
     if optimizer is not None and metadata.optimizer != _optimizer_kind(optimizer):
         raise CheckpointMismatchError(
@@ -284,7 +296,9 @@ def load_checkpoint(
 
     layout = Layout.current(chunks)
     same_layout = layout == metadata.layout
-    sharded = _sharded_training_state(chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
+    sharded = _sharded_training_state(
+        chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout, model_state=metadata.model_state
+    )
     _use_fresh_buffers(sharded)
     loaded = _agree_on_all_ranks(
         lambda: dist_checkpointing.load(
@@ -297,7 +311,7 @@ def load_checkpoint(
 
     # every rank holds its complete state now: only copies from here on
     for index, chunk in enumerate(chunks):
-        _unwrap(chunk).load_state_dict(loaded[f"model{index}"], strict=strict)
+        _load_model_state(_unwrap(chunk), loaded[f"model{index}"], metadata.model_state, strict=strict)
     if optimizer is not None:
         _load_optimizer_state(optimizer, loaded["optimizer"])
     if scheduler is not None:
@@ -354,6 +368,7 @@ def save_hf_model(
     tokenizer=None,
     *,
     max_shard_bytes: int = 5 * 1024**3,
+    adapters_only: bool = False,
 ) -> Path:
     """Write the model as a Hugging Face checkpoint (config, safetensors shards, tokenizer).
 
@@ -361,8 +376,12 @@ def save_hf_model(
     in gathering the weights (the bridge hands each rank full tensors under HF names); rank 0
     writes them shard by shard, so it holds at most one shard in memory. Published atomically
     like `save_checkpoint`; an existing export there is replaced, any other non-empty directory
-    refused.
+    refused. A model with LoRA adapters is written merged (base + scale * BA); with
+    `adapters_only`, as a PEFT adapter directory instead (adapter_config.json and
+    adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, export_dir)`).
     """
+    if adapters_only:
+        return _save_peft_adapter(Path(export_dir).absolute(), built_model, tokenizer)
     final = Path(export_dir).absolute()
     _check_replaceable(final, marker="config.json", what="a Hugging Face checkpoint")
     partial = _sibling(final, _PARTIAL_SUFFIX)
@@ -373,12 +392,30 @@ def save_hf_model(
         built_model.bridge.hf_pretrained.save_artifacts(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
-    weights = built_model.bridge.export_hf_weights(built_model.chunks, cpu=True, show_progress=False)
+    weights = built_model.bridge.export_hf_weights(
+        built_model.chunks, cpu=True, show_progress=False, merge_adapter_weights=True
+    )
     if rank == 0:
         _write_safetensors(weights, partial, max_shard_bytes)
     else:
         for _ in weights:  # the gather is collective; only rank 0 keeps the tensors
             pass
+    _commit(partial, final)
+    return final
+
+
+def _save_peft_adapter(final: Path, built_model, tokenizer) -> Path:
+    from skyrl_megatron.model.lora import PEFT_CONFIG_FILE, PeftAdapter
+
+    _check_replaceable(final, marker=PEFT_CONFIG_FILE, what="a PEFT adapter directory")
+    partial = _sibling(final, _PARTIAL_SUFFIX)
+    adapter = PeftAdapter.export(built_model)  # collective
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        adapter.save(partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
     _commit(partial, final)
     return final
 
@@ -429,8 +466,11 @@ def _write_safetensors(named_tensors, out_dir: Path, max_shard_bytes: int) -> No
 # ----------------------------------------------------------------------------------------------
 
 
-def _sharded_training_state(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool) -> dict:
-    """Megatron's sharded state dict: model chunks, optimizer, scheduler and this rank's RNG."""
+def _sharded_training_state(
+    chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool, model_state: str
+) -> dict:
+    """Megatron's sharded state dict: model chunks (all weights, or only the LoRA adapters), optimizer,
+    scheduler and this rank's RNG."""
     from megatron.core import parallel_state as ps
 
     metadata = {
@@ -442,9 +482,12 @@ def _sharded_training_state(chunks, optimizer, scheduler, *, is_loading: bool, w
         "singleton_local_shards": False,
         "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
     }
-    state: dict[str, Any] = {
-        f"model{index}": _unwrap(chunk).sharded_state_dict(metadata=metadata) for index, chunk in enumerate(chunks)
-    }
+    state: dict[str, Any] = {}
+    for index, chunk in enumerate(chunks):
+        chunk_state = _unwrap(chunk).sharded_state_dict(metadata=metadata)
+        if model_state == MODEL_STATE_ADAPTERS:
+            chunk_state = {key: value for key, value in chunk_state.items() if is_adapter_name(key)}
+        state[f"model{index}"] = chunk_state
     if optimizer is not None:
         _materialise_adam_state(optimizer)
         # the optimizer finds its parameters through the model's sharded tensors
@@ -454,6 +497,36 @@ def _sharded_training_state(chunks, optimizer, scheduler, *, is_loading: bool, w
     if with_rng:
         state["rng_state"] = _rng_sharded_object(None if is_loading else _capture_rng())
     return state
+
+
+def _model_state(chunks) -> str:
+    """MODEL_STATE_ADAPTERS when the model carries LoRA adapters. Collective: a pipeline stage may hold
+    none of the adapted modules, and all ranks must save and load the same kind of state."""
+    local = any(is_adapter_name(name) for chunk in chunks for name, _ in chunk.named_parameters())
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return MODEL_STATE_ADAPTERS if flag.item() else MODEL_STATE_FULL
+
+
+def _load_model_state(model: torch.nn.Module, state: dict, model_state: str, *, strict: bool) -> None:
+    if model_state == MODEL_STATE_FULL:
+        model.load_state_dict(state, strict=strict)
+        return
+    # Adapters only: the frozen base stays as built. Megatron-Bridge's adapter wrappers name the base
+    # weights differently in state_dict() and in the module tree, so a strict load cannot be used;
+    # every adapter tensor was requested from the checkpoint, which dist_checkpointing enforced.
+    result = model.load_state_dict(state, strict=False)
+    missing_adapters = [key for key in result.missing_keys if is_adapter_name(key)]
+    if strict and (missing_adapters or result.unexpected_keys):
+        raise CheckpointMismatchError(
+            f"adapter state does not fit the model: missing {missing_adapters}, unexpected {result.unexpected_keys}"
+        )
+
+
+def _collective_device() -> torch.device:
+    from skyrl_megatron.runtime import current_runtime
+
+    return current_runtime().torch_device
 
 
 def _materialise_adam_state(optimizer) -> None:
@@ -586,6 +659,17 @@ def _check_same_model(metadata: CheckpointMetadata, chunks, path: Path) -> None:
         )
 
 
+def _check_same_model_state(metadata: CheckpointMetadata, chunks, path: Path) -> None:
+    current = _model_state(chunks)
+    if current != metadata.model_state:
+        what = {MODEL_STATE_FULL: "a fully trained model", MODEL_STATE_ADAPTERS: "LoRA adapters only"}
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds {what[metadata.model_state]}, but the model to load into "
+            f"{'carries' if current == MODEL_STATE_ADAPTERS else 'has no'} LoRA adapters; build it with the "
+            f"LoRA settings it was saved with (trainer.policy.model.lora.rank)"
+        )
+
+
 def _check_files(metadata: CheckpointMetadata, path: Path) -> None:
     """Every shard file recorded at save time is there, with its size (catches deleted and
     truncated files without reading them)."""
@@ -708,3 +792,15 @@ def _plain(value: Any) -> Any:
     if callable(value):
         return getattr(value, "__name__", type(value).__name__)
     return str(getattr(value, "value", value))
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike) -> CheckpointMetadata:
+    """The metadata of a complete checkpoint; CheckpointError if it is missing, partial or truncated.
+
+    Reads only the metadata and file sizes (no tensors, no process group), so tools and tests can vet
+    a checkpoint directory before pointing a run at it.
+    """
+    path = Path(ckpt_dir).absolute()
+    metadata = read_checkpoint_metadata(path)
+    _check_files(metadata, path)
+    return metadata

@@ -5,6 +5,7 @@
 
 The config is the host's ``ppo_base_config`` plus our ``megatron`` group (see
 ``config/skyrl_megatron.yaml``); every Hydra flag works (``--help``, ``--cfg job``, ...).
+``skyrl-megatron plan ...`` is the memory planner instead (``skyrl_megatron/planner``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def _train(cfg) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["plan"]:  # the memory planner has its own flags; Hydra never sees them
+        from skyrl_megatron.planner.cli import main as plan
+
+        sys.exit(plan(sys.argv[2:]))
     sys.argv = [sys.argv[0], *_normalise_overrides(sys.argv[1:])]
     _train()
 

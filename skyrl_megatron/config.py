@@ -393,12 +393,44 @@ def _check_against_model(prefix: str, shape: ModelShape, tp: int, pp: int, vpp: 
     return problems
 
 
+ENGINES = ("auto", "cpu")
+
+
+def check_inference_engine(cfg) -> list[Problem]:
+    """`generator.engine`: what serves the locally run engines, and what the CPU engine needs around it."""
+    generator = cfg.generator
+    engine = generator.get("engine", "auto")
+    if engine not in ENGINES:
+        return [Problem("generator.engine", f"unknown engine {engine!r}", f"use one of {', '.join(ENGINES)}")]
+    if engine != "cpu":
+        return []
+    needs = [
+        ("generator.weight_sync_backend", generator.weight_sync_backend, "gloo",
+         "the CPU engine receives weights by gloo broadcast"),
+        ("trainer.placement.colocate_all", cfg.trainer.placement.colocate_all, False,
+         "the CPU engine takes no GPU, so there is nothing to share"),
+        ("generator.run_engines_locally", generator.run_engines_locally, True,
+         "the CPU engine runs as a local Ray actor"),
+        ("generator.backend", generator.backend, "vllm",
+         "the host keys sampling parameters and its checks on the backend name; the CPU engine speaks vLLM's"),
+    ]
+    for key in ("inference_engine_tensor_parallel_size", "inference_engine_pipeline_parallel_size",
+                "inference_engine_data_parallel_size", "inference_engine_expert_parallel_size"):
+        needs.append((f"generator.{key}", generator[key], 1, "a CPU engine is one process"))
+    return [
+        Problem(key, f"is {value!r} but generator.engine=cpu needs {wanted!r} ({why})", f"set {key}={wanted}")
+        for key, value, wanted, why in needs
+        if value != wanted
+    ]
+
+
 def validate_config(cfg, *, run_host_checks: bool = True) -> None:
     """Check the whole composed config; raise one ConfigError listing every problem."""
     problems = check_strategy(cfg)
     if problems:
         raise ConfigError(problems)
     problems += check_model_paths(cfg)
+    problems += check_inference_engine(cfg)
     if cfg.trainer.strategy == "megatron":
         for role in active_roles(cfg):
             path = _model_path(cfg, role)

@@ -83,6 +83,70 @@ class _WorkerModuleAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch on a host module right after it is imported, without importing it ourselves.
+
+    Importing host modules eagerly is not an option: activation also runs in Ray's worker set-up
+    hook, where importing the host's trainer modules aborts the process.
+    """
+
+    def __init__(self, patches: dict[str, Any]):
+        self.patches = patches
+
+    def find_spec(self, fullname, path=None, target=None):
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _PatchingLoader(spec.loader, patch)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+# The module whose `create_ray_wrapped_inference_engines_from_config` BasePPOExp._setup_trainer calls.
+_ENTRYPOINT_MODULE = "skyrl_train.entrypoints.main_base"
+
+
+def _route_local_engines(main_base) -> None:
+    """Let ``generator.engine=cpu`` put our CPU engine where the host would start vLLM/SGLang.
+
+    The host looks the factory up as a module global at call time, so every BasePPOExp (the host's
+    and users' subclasses) picks the engine from the config.
+    """
+    original = main_base.create_ray_wrapped_inference_engines_from_config
+    if getattr(original, "_skyrl_megatron_routed", False):
+        return
+
+    def create_ray_wrapped_inference_engines_from_config(cfg, colocate_pg, tokenizer):
+        if cfg.generator.get("engine", "auto") != "cpu":
+            return original(cfg, colocate_pg, tokenizer)
+        from skyrl_megatron.engines import create_ray_wrapped_cpu_engines
+
+        return create_ray_wrapped_cpu_engines(
+            cfg.generator.num_inference_engines,
+            cfg.trainer.policy.model.path,
+            dtype=cfg.generator.model_dtype,
+            seed=cfg.trainer.seed,
+        )
+
+    create_ray_wrapped_inference_engines_from_config._skyrl_megatron_routed = True  # type: ignore[attr-defined]
+    create_ray_wrapped_inference_engines_from_config.__wrapped__ = original  # type: ignore[attr-defined]
+    main_base.create_ray_wrapped_inference_engines_from_config = create_ray_wrapped_inference_engines_from_config
+
+
 _ALIAS = _WorkerModuleAlias()
 _ACTIVE = False
 
@@ -99,6 +163,10 @@ def activate() -> None:
     _apply_compat_fixes()
     if not any(finder is _ALIAS for finder in sys.meta_path):
         sys.meta_path.insert(0, _ALIAS)
+    if not any(finder is _PATCHER for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PATCHER)
+    if _ENTRYPOINT_MODULE in sys.modules:  # imported before activation
+        _route_local_engines(sys.modules[_ENTRYPOINT_MODULE])
     existing = sys.modules.get(HOST_MEGATRON_WORKER_MODULE)
     if existing is not None and existing.__name__ != OUR_WORKER_MODULE:
         # the host's module was imported before activation: replace it
@@ -185,7 +253,84 @@ def _apply_compat_fixes() -> None:
 
         fsdp_utils.MixedPrecisionPolicy = MixedPrecisionPolicy
     _allow_flash_attn_import_without_kernels()
+    _fix_custom_process_group()
+    if _TOKENIZER_MODULE in sys.modules:
+        _legacy_chat_template_for_host(sys.modules[_TOKENIZER_MODULE])
     _COMPAT_DONE = True
+
+
+_TOKENIZER_MODULE = "transformers.tokenization_utils_base"
+_HOST_PACKAGES = ("skyrl_train.", "skyrl_gym.")
+
+
+def _legacy_chat_template_for_host(tokenization_utils_base) -> None:
+    """Give host code transformers 4's ``apply_chat_template(tokenize=True)``: a list of token ids.
+
+    transformers 5 (which Megatron-Bridge needs) returns a BatchEncoding there by default. The host's
+    generator then concatenates it with lists and fails, and its dataset's prompt-length filter takes
+    ``len()`` of the mapping (2) and keeps every prompt. Only calls made from the host's packages that
+    do not ask for ``return_dict`` themselves get the old default; everyone else keeps transformers 5's.
+    """
+    cls = tokenization_utils_base.PreTrainedTokenizerBase
+    original = cls.apply_chat_template
+    if getattr(original, "_skyrl_megatron_legacy", False):
+        return
+
+    def apply_chat_template(self, conversation, *args, **kwargs):
+        if "return_dict" not in kwargs and kwargs.get("tokenize", True):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith(_HOST_PACKAGES):
+                kwargs["return_dict"] = False
+        return original(self, conversation, *args, **kwargs)
+
+    apply_chat_template._skyrl_megatron_legacy = True  # type: ignore[attr-defined]
+    apply_chat_template.__wrapped__ = original  # type: ignore[attr-defined]
+    apply_chat_template.__doc__ = original.__doc__
+    cls.apply_chat_template = apply_chat_template
+
+
+# Host modules patched the moment they are imported (in every process that activated).
+_PATCHER = _PatchAfterImport(
+    {_ENTRYPOINT_MODULE: _route_local_engines, _TOKENIZER_MODULE: _legacy_chat_template_for_host}
+)
+
+
+def _fix_custom_process_group() -> None:
+    """0.3.1's ``init_custom_process_group`` picks torch's keyword by comparing version *strings*.
+
+    ``"2.11.0" >= "2.6"`` is false, so on torch >= 2.10 it passes the removed ``pg_options`` and every
+    broadcast weight sync fails. The replacement creates the same stand-alone group (outside the
+    default world, ranks mapped one to one) with today's keyword.
+    """
+    distributed_utils = importlib.import_module("skyrl_train.distributed.utils")
+    if getattr(distributed_utils.init_custom_process_group, "_skyrl_megatron_fixed", False):
+        return
+    distributed_utils.init_custom_process_group = standalone_process_group
+    strategy = sys.modules.get("skyrl_train.weight_sync.broadcast_strategy")
+    if strategy is not None:  # imported the broken function by name before we got here
+        strategy.init_custom_process_group = standalone_process_group
+
+
+def standalone_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                             group_name=None, pg_options=None):
+    """A process group of its own (not a subgroup of the default world): trainer rank 0 + engines."""
+    from torch.distributed import PrefixStore, rendezvous
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world, default_pg_timeout
+
+    timeout = timeout or default_pg_timeout
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method or "env://", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend or "undefined"), store,
+        group_name=group_name, backend_options=pg_options, timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+standalone_process_group._skyrl_megatron_fixed = True  # type: ignore[attr-defined]
 
 
 def _allow_flash_attn_import_without_kernels() -> None:
@@ -242,11 +387,65 @@ def validate_host_config(cfg) -> None:
         host_utils.validate_megatron_cfg = original
 
 
-def initialize_ray(cfg) -> None:
-    from skyrl_train.utils.utils import initialize_ray as host_initialize_ray
+def initialize_ray(cfg, log_to_driver: bool = True) -> None:
+    """The host's Ray start (its runtime environment, its registries), plus what a CPU run needs.
+
+    On the CPU runtime Ray is told of as many *logical* GPUs as the workers will ask for: the host's
+    actor groups and placement groups request GPUs, and Ray schedules them only where it believes
+    GPUs exist. Every Ray process is put on our CPU runtime.
+    """
+    import ray
+    from skyrl_train.utils.ppo_utils import sync_registries
+    from skyrl_train.utils.utils import prepare_runtime_environment
+
+    from skyrl_megatron.failures import start_registry
+    from skyrl_megatron.runtime import RUNTIME_ENV_VAR
 
     activate()
-    host_initialize_ray(cfg)
+    resources: dict[str, int] = {}
+    if runs_on_cpu(cfg):
+        # The host probes GPU peer access (through Ray, on a GPU-less driver) to tune NCCL; with one
+        # GPU per node it skips the probe. NCCL settings mean nothing to gloo.
+        env_vars = prepare_runtime_environment(_single_gpu_per_node(cfg))
+        env_vars[RUNTIME_ENV_VAR] = "cpu"
+        resources = cpu_cluster_resources(cfg)
+    else:
+        env_vars = prepare_runtime_environment(cfg)
+    # The host pins TE's attention backend for its own Megatron path (NVTE_FUSED_ATTN=0 with
+    # flash_attn); Megatron-Core then refuses its default attention_backend=auto. Ours is chosen by
+    # the layer spec, and users choose TE's through transformer_config_kwargs.attention_backend.
+    for name in [name for name in env_vars if name.startswith("NVTE_")]:
+        del env_vars[name]
+    ray.init(runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver, **resources)
+    sync_registries()
+    start_registry()
+
+
+def _single_gpu_per_node(cfg):
+    from omegaconf import OmegaConf, open_dict
+
+    view = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    with open_dict(view):
+        view.generator.inference_engine_tensor_parallel_size = 1
+        for role in ("policy", "critic", "ref"):
+            view.trainer.placement[f"{role}_num_gpus_per_node"] = 1
+    return view
+
+
+def runs_on_cpu(cfg) -> bool:
+    from skyrl_megatron.runtime import Device, resolve_device
+
+    megatron = cfg.trainer.policy.get("megatron_config") or {}
+    return cfg.trainer.strategy == STRATEGY and resolve_device(megatron.get("runtime")) is Device.CPU
+
+
+def cpu_cluster_resources(cfg) -> dict[str, int]:
+    """Logical GPUs for every worker actor; CPUs for those, the CPU engines and the trainer task."""
+    from skyrl_megatron.config import active_roles, role_world_size
+
+    gpus = sum(role_world_size(cfg, role) for role in active_roles(cfg))
+    engines = cfg.generator.num_inference_engines if cfg.generator.get("engine", "auto") == "cpu" else 0
+    return {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, gpus + engines + 1)}
 
 
 def base_experiment_class():
@@ -255,18 +454,35 @@ def base_experiment_class():
     return BasePPOExp
 
 
-def run_experiment(cfg, experiment_cls=None) -> None:
-    """Driver side: start Ray and run the host trainer in a Ray task (as the host's own main does)."""
+def run_experiment(cfg, experiment_cls=None, *, in_driver: bool = False, log_to_driver: bool = True) -> None:
+    """Driver side: start Ray and run the host trainer.
+
+    By default the trainer runs in a Ray task, as the host's own main does (the driver may sit on a
+    small head node). `in_driver` runs it in this process instead, so its progress bar and prints
+    reach the terminal directly. A worker process that dies is reported as a
+    :class:`~skyrl_megatron.failures.WorkerFailure` naming its role, rank and mesh coordinates.
+    """
     import ray
 
-    initialize_ray(cfg)
-    ray.get(_experiment_task.remote(cfg, experiment_cls))
+    initialize_ray(cfg, log_to_driver=log_to_driver)
+    if in_driver:
+        _run_experiment_in_task(cfg, experiment_cls)
+    else:
+        ray.get(_experiment_task.remote(cfg, experiment_cls))
 
 
 def _run_experiment_in_task(cfg, experiment_cls=None) -> None:
+    from skyrl_megatron.failures import explain
+
     activate()
     experiment_cls = experiment_cls or base_experiment_class()
-    experiment_cls(cfg).run()
+    try:
+        experiment_cls(cfg).run()
+    except Exception as error:
+        failure = explain(error)
+        if failure is None:
+            raise
+        raise failure from error
 
 
 def _make_task():
@@ -388,3 +604,54 @@ def ray_wrapped_inference_engine(actor):
     from skyrl_train.inference_engines.ray_wrapped_inference_engine import RayWrappedInferenceEngine
 
     return RayWrappedInferenceEngine(actor)
+
+
+def broadcast_init_info_class():
+    """The host's ``BroadcastInitInfo``: where and how its broadcast weight sender meets the engines."""
+    from skyrl_train.weight_sync import BroadcastInitInfo
+
+    return BroadcastInitInfo
+
+
+def broadcast_update_request_class():
+    """The host's ``BroadcastWeightUpdateRequest``: names, dtypes, shapes; the tensors follow by broadcast."""
+    from skyrl_train.weight_sync import BroadcastWeightUpdateRequest
+
+    return BroadcastWeightUpdateRequest
+
+
+def join_weight_broadcast_group(init_info):
+    """Join the host's weight-broadcast group as an engine of one rank (rank ``init_info.rank_offset``).
+
+    The group lives outside the engine's own default process group (there is none on the CPU engine),
+    exactly as the host's receivers create it.
+    """
+    from skyrl_train.utils import get_tcp_url
+
+    return standalone_process_group(
+        backend=init_info.backend,
+        init_method=get_tcp_url(init_info.master_addr, init_info.master_port),
+        world_size=init_info.world_size,
+        rank=init_info.rank_offset,
+        group_name=init_info.group_name,
+    )
+
+
+def weight_sync_bucket_bytes(cfg, strategy_cls) -> int:
+    """How many bytes of weights go into one ``WeightChunk`` for the host's transfer strategy.
+
+    The broadcast sender takes exactly one tensor per chunk (a 1-byte budget puts every tensor in a
+    bucket of its own); CUDA IPC packs a chunk into one buffer, sized by the host's threshold.
+    """
+    from skyrl_train.weight_sync import CudaIpcTransferStrategy
+
+    if strategy_cls is CudaIpcTransferStrategy:
+        return max(1, int(float(cfg.generator.weight_transfer_threshold_cuda_ipc_GB) * 2**30))
+    return 1
+
+
+def generator_dtype(cfg):
+    """The dtype the inference engines hold their weights in (``generator.model_dtype``)."""
+    from skyrl_train.utils import str_to_torch_dtype
+
+    return str_to_torch_dtype(cfg.generator.model_dtype)

@@ -15,10 +15,15 @@ Tensors come out where the gathers ran (the model's device) unless `device` says
 through without a copy): consume them before the next optimizer step, or copy them.
 
 Each stream carries an :class:`ExportReport` that fills in as it is iterated.
+
+A model with LoRA adapters exports merged weights (base + scale * BA, under the base's HF names): what an
+inference engine without LoRA support serves. :func:`iter_peft_adapter_weights` exports the adapters
+alone, under the names of HF `peft`'s `adapter_model.safetensors`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,21 +122,40 @@ def iter_hf_weights(
     return WeightStream(_export(built, dtype, device, report), report)
 
 
+def iter_peft_adapter_weights(
+    built: BuiltModel,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> WeightStream[tuple[str, torch.Tensor]]:
+    """The LoRA adapters alone, as (name in HF `peft`'s adapter file, full tensor). Collective.
+
+    Unlike the base weights, the adapters are gathered all at once before the first item: the PEFT
+    layout packs MoE expert adapters from several exported tensors, and adapters are small (rank r of
+    every adapted matrix). `peak_held_bytes` therefore counts all of them.
+    """
+    report = ExportReport()
+    return WeightStream(_export_adapters(built, dtype, device, report), report)
+
+
 def iter_weight_buckets(
     built: BuiltModel,
     bucket_bytes: int,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    adapters_only: bool = False,
 ) -> WeightStream[WeightBucket]:
     """The model's HF tensors grouped into :class:`WeightBucket` s of at most `bucket_bytes` each.
 
     Buckets keep the export order. A tensor larger than `bucket_bytes` travels in a bucket of its own, so
-    no bucket exceeds ``max(bucket_bytes, largest tensor)``. Collective: all ranks iterate.
+    no bucket exceeds ``max(bucket_bytes, largest tensor)``. With `adapters_only` the buckets carry
+    :func:`iter_peft_adapter_weights` instead of the (merged) model. Collective: all ranks iterate.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    weights = iter_hf_weights(built, dtype=dtype, device=device)
+    stream = iter_peft_adapter_weights if adapters_only else iter_hf_weights
+    weights = stream(built, dtype=dtype, device=device)
     return WeightStream(_bucketed(weights, bucket_bytes, weights.report), weights.report)
 
 
@@ -140,7 +164,9 @@ def _export(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     # cpu=False: gather on the model's device and let `device` decide where the result goes, so the GPU
     # path (CUDA IPC, NCCL broadcast) never round-trips through host memory.
-    bridge_items = iter(built.bridge.export_hf_weights(built.chunks, cpu=False, show_progress=False))
+    bridge_items = iter(
+        built.bridge.export_hf_weights(built.chunks, cpu=False, show_progress=False, merge_adapter_weights=True)
+    )
     while True:
         started = time.perf_counter()
         # Grad mode is thread state: switch it off around each step of the bridge's generator only, never
@@ -157,6 +183,25 @@ def _export(
         # Drop this frame's references before the bridge gathers the next tensor: otherwise the
         # previous tensor would stay alive through that gather, outside the consumer's control.
         del item, tensor
+
+
+def _export_adapters(
+    built: BuiltModel, dtype: torch.dtype | None, device: torch.device | str | None, report: ExportReport
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from skyrl_megatron.model.lora import PeftAdapter
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        adapter = PeftAdapter.export(built)
+        state = {name: _convert(tensor, dtype, device) for name, tensor in adapter.state.items()}
+    del adapter
+    report.seconds += time.perf_counter() - started
+    for tensor in state.values():
+        report._record_tensor(tensor)
+    report._record_held(sum(tensor.nbytes for tensor in state.values()))
+    while state:
+        name = next(iter(state))
+        yield name, state.pop(name)
 
 
 def _convert(tensor: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> torch.Tensor:
@@ -196,3 +241,9 @@ def _bucketed(
     if tensors:
         report.buckets += 1
         yield WeightBucket.of(names, tensors)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """A fingerprint of a tensor's bytes (and so of its dtype's bit patterns): equal digests, bitwise equal."""
+    data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()

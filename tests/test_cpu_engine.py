@@ -127,14 +127,16 @@ def test_stop_token_ids_and_min_tokens(engine):
 
 def test_stop_strings_cut_the_text_as_vllm_does(engine):
     (prompt,) = PROMPTS[:1]
-    free_run = generate(engine, [prompt], temperature=0.0, max_tokens=10)
+    # the random model samples the tokenizer's filler tokens, which are special: keep them in the text
+    greedy = {"temperature": 0.0, "max_tokens": 10, "skip_special_tokens": False}
+    free_run = generate(engine, [prompt], **greedy)
     tokenizer = engine.tokenizer
     text = free_run["responses"][0]
     stop = tokenizer.decode(free_run["response_ids"][0][3:5])
     assert stop and stop in text
     cut = text.index(stop)
-    kept = generate(engine, [prompt], temperature=0.0, max_tokens=10, stop=[stop], include_stop_str_in_output=True)
-    dropped = generate(engine, [prompt], temperature=0.0, max_tokens=10, stop=[stop])
+    kept = generate(engine, [prompt], **greedy, stop=[stop], include_stop_str_in_output=True)
+    dropped = generate(engine, [prompt], **greedy, stop=[stop])
     assert kept["responses"] == [text[: cut + len(stop)]] and dropped["responses"] == [text[:cut]]
     for out in (kept, dropped):
         assert out["stop_reasons"] == ["stop"]
@@ -284,15 +286,17 @@ def test_bad_updates_are_rejected_and_load_nothing(engine, other_model_dir, chan
     assert not torch.equal(original, good["model.norm.weight"])  # the good entry would have changed it
 
 
-def test_metadata_only_requests_and_communicators_are_refused(engine):
-    from skyrl_train.weight_sync import BroadcastInitInfo, BroadcastWeightUpdateRequest
+def test_broadcast_needs_a_gloo_communicator_and_other_channels_are_refused(engine):
+    from skyrl_train.weight_sync import BroadcastInitInfo, BroadcastWeightUpdateRequest, CudaIpcInitInfo
 
-    with pytest.raises(TypeError, match="carries only metadata"):
-        request = BroadcastWeightUpdateRequest(["lm_head.weight"], ["torch.float32"], [[256, 64]])
+    with pytest.raises(RuntimeError, match="before init_weight_update_communicator"):
+        request = BroadcastWeightUpdateRequest(["lm_head.weight"], ["float32"], [[256, 64]])
         run(engine.update_named_weights(request))
-    info = BroadcastInitInfo(False, "127.0.0.1", 1, 1, 2, "skyrl", "gloo", "float32")
-    with pytest.raises(NotImplementedError, match="NamedTensorsUpdateRequest"):
-        run(engine.init_weight_update_communicator(info))
+    nccl = BroadcastInitInfo(False, "127.0.0.1", 1, 1, 2, "skyrl", "nccl", "float32")
+    with pytest.raises(ValueError, match="backend 'nccl'.*weight_sync_backend=gloo"):
+        run(engine.init_weight_update_communicator(nccl))
+    with pytest.raises(ValueError, match="CudaIpcInitInfo.*colocate_all=false"):
+        run(engine.init_weight_update_communicator(CudaIpcInitInfo(False, "float32")))
     with pytest.raises(ValueError, match="declared torch.float32"):
         NamedTensorsUpdateRequest(["w"], ["torch.float32"], [[2]], [torch.zeros(2, dtype=torch.bfloat16)])
 

@@ -1,16 +1,69 @@
-"""`make demo`'s job runs and its own checks pass (HF parity, TP=2+SP == world-1, exported weights)."""
+"""The demo's parts that run without Ray: its task, its data, its config (the run itself is in test_e2e_grpo)."""
 
-import subprocess
-import sys
+from __future__ import annotations
+
+import json
 
 import pytest
 
+from skyrl_megatron.demo.task import ENV_ID, digit_share, register_environment, write_prompts
 
-@pytest.mark.slow
-def test_demo_runs_and_its_checks_pass():
-    out = subprocess.run(
-        [sys.executable, "-m", "skyrl_megatron.demo", "--steps", "3"], capture_output=True, text=True, timeout=900
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "logits vs HF before training" in out.stdout
-    assert "trained weights exported under HF names" in out.stdout
+
+@pytest.mark.parametrize(
+    "reply, reward", [("123", 1.0), ("a1b2", 0.5), ("", 0.0), ("no digits", 0.0), ("7 ", 0.5)]
+)
+def test_reward_is_the_digit_share_of_the_reply(reply, reward):
+    assert digit_share(reply) == reward
+
+
+def test_environment_is_made_by_name_through_skyrl_gym_and_scores_one_turn():
+    import skyrl_gym
+
+    register_environment()
+    register_environment()  # idempotent
+    env = skyrl_gym.make(ENV_ID, env_config={}, extras={})
+    out = env.step("12ab")
+    assert out["reward"] == 0.5 and out["done"] is True
+
+
+def test_prompt_file_loads_in_the_hosts_dataset(tmp_path):
+    from skyrl_train.dataset import PromptDataset
+
+    from skyrl_megatron.testing import make_tiny_tokenizer
+
+    path = write_prompts(tmp_path / "prompts.jsonl", 12)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 12 and all(row["env_class"] == ENV_ID for row in rows)
+    dataset = PromptDataset(str(path), make_tiny_tokenizer(), max_prompt_length=64, num_workers=1)
+    assert len(dataset) == 12
+    messages, env_class, _, uid = dataset[3]
+    assert env_class == ENV_ID and uid == "3" and messages[0]["role"] == "user"
+
+
+def test_demo_config_composes_and_passes_every_check(tmp_path):
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.config import validate_config
+    from skyrl_megatron.demo.__main__ import demo_overrides, prepare
+
+    model_dir, prompts = prepare(tmp_path, steps=2)
+    cfg = compose_config(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1))
+    validate_config(cfg)  # ours and the host's
+    assert cfg.generator.engine == "cpu" and cfg.trainer.strategy == "megatron"
+    assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2
+
+
+def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path):
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.config import ConfigError, validate_config
+    from skyrl_megatron.demo.__main__ import demo_overrides, prepare
+
+    model_dir, prompts = prepare(tmp_path, steps=2)
+    overrides = demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1)
+    bad = overrides + ["generator.weight_sync_backend=nccl", "trainer.placement.colocate_all=true"]
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(bad), run_host_checks=False)
+    message = str(err.value)
+    assert "generator.weight_sync_backend" in message and "set generator.weight_sync_backend=gloo" in message
+    assert "set trainer.placement.colocate_all=False" in message
+    with pytest.raises(ConfigError, match="generator.engine.*unknown engine 'gpu'"):
+        validate_config(compose_config(overrides + ["generator.engine=gpu"]), run_host_checks=False)

@@ -15,8 +15,14 @@ greedy): the definition the trainer uses for ``action_log_probs``, so with equal
 two agree to rounding. Sampling filters (top-k/p, min-p, penalties, min_tokens) shape the sampling
 distribution only, as in vLLM's default ``raw_logprobs`` mode.
 
-Weight updates carry their tensors inside the request (:class:`NamedTensorsUpdateRequest`): with the
-engine as a Ray actor they travel through Ray's object store, so no process group or CUDA IPC is needed.
+Weight updates arrive two ways, both validated before anything is written:
+
+* through the host's own broadcast strategy over gloo (``generator.weight_sync_backend=gloo``): the
+  trainer's rank 0 joins a process group with the engines and sends one
+  ``BroadcastWeightUpdateRequest`` (metadata) per tensor, then broadcasts the tensor. This is what
+  the trainer uses, so the CPU run exercises the host's real sender;
+* inside the request (:class:`NamedTensorsUpdateRequest`): with the engine as a Ray actor the tensors
+  travel through Ray's object store, no process group needed (tools and tests).
 """
 
 from __future__ import annotations
@@ -413,6 +419,7 @@ class CpuInferenceEngine(host.inference_engine_interface()):
         self._parameters = dict(self.model.named_parameters(remove_duplicate=False))
         self._lock = threading.Lock()
         self._in_flight: set[threading.Event] = set()
+        self._broadcast_group = None  # the host's weight-broadcast process group, once joined
 
     def _eos_ids(self) -> set[int]:
         # generation_config may list several (chat checkpoints end turns with a token of their own)
@@ -479,22 +486,48 @@ class CpuInferenceEngine(host.inference_engine_interface()):
     # -- weights -------------------------------------------------------------------------------
 
     async def init_weight_update_communicator(self, init_info) -> None:
-        raise NotImplementedError(
-            f"CpuInferenceEngine has no weight-sync channel to set up (got {type(init_info).__name__}): send "
-            "NamedTensorsUpdateRequest to update_named_weights; the tensors travel inside the request"
-        )
+        """Join the host's broadcast group (gloo) as rank ``init_info.rank_offset``; the trainer's rank 0 is 0."""
+        broadcast_info = host.broadcast_init_info_class()
+        if not isinstance(init_info, broadcast_info) or init_info.backend != "gloo":
+            raise ValueError(
+                f"CpuInferenceEngine receives weights over gloo broadcast only, got {type(init_info).__name__}"
+                f"{'' if not isinstance(init_info, broadcast_info) else f' with backend {init_info.backend!r}'}: "
+                "set generator.weight_sync_backend=gloo and trainer.placement.colocate_all=false"
+            )
+        if self._broadcast_group is not None and not init_info.override_existing_receiver:
+            return
+        self._broadcast_dtype = _torch_dtype(init_info.model_dtype_str)
+        self._broadcast_group = await asyncio.to_thread(host.join_weight_broadcast_group, init_info)
 
     async def update_named_weights(self, request) -> None:
         if isinstance(request, host.lora_load_request_class()):
             raise NotImplementedError("CpuInferenceEngine does not load LoRA adapters; send merged weights")
-        if not isinstance(request, NamedTensorsUpdateRequest):
-            raise TypeError(
-                f"CpuInferenceEngine needs the tensors in the request (NamedTensorsUpdateRequest), got "
-                f"{type(request).__name__}, which carries only metadata"
-            )
         if not len(request):
             raise ValueError("weight update request must not be empty")
+        if isinstance(request, host.broadcast_update_request_class()):
+            request = await asyncio.to_thread(self._receive_broadcast, request)
+        elif not isinstance(request, NamedTensorsUpdateRequest):
+            raise TypeError(
+                f"CpuInferenceEngine takes NamedTensorsUpdateRequest (tensors inside) or the host's "
+                f"BroadcastWeightUpdateRequest (after init_weight_update_communicator), got {type(request).__name__}"
+            )
         await asyncio.to_thread(self._load_blocking, request)
+
+    def _receive_broadcast(self, request) -> NamedTensorsUpdateRequest:
+        """Every announced tensor is received before any check: the sender broadcasts them regardless."""
+        if self._broadcast_group is None:
+            raise RuntimeError("broadcast weight update before init_weight_update_communicator")
+        tensors = []
+        for dtype, shape in zip(request.dtypes, request.shapes):
+            tensor = torch.empty(list(shape), dtype=_torch_dtype(dtype))
+            torch.distributed.broadcast(tensor, 0, group=self._broadcast_group)
+            tensors.append(tensor)
+        return NamedTensorsUpdateRequest(
+            names=list(request.names),
+            dtypes=[str(t.dtype) for t in tensors],
+            shapes=[list(t.shape) for t in tensors],
+            tensors=tensors,
+        )
 
     @torch.no_grad()
     def _load_blocking(self, request: NamedTensorsUpdateRequest) -> None:
@@ -502,6 +535,11 @@ class CpuInferenceEngine(host.inference_engine_interface()):
         with self._lock:
             for name, tensor in zip(request.names, request.tensors):
                 self._parameters[name].copy_(tensor)
+
+    async def named_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the current weights under HF names (for checks that a sync delivered bitwise)."""
+        with self._lock:
+            return {name: tensor.detach().clone() for name, tensor in self.model.state_dict().items()}
 
     # -- lifecycle: the model lives in host memory, next to nothing the trainer needs back ----------
 

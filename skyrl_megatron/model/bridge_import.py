@@ -94,4 +94,19 @@ def import_bridge():
     # Without TE the bridge logs a full traceback at INFO for every optional TE symbol it probes.
     logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     with quiet_megatron_import():
-        return importlib.import_module("megatron.bridge")
+        bridge = importlib.import_module("megatron.bridge")
+    if not have_transformer_engine():
+        _route_peft_to_local_layers()
+    return bridge
+
+
+def _route_peft_to_local_layers() -> None:
+    """Let the bridge's PEFT adapt Megatron's local (non-TE) linear layers.
+
+    `megatron.bridge.peft.utils` decides TE is present because Megatron-Core still defines its TE
+    wrapper classes without TE, but two of them (the grouped linears) are None there, so its
+    `isinstance` checks raise before they reach the local ColumnParallelLinear/RowParallelLinear
+    branches. No layer of a TE-less model is a TE layer: the flag's true value is False.
+    """
+    peft_utils = importlib.import_module("megatron.bridge.peft.utils")
+    peft_utils.HAVE_TE = False

@@ -5,6 +5,8 @@ pipeline stage) for the process groups that :mod:`skyrl_megatron.parallel` creat
 chosen in :mod:`skyrl_megatron.model.layer_spec`; device-specific flags come from the runtime. With
 `ModelSpec.cache` set, the weights come from the conversion cache (:mod:`skyrl_megatron.model.cache`)
 when it holds this checkpoint, and the bridge converts (and fills the cache) only when it does not.
+With `ModelSpec.lora` set, LoRA adapters (:mod:`skyrl_megatron.model.lora`) are added to the frozen base
+once its weights are in place and before DDP wraps the chunks; the cache only ever holds the base.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ import torch
 
 from skyrl_megatron.model.bridge_import import import_bridge
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
+from skyrl_megatron.model.lora import LoraSpec, adapter_hook
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
 
@@ -45,6 +49,7 @@ class ModelSpec:
     ddp_config: dict[str, Any] = field(default_factory=dict)
     load_weights: bool = True
     cache: ConversionCacheSettings | None = None  # None: convert through the bridge on every build
+    lora: LoraSpec | None = None  # None: every parameter trains; else only LoRA adapters on a frozen base
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -68,6 +73,7 @@ class BuiltModel:
     bridge: Any  # megatron.bridge.AutoBridge, for weight export
     provider: Any  # the finalised GPTModelProvider (a TransformerConfig)
     load_report: LoadReport  # cache hit or miss, conversion and load times
+    lora: LoraSpec | None = None  # the adapters the chunks carry, if any
 
     @property
     def config(self):
@@ -135,11 +141,22 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     return provider
 
 
-def _instantiate(spec: ModelSpec, bridge, runtime: Runtime) -> tuple[Any, list]:
-    """The provider and the model chunks; the bridge loads the HF weights when `spec.load_weights`."""
+def _instantiate(
+    spec: ModelSpec, bridge, runtime: Runtime, with_base_weights: Callable[[list], None] | None = None
+) -> tuple[Any, list]:
+    """The provider and the model chunks; the bridge loads the HF weights when `spec.load_weights`.
+
+    `with_base_weights` sees the bare chunks once the base weights are loaded (cache load or store),
+    before adapters are added and before DDP wraps them.
+    """
     from megatron.core.distributed import DistributedDataParallelConfig
 
     provider = make_provider(spec, bridge, runtime)
+    # the bridge's own hook (HF weight loading) was registered first and runs first
+    if with_base_weights is not None:
+        provider.register_pre_wrap_hook(_returning_chunks(with_base_weights))
+    if spec.lora is not None:
+        provider.register_pre_wrap_hook(adapter_hook(spec.lora))
     ddp_config = DistributedDataParallelConfig(**spec.ddp_config) if spec.wrap_with_ddp else None
     chunks = provider.provide_distributed_model(
         ddp_config=ddp_config,
@@ -149,6 +166,16 @@ def _instantiate(spec: ModelSpec, bridge, runtime: Runtime) -> tuple[Any, list]:
         use_cpu_initialization=runtime.is_cpu,
     )
     return provider, list(chunks)
+
+
+def _returning_chunks(step: Callable[[list], Any]) -> Callable[[list], list]:
+    """A pre-wrap hook running `step` for its effect (the provider replaces the chunks by what a hook returns)."""
+
+    def hook(chunks: list) -> list:
+        step(chunks)
+        return chunks
+
+    return hook
 
 
 def _skeleton(spec: ModelSpec) -> ModelSpec:
@@ -176,7 +203,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
         provider, chunks, report = _build_uncached(spec, bridge, runtime, reason=reason)
     if torch.distributed.get_rank() == 0:
         logger.info("model weights: %s", report.summary())
-    return BuiltModel(chunks=chunks, bridge=bridge, provider=provider, load_report=report)
+    return BuiltModel(chunks=chunks, bridge=bridge, provider=provider, load_report=report, lora=spec.lora)
 
 
 def _build_uncached(spec: ModelSpec, bridge, runtime: Runtime, reason: str) -> tuple[Any, list, LoadReport]:
@@ -187,19 +214,24 @@ def _build_uncached(spec: ModelSpec, bridge, runtime: Runtime, reason: str) -> t
 
 
 def _build_through_cache(spec: ModelSpec, hf_dir: Path, bridge, runtime: Runtime) -> tuple[Any, list, LoadReport]:
+    # The cache is read and written on the bare chunks (inside `_instantiate`), so it holds the base
+    # model only, whatever adapters are added afterwards.
     with claim_entry(hf_dir, spec.cache, spec.conversion_settings) as claim:
         started = time.perf_counter()
         if claim.hit:
-            provider, chunks = _instantiate(_skeleton(spec), bridge, runtime)
-            claim.load(chunks)
+            provider, chunks = _instantiate(_skeleton(spec), bridge, runtime, with_base_weights=claim.load)
             return provider, chunks, claim.report(load_seconds=time.perf_counter() - started)
-        provider, chunks = _instantiate(spec, bridge, runtime)
-        conversion_seconds = time.perf_counter() - started
-        details = {
-            "hf_source": str(hf_dir),
-            "conversion_seconds": round(conversion_seconds, 3),
-            "writer_layout": dataclasses.asdict(spec.parallel),
-            "writer_world_size": torch.distributed.get_world_size(),
-        }
-        save_seconds = claim.store(chunks, details)
-        return provider, chunks, claim.report(conversion_seconds=conversion_seconds, save_seconds=save_seconds)
+        timings: dict[str, float] = {}
+
+        def store(bare_chunks: list) -> None:
+            timings["conversion_seconds"] = time.perf_counter() - started
+            details = {
+                "hf_source": str(hf_dir),
+                "conversion_seconds": round(timings["conversion_seconds"], 3),
+                "writer_layout": dataclasses.asdict(spec.parallel),
+                "writer_world_size": torch.distributed.get_world_size(),
+            }
+            timings["save_seconds"] = claim.store(bare_chunks, details)
+
+        provider, chunks = _instantiate(spec, bridge, runtime, with_base_weights=store)
+        return provider, chunks, claim.report(**timings)

@@ -48,11 +48,15 @@ def _build_vocab(vocab_size: int) -> dict[str, int]:
 
 def _build_backend(vocab_size: int) -> Tokenizer:
     """A WordLevel model over single characters: splitting every character off keeps spaces intact."""
-    backend = Tokenizer(models.WordLevel(vocab=_build_vocab(vocab_size), unk_token=UNK_TOKEN))
+    vocab = _build_vocab(vocab_size)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse joins tokens with no separator; the WordLevel default would insert spaces between them.
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    # Filler tokens are special like real tokenizers' reserved ones: decoding with
+    # skip_special_tokens drops them, so text a model samples holds only real characters.
+    fillers = [token for token in vocab if token.startswith("<|unused_")]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *fillers)])
     return backend
 
 

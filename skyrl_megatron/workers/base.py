@@ -16,6 +16,7 @@ import torch
 
 from skyrl_megatron import host
 from skyrl_megatron.config import MegatronWorkerConfig
+from skyrl_megatron.failures import register_current_worker
 from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.cache import ConversionCacheSettings
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
@@ -46,6 +47,12 @@ class MegatronWorkerMixin:
             world_size=coords.world_size,
             dp_size=coords.dp_size,
             pp_size=coords.pp_size,
+        )
+        register_current_worker(
+            self.role,
+            torch.distributed.get_rank(),
+            coords.world_size,
+            f"dp {coords.dp}, cp {coords.cp}, tp {coords.tp}, pp {coords.pp}",
         )
         return coords
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+import torch
+
 from skyrl_megatron import host
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.optim import OptimizerSettings, optimizer_step
+from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,53 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
         return host.training_output(metadata={"train_status": status})
+
+    # -- weight sync ------------------------------------------------------------------------------
+
+    async def broadcast_to_inference_engines(self, inference_engine_client):
+        """Send the current weights, HF-named full tensors, through the host's transfer strategy.
+
+        Every rank runs the export (its gathers are collectives); the host's sender decides who
+        transmits: rank 0 over the broadcast group, or each rank's CUDA IPC handles. The sender was
+        created by the host's ``init_weight_sync_state`` from ``generator.weight_sync_backend`` and
+        the placement.
+        """
+        generator = self.cfg.generator
+        rank0 = torch.distributed.get_rank() == 0
+        reset_prefix_cache = None
+        if generator.enable_prefix_caching and rank0:
+            reset_prefix_cache = inference_engine_client.reset_prefix_cache()
+        buckets = iter_weight_buckets(
+            self.built,
+            host.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls),
+            dtype=host.generator_dtype(self.cfg),
+            device=self.runtime.torch_device,
+        )
+        await self._weight_transfer_sender.send_chunks(host.weight_chunk(bucket) for bucket in buckets)
+        if reset_prefix_cache is not None:
+            await reset_prefix_cache
+        self.empty_cache()
+        torch.distributed.barrier()
+        report = buckets.report
+        if rank0:
+            logger.info(
+                "weight sync: %d tensors, %.1f MiB in %d chunks, export %.2f s",
+                report.tensors, report.bytes / 2**20, report.buckets, report.seconds,
+            )
+        return {"tensors": report.tensors, "bytes": report.bytes, "chunks": report.buckets,
+                "export_seconds": report.seconds}
+
+    def weight_digests(self) -> dict[str, str]:
+        """SHA-256 of every exported tensor in the engines' dtype (rank 0; {} elsewhere). Collective.
+
+        What a weight sync sends, fingerprinted: equal digests on the engine side mean the engine
+        holds exactly the trainer's weights.
+        """
+        digests = {}
+        for name, tensor in iter_hf_weights(self.built, dtype=host.generator_dtype(self.cfg), device="cpu"):
+            if torch.distributed.get_rank() == 0:
+                digests[name] = tensor_sha256(tensor)
+        return digests
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# GRPO on GSM8K with Qwen3-30B-A3B (MoE, 128 experts) on four nodes: TP 2 (with sequence parallelism)
+# inside each GPU pair, experts over 8 GPUs (EP 8, expert-DP 4), DP 16 for attention and embeddings,
+# full activation recompute with a large token budget; vLLM generation and the reference model
+# colocated with the policy.
+#
+# Hardware: 4 nodes x 8 H100 (80 GiB each), one Ray cluster: `ray start --head` on the first node,
+#   `ray start --address=<head-ip>:6379` on the others, then run this script on the head node.
+#   MODEL_PATH, DATA_DIR and CKPT_DIR must be visible on every node (a shared file system).
+# Data: GSM8K as the host's parquet files, e.g. from SkyRL's examples/gsm8k/gsm8k_dataset.py.
+# Usage: MODEL_PATH=/ckpt/Qwen3-30B-A3B DATA_DIR=$HOME/data/gsm8k bash examples/megatron/run_qwen3_30b_a3b_4nodes.sh [key=value ...]
+#
+# Memory plan of one training step per GPU (the policy; generation and the reference take turns with it):
+#   $ skyrl-megatron plan --model examples/megatron/model_configs/Qwen3-30B-A3B.json --nodes 4 --gpus-per-node 8 --tp 2 --ep 8 --etp 1 --micro-batch-tokens 16384 --recompute full --gpu-memory-gib 80
+#   model       Qwen3-30B-A3B (qwen3_moe): 30.53B parameters, 3.35B active per token
+#               48 layers (48 MoE: 128 experts, 8 per token), hidden 2048, 32/4 q/kv heads, vocab 151936
+#   layout      32 GPUs (4 x 8): TP 2 + SP, PP 1, CP 1, DP 16 | experts: EP 8, ETP 1, expert-DP 4
+#   training    16384 tokens per micro-batch (packed), recompute full, unfused SwiGLU, full fine-tune
+#               bf16 params, fp32 grads, fp32 main params + Adam (distributed)
+#
+#   per GPU
+#     params          8.20 GiB  4.40B parameters, bf16
+#     grads          16.39 GiB  main_grad buffers of the trainable parameters
+#     optimizer      10.67 GiB  fp32 main params + Adam m, v; dense / 16 (DP x CP), experts / 4 (expert-DP)
+#     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
+#     transient       1.68 GiB  largest backward transient: logprob head
+#     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
+#     total          41.44 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
+set -euo pipefail
+
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-30B-A3B}
+DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}
+CKPT_DIR=${CKPT_DIR:-$HOME/ckpts/qwen3_30b_a3b_grpo_4nodes}
+NUM_NODES=4
+GPUS_PER_NODE=8
+TP=2                     # 4 KV heads allow TP 1, 2 or 4
+EP=8                     # 16 of the 128 experts per GPU
+ETP=1                    # each expert whole on one GPU
+TOKENS_PER_MICROBATCH=16384
+NUM_ENGINES=16           # 16 vLLM engines x TP 2 = the 32 GPUs (colocate_all)
+ENGINE_TP=2
+
+skyrl-megatron \
+  data.train_data="['$DATA_DIR/train.parquet']" \
+  data.val_data="['$DATA_DIR/validation.parquet']" \
+  trainer.strategy=megatron \
+  trainer.policy.model.path="$MODEL_PATH" \
+  trainer.placement.colocate_all=true \
+  trainer.placement.policy_num_nodes=$NUM_NODES \
+  trainer.placement.policy_num_gpus_per_node=$GPUS_PER_NODE \
+  trainer.placement.ref_num_nodes=$NUM_NODES \
+  trainer.placement.ref_num_gpus_per_node=$GPUS_PER_NODE \
+  trainer.policy.megatron_config.tensor_model_parallel_size=$TP \
+  trainer.policy.megatron_config.expert_model_parallel_size=$EP \
+  trainer.policy.megatron_config.expert_tensor_parallel_size=$ETP \
+  trainer.policy.megatron_config.max_tokens_per_microbatch=$TOKENS_PER_MICROBATCH \
+  trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity=full \
+  trainer.policy.megatron_config.transformer_config_kwargs.recompute_method=uniform \
+  trainer.policy.megatron_config.transformer_config_kwargs.recompute_num_layers=1 \
+  trainer.ref.megatron_config.tensor_model_parallel_size=$TP \
+  trainer.ref.megatron_config.expert_model_parallel_size=$EP \
+  trainer.ref.megatron_config.expert_tensor_parallel_size=$ETP \
+  trainer.ref.megatron_config.max_tokens_per_microbatch=$TOKENS_PER_MICROBATCH \
+  trainer.use_sample_packing=true \
+  trainer.algorithm.advantage_estimator=grpo \
+  trainer.algorithm.use_kl_loss=true \
+  trainer.algorithm.kl_loss_coef=0.001 \
+  trainer.policy.optimizer_config.lr=1.0e-6 \
+  trainer.epochs=20 \
+  trainer.train_batch_size=128 \
+  trainer.policy_mini_batch_size=64 \
+  trainer.max_prompt_length=512 \
+  trainer.eval_batch_size=1024 \
+  trainer.eval_before_train=false \
+  trainer.eval_interval=5 \
+  trainer.ckpt_interval=10 \
+  trainer.ckpt_path="$CKPT_DIR" \
+  trainer.export_path="$CKPT_DIR/exports" \
+  generator.backend=vllm \
+  generator.run_engines_locally=true \
+  generator.weight_sync_backend=nccl \
+  generator.num_inference_engines=$NUM_ENGINES \
+  generator.inference_engine_tensor_parallel_size=$ENGINE_TP \
+  generator.gpu_memory_utilization=0.6 \
+  generator.async_engine=true \
+  generator.batched=true \
+  generator.n_samples_per_prompt=5 \
+  generator.sampling_params.max_generate_length=1024 \
+  environment.env_class=gsm8k \
+  trainer.logger="${LOGGER:-console}" \
+  trainer.project_name=gsm8k_megatron \
+  trainer.run_name=qwen3_30b_a3b_grpo_tp${TP}_ep${EP} \
+  "$@"

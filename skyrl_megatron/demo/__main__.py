@@ -1,0 +1,152 @@
+"""`make demo` (``python -m skyrl_megatron.demo``): the main job, on a CPU box, end to end.
+
+1. Creates (once) a tiny Qwen3-shaped HF checkpoint with random weights and a prompt file for a task
+   with a verifiable reward (the share of digits in the reply, a registered skyrl-gym environment).
+2. Runs the host's GRPO trainer (skyrl-train) with ``trainer.strategy=megatron``: the policy on 2
+   Megatron ranks (TP=2 + sequence parallel, gloo), a reference worker, and a CPU inference engine that
+   receives the policy's weights after every step through the host's broadcast sender.
+3. Prints one line per step (reward, loss, KL, grad norm, tokens/s, whether the engine holds the
+   policy's weights bitwise, and how far the engine's logprobs are from the trainer's), saves
+   checkpoints and the HF export of the final policy, and plots the reward per step.
+
+Rerunning the same command continues from the last checkpoint (``--fresh`` starts over). Extra
+arguments are Hydra overrides, e.g. ``trainer.policy.megatron_config.pipeline_model_parallel_size=2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from skyrl_megatron.demo.task import write_prompts
+
+PROMPTS_PER_STEP = 8
+SAMPLES_PER_PROMPT = 4
+
+
+def demo_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ckpt_interval: int) -> list[str]:
+    run_dir = run_dir.resolve()
+    return [
+        f"trainer.policy.model.path={model_dir.resolve()}",
+        f"data.train_data=['{prompts.resolve()}']",
+        "data.val_data=[]",
+        # policy on 2 ranks (TP=2 + SP), reference on 1, one CPU engine; nothing colocated
+        "trainer.placement.colocate_all=false",
+        "trainer.placement.colocate_policy_ref=false",
+        "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.placement.ref_num_gpus_per_node=1",
+        "trainer.policy.megatron_config.runtime=cpu",
+        "trainer.ref.megatron_config.runtime=cpu",
+        "trainer.policy.megatron_config.tensor_model_parallel_size=2",
+        "trainer.bf16=false",
+        "generator.engine=cpu",
+        "generator.weight_sync_backend=gloo",
+        "generator.model_dtype=float32",
+        "generator.num_inference_engines=1",
+        "generator.inference_engine_tensor_parallel_size=1",
+        f"generator.n_samples_per_prompt={SAMPLES_PER_PROMPT}",
+        "generator.sampling_params.max_generate_length=8",
+        "generator.sampling_params.logprobs=0",  # the engine reports logprobs; compared with the trainer's
+        # GRPO with a KL loss against the reference
+        "trainer.algorithm.advantage_estimator=grpo",
+        "trainer.algorithm.use_kl_loss=true",
+        "trainer.algorithm.kl_loss_coef=0.001",
+        "trainer.policy.optimizer_config.lr=3e-3",
+        "trainer.policy.optimizer_config.weight_decay=0.0",
+        f"trainer.train_batch_size={PROMPTS_PER_STEP}",
+        f"trainer.policy_mini_batch_size={PROMPTS_PER_STEP // 2}",  # two optimizer steps per GRPO step
+        f"trainer.micro_train_batch_size_per_gpu={PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // 2}",
+        f"trainer.micro_forward_batch_size_per_gpu={PROMPTS_PER_STEP * SAMPLES_PER_PROMPT}",
+        "trainer.max_prompt_length=64",
+        "trainer.epochs=1",
+        "trainer.eval_interval=-1",
+        "trainer.eval_before_train=false",
+        # checkpoints (resume: latest) and the HF export of the final policy
+        f"trainer.ckpt_interval={ckpt_interval}",
+        f"trainer.hf_save_interval={steps}",
+        f"trainer.ckpt_path={run_dir / 'ckpts'}",
+        f"trainer.export_path={run_dir / 'exports'}",
+        "trainer.resume_mode=latest",
+        "trainer.run_name=cpu-demo",
+        "trainer.seed=42",
+    ]
+
+
+def prepare(run_dir: Path, steps: int) -> tuple[Path, Path]:
+    """The tiny checkpoint and the prompt file, created once per run directory (a rerun resumes on them)."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    model_dir, prompts = run_dir / "model", run_dir / "data" / "prompts.jsonl"
+    if not (model_dir / "config.json").exists():
+        make_tiny_hf_model("qwen3", model_dir, seed=0)
+    if not prompts.exists():
+        write_prompts(prompts, steps * PROMPTS_PER_STEP)
+    return model_dir, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="run directory (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=16, help="GRPO steps of a fresh run (default: %(default)s)")
+    parser.add_argument("--ckpt-interval", type=int, default=4, help="checkpoint every N steps (default: %(default)s)")
+    parser.add_argument("--fresh", action="store_true", help="delete the run directory first")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
+    args = parser.parse_args(argv)
+
+    from skyrl_megatron.cli import compose_config, report_config_error
+    from skyrl_megatron.config import ConfigError, validate_config
+    from skyrl_megatron.demo.experiment import REWARD, experiment_class, plot_rewards, read_metrics
+    from skyrl_megatron.failures import WorkerFailure
+    from skyrl_megatron.host import run_experiment
+
+    run_dir: Path = args.out
+    if args.fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir, prompts = prepare(run_dir, args.steps)
+    steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
+    overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval) + args.overrides
+    try:
+        cfg = compose_config(overrides)
+        validate_config(cfg)
+    except ConfigError as err:
+        report_config_error(err)
+        return 2
+
+    # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL); the demo
+    # prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+
+    metrics_file = run_dir / "metrics.jsonl"
+    done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
+    print(f"skyrl-megatron demo: GRPO, Megatron policy (TP=2+SP) + ref on CPU (gloo), CPU engine; {steps} steps")
+    print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
+    started = time.perf_counter()
+    try:
+        run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False)
+    except WorkerFailure as failure:
+        print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
+        return 1
+
+    records = [r for r in read_metrics(metrics_file) if REWARD in r]
+    by_step = {r["step"]: r for r in records}
+    plot = plot_rewards(metrics_file, run_dir / "reward.png")
+    ordered = [by_step[s][REWARD] for s in sorted(by_step)]
+    quarter = max(1, len(ordered) // 4)
+    first, last = sum(ordered[:quarter]) / quarter, sum(ordered[-quarter:]) / quarter
+    latest = (run_dir / "ckpts" / "latest_ckpt_global_step.txt").read_text().strip()
+    print(f"done in {time.perf_counter() - started:.0f} s: mean reward {first:.3f} (first {quarter} steps) -> "
+          f"{last:.3f} (last {quarter} steps)")
+    print(f"weight sync bitwise equal at every step: {all(r.get('sync/bitwise_equal') == 1.0 for r in records)}")
+    print(f"checkpoint: {run_dir.resolve() / 'ckpts' / f'global_step_{latest}'}")
+    print(f"HF export:  {run_dir.resolve() / 'exports' / f'global_step_{latest}' / 'policy'}")
+    print(f"reward plot: {plot.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

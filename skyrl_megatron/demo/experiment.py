@@ -1,0 +1,185 @@
+"""The demo's experiment: the host's BasePPOExp and RayPPOTrainer, with checks and a readable console.
+
+Nothing here changes what the host trainer does; it observes:
+
+* after every weight sync the engine's weights are compared with a fresh export of the policy
+  (SHA-256 per tensor, so "equal" means bitwise), reported as ``sync/bitwise_equal``;
+* the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
+  same tokens, reported as ``sync/rollout_logprob_max_diff``;
+* each step's prompt ids and token count are recorded, so a resumed run's data order can be checked;
+* a tracker prints one line per step, keeps every metric in ``metrics.jsonl`` and draws the reward
+  curve at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from skyrl_megatron import host
+from skyrl_megatron.demo.task import register_environment
+from skyrl_megatron.weights import tensor_sha256
+
+REWARD = "reward/avg_raw_reward"
+CONSOLE_COLUMNS = (
+    ("reward", REWARD, "{:.3f}"),
+    ("loss", "policy/final_loss", "{:+.4f}"),
+    ("kl", "policy/policy_kl", "{:.2e}"),
+    ("grad", "policy/raw_grad_norm", "{:.3f}"),
+    ("resp", "generate/avg_num_tokens", "{:.1f}"),
+    ("tok/s", "throughput/tokens_per_second", "{:.0f}"),
+    ("sync", "sync/bitwise_equal", "{:.0f}"),
+    ("|lp diff|", "sync/rollout_logprob_max_diff", "{:.1e}"),
+)
+
+
+class StepReporter:
+    """The host's tracker interface (``log``, ``finish``): one console line and one JSON line per step."""
+
+    def __init__(self, metrics_file: Path, write=print):
+        self.metrics_file = metrics_file
+        self.write = write
+        self._header_done = False
+
+    def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in data.items()}}
+        with self.metrics_file.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        if "trainer/global_step" not in data:  # e.g. eval before training
+            return
+        if not self._header_done:
+            self.write(f"{'step':>5} " + " ".join(f"{name:>10}" for name, _, _ in CONSOLE_COLUMNS))
+            self._header_done = True
+        cells = []
+        for _, key, fmt in CONSOLE_COLUMNS:
+            value = data.get(key)
+            cells.append(f"{fmt.format(value) if isinstance(value, (int, float)) else '-':>10}")
+        self.write(f"{step:>5} " + " ".join(cells))
+
+    def finish(self) -> None:
+        pass
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_metrics(metrics_file: Path) -> list[dict[str, Any]]:
+    """Per-step records of every run that wrote to `metrics_file` (a resumed run appends)."""
+    if not metrics_file.exists():
+        return []
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
+    """Reward per step (the last record of each step wins, so resumed runs draw one curve)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_step = {r["step"]: r[REWARD] for r in read_metrics(metrics_file) if REWARD in r}
+    steps = sorted(by_step)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [by_step[s] for s in steps], marker="o")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean reward (digit share of reply)")
+    ax.set_title("skyrl-megatron CPU demo: Megatron policy (TP=2) + ref, CPU engine")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=120)
+    plt.close(fig)
+    return out_file
+
+
+def _trainer_class():
+    from skyrl_train.trainer import RayPPOTrainer
+
+    class CheckedTrainer(RayPPOTrainer):
+        """The host trainer plus the demo's observations (see the module docstring)."""
+
+        def sync_policy_weights_to_inference_engines(self):
+            ray.get(super().sync_policy_weights_to_inference_engines())
+            self._check_engine_weights()
+            return []
+
+        def _check_engine_weights(self) -> None:
+            exported = ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
+            equal = True
+            for engine in self.inference_engine_client.engines:
+                held = ray.get(engine.inference_engine_actor.named_weights.remote())
+                equal &= {name: tensor_sha256(held[name]) for name in exported} == exported
+            self.all_metrics["sync/bitwise_equal"] = float(equal)
+            self.all_metrics["sync/tensors"] = len(exported)
+
+        def postprocess_generator_output(self, generator_output, uids):
+            self.all_metrics["data/prompt_uids"] = sorted(set(uids), key=int)
+            return super().postprocess_generator_output(generator_output, uids)
+
+        def fwd_logprobs_values_reward(self, training_input):
+            training_input = super().fwd_logprobs_values_reward(training_input)
+            self.all_metrics["throughput/tokens"] = int(training_input["attention_mask"].sum())
+            rollout = training_input["rollout_logprobs"]
+            if rollout is not None:
+                mask = training_input["loss_mask"].bool()
+                diff = (rollout - training_input["action_log_probs"]).abs()[mask]
+                self.all_metrics["sync/rollout_logprob_max_diff"] = float(diff.max()) if diff.numel() else 0.0
+            return training_input
+
+    return CheckedTrainer
+
+
+def experiment_class(run_dir: Path):
+    """A BasePPOExp whose trainer is the checked one and whose tracker is the step reporter."""
+    base = host.base_experiment_class()
+    trainer_class = _trainer_class()
+
+    class DemoExperiment(base):
+        def __init__(self, cfg):
+            register_environment()  # the host's generator makes environments by name, in this process
+            super().__init__(cfg)
+
+        def get_generator(self, cfg, tokenizer, inference_engine_client):
+            generator = super().get_generator(cfg, tokenizer, inference_engine_client)
+            # one progress bar (the trainer's); the generator's per-batch bar would interleave with it
+            generator.generate = functools.partial(generator.generate, disable_tqdm=True)
+            return generator
+
+        def get_tracker(self):
+            return _ThroughputReporter(run_dir / "metrics.jsonl")
+
+        def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
+                        generator, colocate_pg):
+            return trainer_class(
+                cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, inference_engine_client=inference_engine_client,
+                generator=generator, colocate_pg=colocate_pg,
+            )
+
+    return DemoExperiment
+
+
+class _ThroughputReporter(StepReporter):
+    """Adds tokens per second of the whole step (generation, scoring, training, sync) before reporting."""
+
+    def __init__(self, metrics_file: Path):
+        from tqdm import tqdm
+
+        super().__init__(metrics_file, write=tqdm.write)
+
+    def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:
+        seconds, tokens = data.get("timing/step"), data.get("throughput/tokens")
+        if seconds and tokens:
+            data = {**data, "throughput/tokens_per_second": tokens / seconds}
+        super().log(data, step, commit)

@@ -1,0 +1,409 @@
+"""LoRA adapters on a frozen Megatron base, through Megatron-Bridge's PEFT.
+
+:class:`LoraSpec` is the one description of the adapters: the host's `trainer.<role>.model.lora.*`
+keys (rank, alpha, dropout, targets, A's init) plus `megatron_config.lora_config` (the bridge's
+adapter flavour and how weight sync ships them). :func:`adapter_hook` turns it into the pre-wrap hook
+that :mod:`skyrl_megatron.model.build` runs after the base weights are in place and before Megatron's
+DDP wraps the chunks, so that DDP's grad buffers and the optimizer only ever see adapter parameters.
+
+Two things differ from applying the bridge's `LoRA` as is:
+
+* Targets may be given in Hugging Face names (`q_proj`, `gate_proj`, ...; what FSDP users of the host
+  write) or Megatron names (`linear_qkv`, `linear_fc1_up`, ...). "all-linear" means the attention and
+  MLP projections, never the LM head (as in HF PEFT).
+* Adapter weights are initialised per *global* tensor: each logical adapter matrix is drawn whole from a
+  generator seeded by (seed, its checkpoint key) and every rank copies out its own shard. The bridge's
+  initialisation draws from the process RNG, whose state depends on which layers and experts a rank
+  built, so the same seed gave different adapters under PP or EP. Here the adapters, and with them
+  the whole training run, are the same under every layout.
+
+:class:`LoraFootprint` reports what freezing the base saves (trainable vs total parameters, optimizer
+bytes) for the worker to log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LORA_TYPES = ("lora", "canonical_lora")
+WEIGHT_SYNC_MODES = ("merged", "adapters")
+INIT_METHODS = ("xavier", "normal", "kaiming", "zero")
+ALL_LINEAR = "all-linear"
+
+# The projections "all-linear" adapts, in each flavour's Megatron names (the bridge's defaults).
+_ALL_LINEAR_TARGETS = {
+    "lora": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+    "canonical_lora": (
+        "linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc1_gate", "linear_fc1_up", "linear_fc2",
+    ),
+}
+# HF projection name -> the Megatron module it lives in. `lora` keeps Megatron's fused linear_qkv and
+# linear_fc1 (one adapter each, A shared by the fused parts); `canonical_lora` has one per HF projection.
+_HF_TO_MEGATRON = {
+    "lora": {
+        "q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
+        "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2",
+    },
+    "canonical_lora": {
+        "q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v", "o_proj": "linear_proj",
+        "gate_proj": "linear_fc1_gate", "up_proj": "linear_fc1_up", "down_proj": "linear_fc2",
+    },
+}
+# A fused module takes one adapter for all its parts: naming only some of them would adapt the others too.
+_FUSED_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
+
+# Adam keeps two fp32 moments per trained element; with bf16 parameters Megatron adds an fp32 main copy.
+_ADAM_MOMENT_BYTES = 8
+_FP32_MAIN_PARAM_BYTES = 4
+
+
+class LoraConfigError(ValueError):
+    """The LoRA settings cannot be mapped onto Megatron-Bridge's PEFT."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Which adapters to add and how to initialise and ship them."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    lora_type: str = "lora"  # "lora" (fused qkv / fc1 adapters) | "canonical_lora" (one per HF projection)
+    target_modules: tuple[str, ...] | str = ALL_LINEAR  # HF or Megatron module names, or "all-linear"
+    exclude_modules: tuple[str, ...] = ()  # names removed from the targets
+    init_method: str = "kaiming"  # LoRA A; B starts at zero, so training starts from the base model
+    seed: int = 0  # adapter initialisation (layout-independent)
+    weight_sync: str = "merged"  # "merged": base + BA under HF names | "adapters": a PEFT adapter
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, list):
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        problems = []
+        if not isinstance(self.rank, int) or self.rank < 1:
+            problems.append(f"rank must be a positive integer, got {self.rank!r}")
+        if self.lora_type not in LORA_TYPES:
+            problems.append(f"lora_type {self.lora_type!r} is not one of {LORA_TYPES}")
+        if self.init_method not in INIT_METHODS:
+            problems.append(f"init_method {self.init_method!r} is not one of {INIT_METHODS}")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            problems.append(f"weight_sync {self.weight_sync!r} is not one of {WEIGHT_SYNC_MODES}")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        if problems:
+            raise LoraConfigError("; ".join(problems))
+        if self.lora_type in LORA_TYPES:
+            self.megatron_targets()  # fail at construction, not inside model building
+
+    @classmethod
+    def from_host_config(cls, cfg, role: str = "policy") -> LoraSpec | None:
+        """The spec for `role` from the composed host config; None when `model.lora.rank` is 0 (no LoRA).
+
+        Reads `trainer.<role>.model.lora.{rank, alpha, dropout, target_modules, exclude_modules,
+        init_method}`, `trainer.<role>.megatron_config.lora_config.{lora_type, weight_sync}` and
+        `trainer.seed`.
+        """
+        from omegaconf import OmegaConf
+
+        role_cfg = cfg.trainer[role]
+        lora = OmegaConf.to_container(role_cfg.model.lora, resolve=True)
+        if int(lora.get("rank") or 0) <= 0:
+            return None
+        megatron_lora = role_cfg.get("megatron_config", {}).get("lora_config") or {}
+        targets = lora.get("target_modules") or ALL_LINEAR
+        return cls(
+            rank=int(lora["rank"]),
+            alpha=float(lora.get("alpha", 16)),
+            dropout=float(lora.get("dropout") or 0.0),
+            lora_type=str(megatron_lora.get("lora_type", "lora")),
+            target_modules=targets if isinstance(targets, str) else tuple(targets),
+            exclude_modules=tuple(lora.get("exclude_modules") or ()),
+            init_method=str(lora.get("init_method", "kaiming")),
+            seed=int(cfg.trainer.get("seed", 0)),
+            weight_sync=str(megatron_lora.get("weight_sync", "merged")),
+        )
+
+    @property
+    def scale(self) -> float:
+        """What BA is multiplied by before it is added to the base weight."""
+        return self.alpha / self.rank
+
+    def megatron_targets(self) -> list[str]:
+        """The target list for the bridge's PEFT, in Megatron module names (wildcard patterns pass through)."""
+        mapping = _HF_TO_MEGATRON[self.lora_type]
+        requested = _ALL_LINEAR_TARGETS[self.lora_type] if self.target_modules == ALL_LINEAR else self.target_modules
+        if isinstance(requested, str):
+            raise LoraConfigError(f"target_modules must be {ALL_LINEAR!r} or a list of module names, got {requested!r}")
+        if self.lora_type == "lora":
+            _check_fused_parts(requested)
+        excluded = {mapping.get(name, name) for name in self.exclude_modules}
+        targets: list[str] = []
+        for name in requested:
+            target = mapping.get(name, name)
+            if target not in excluded and target not in targets:
+                targets.append(target)
+        if self.lora_type == "canonical_lora":
+            fused = [t for t in targets if t.endswith(("linear_qkv", "linear_fc1"))]
+            if fused:
+                raise LoraConfigError(
+                    f"canonical_lora adapts q/k/v and gate/up separately; replace {fused} by their parts "
+                    "(q_proj, k_proj, v_proj / gate_proj, up_proj) or use lora_type=lora"
+                )
+        if not targets:
+            raise LoraConfigError(f"no module is left to adapt: targets {requested} minus {self.exclude_modules}")
+        return targets
+
+    def make_peft(self):
+        """The bridge's PEFT object (LoRA or CanonicalLoRA) for these settings."""
+        from skyrl_megatron.model.bridge_import import import_bridge
+
+        import_bridge()
+        from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+        from megatron.bridge.peft.lora import LoRA
+
+        peft_cls = LoRA if self.lora_type == "lora" else CanonicalLoRA
+        return peft_cls(
+            target_modules=self.megatron_targets(),
+            dim=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            lora_A_init_method=self.init_method,
+            lora_B_init_method="zero",
+        )
+
+
+def _check_fused_parts(requested: Sequence[str]) -> None:
+    named = set(requested)
+    for fused, parts in _FUSED_PARTS.items():
+        present = [p for p in parts if p in named]
+        if present and len(present) < len(parts):
+            missing = [p for p in parts if p not in named]
+            raise LoraConfigError(
+                f"lora_type=lora adapts {'/'.join(parts)} together (Megatron's fused {fused}); "
+                f"targets name {present} but not {missing}: add them, or use lora_type=canonical_lora"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# Applying adapters (a pre-wrap hook)
+# ----------------------------------------------------------------------------------------------
+
+
+def adapter_hook(spec: LoraSpec) -> Callable[[list], list]:
+    """A provider pre-wrap hook: freeze the chunks, add adapters, initialise them layout-independently."""
+
+    def add_adapters(chunks: list) -> list:
+        chunks = spec.make_peft()(chunks, training=True)
+        initialise_adapters(chunks, spec)
+        return chunks
+
+    return add_adapters
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter or state-dict key belongs to an adapter (the bridge nests them under `.adapter.`)."""
+    return ".adapter." in name
+
+
+def initialise_adapters(chunks: Sequence[torch.nn.Module], spec: LoraSpec) -> None:
+    """Draw every adapter matrix whole from its own seeded generator and copy out this rank's shard.
+
+    A (`linear_in`) follows `spec.init_method`, B (`linear_out`) starts at zero. The sharded state dict
+    names each tensor by its global key and places the local shard in the global matrix, whatever the
+    TP / PP / EP layout; tensors stored with leading axes (e.g. an expert index) are one matrix per
+    index, with the index in the seed.
+    """
+    for shard in _adapter_shards(chunks):
+        prepend = shard.prepend_axis_num
+        matrix_shape = tuple(shard.global_shape[prepend:])
+        method = spec.init_method if shard.key.endswith("linear_in.weight") else "zero"
+        full = _initialised(matrix_shape, method, _seed_for(spec.seed, shard.key, shard.global_offset[:prepend]))
+        window = tuple(
+            slice(offset, offset + size) for offset, size in zip(shard.global_offset[prepend:], shard.local_shape)
+        )
+        with torch.no_grad():
+            shard.data.copy_(full[window])
+
+
+def _adapter_shards(chunks: Sequence[torch.nn.Module]):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.utils import unwrap_model
+
+    for chunk in unwrap_model(list(chunks)):
+        for key, value in chunk.sharded_state_dict().items():
+            if not is_adapter_name(key):
+                continue
+            # factories (e.g. the gate/up halves of fc1's B) expand into shards that are views of the param
+            built = value.build() if isinstance(value, ShardedTensorFactory) else value
+            for shard in built if isinstance(built, list) else [built]:
+                if isinstance(shard, ShardedTensor):
+                    yield shard
+
+
+def _seed_for(seed: int, key: str, leading_index: Sequence[int]) -> int:
+    digest = hashlib.sha256(f"{seed}|{key}|{tuple(leading_index)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _initialised(shape: tuple[int, ...], method: str, seed: int) -> torch.Tensor:
+    """A full adapter matrix, initialised as Megatron-Bridge initialises its adapters' master weights."""
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.empty(shape, dtype=torch.float32)
+    if method == "xavier":
+        return torch.nn.init.xavier_normal_(full, generator=generator)
+    if method == "normal":
+        return torch.nn.init.normal_(full, std=0.2, generator=generator)
+    if method == "kaiming":
+        return torch.nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+    return full.zero_()
+
+
+# ----------------------------------------------------------------------------------------------
+# What freezing the base saves
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraFootprint:
+    """Parameters of the whole model, and this rank's optimizer state, with and without LoRA.
+
+    `optimizer_bytes` is Adam's state for the trainable elements this rank's optimizer holds (two fp32
+    moments, plus an fp32 main copy when the parameters are bf16; split over the data-parallel ranks by
+    the distributed optimizer); `full_finetune_optimizer_bytes` is the same for every parameter.
+    """
+
+    trainable_params: int
+    total_params: int
+    optimizer_bytes: int
+    full_finetune_optimizer_bytes: int
+
+    @property
+    def trainable_fraction(self) -> float:
+        return self.trainable_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def optimizer_bytes_saved(self) -> int:
+        return self.full_finetune_optimizer_bytes - self.optimizer_bytes
+
+    def as_metrics(self, prefix: str = "lora/") -> dict[str, float]:
+        return {
+            f"{prefix}trainable_params": float(self.trainable_params),
+            f"{prefix}total_params": float(self.total_params),
+            f"{prefix}trainable_fraction": self.trainable_fraction,
+            f"{prefix}optimizer_gib": self.optimizer_bytes / 2**30,
+            f"{prefix}optimizer_gib_saved": self.optimizer_bytes_saved / 2**30,
+        }
+
+
+def measure_footprint(
+    chunks: Sequence[torch.nn.Module], *, bf16: bool, distributed_optimizer: bool
+) -> LoraFootprint:
+    """Count the model's parameters (each shard once over all ranks) and this rank's optimizer bytes.
+
+    Collective over the default process group (one all-reduce of two integers).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dense_owner = ps.get_data_parallel_rank() == 0
+    expert_owner = ps.get_expert_data_parallel_rank() == 0
+    tp_rank, expert_tp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    trainable = total = local_trainable = local_total = 0
+    for param in _unique_parameters(chunks):
+        local_total += param.numel()
+        local_trainable += param.numel() if param.requires_grad else 0
+        # Megatron marks expert parameters allreduce=False: they are replicated over the expert-DP
+        # group and split over expert-TP, the others over DP and TP.
+        is_expert = not getattr(param, "allreduce", True)
+        owner = expert_owner if is_expert else dense_owner
+        split = getattr(param, "tensor_model_parallel", False)
+        first_replica = split or (expert_tp_rank if is_expert else tp_rank) == 0
+        # a tied output layer on the last stage shares the first stage's embedding
+        tied_copy = getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)
+        if owner and first_replica and not tied_copy:
+            total += param.numel()
+            trainable += param.numel() if param.requires_grad else 0
+    counts = torch.tensor([trainable, total], dtype=torch.int64)
+    dist.all_reduce(counts)
+
+    per_element = _ADAM_MOMENT_BYTES + (_FP32_MAIN_PARAM_BYTES if bf16 else 0)
+    shards = ps.get_data_parallel_world_size(with_context_parallel=True) if distributed_optimizer else 1
+    return LoraFootprint(
+        trainable_params=int(counts[0]),
+        total_params=int(counts[1]),
+        optimizer_bytes=math.ceil(local_trainable / shards) * per_element,
+        full_finetune_optimizer_bytes=math.ceil(local_total / shards) * per_element,
+    )
+
+
+def _unique_parameters(chunks: Sequence[torch.nn.Module]):
+    seen: set[int] = set()
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield param
+
+
+# ----------------------------------------------------------------------------------------------
+# The adapters in HF `peft`'s layout
+# ----------------------------------------------------------------------------------------------
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """LoRA adapters as HF `peft` stores them: `PeftModel.from_pretrained(base, directory)` reads :meth:`save`."""
+
+    config: dict[str, Any]  # adapter_config.json
+    state: dict[str, torch.Tensor]  # adapter_model.safetensors: full tensors under peft's names
+
+    @classmethod
+    def export(cls, built) -> PeftAdapter:
+        """Gather the adapters of `built` (a BuiltModel with LoRA) into full tensors on every rank. Collective.
+
+        The bridge names each adapter after its HF projection (`...q_proj.lora_A.weight`; one 3-D tensor
+        per fused MoE expert matrix); its PEFT helpers rename and pack them and write the matching config.
+        """
+        from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
+        from megatron.bridge.models.conversion.peft_bridge import (
+            build_adapter_config_dict,
+            convert_adapter_weights_to_peft_state,
+            infer_rank_pattern_from_adapter_weights,
+            infer_target_modules_from_adapter_weights,
+        )
+
+        spec: LoraSpec | None = built.lora
+        if spec is None:
+            raise LoraConfigError("the model carries no LoRA adapters to export (build it with ModelSpec.lora)")
+        # cloned: a replicated adapter may come out as the parameter itself, which the next step changes
+        weights = [
+            HFWeightTuple(item.param_name, item.weight.detach().clone())
+            for item in built.bridge.export_adapter_weights(built.chunks, cpu=False, show_progress=False)
+        ]
+        state, module_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
+        config = build_adapter_config_dict(
+            spec.make_peft(),
+            target_modules=infer_target_modules_from_adapter_weights(module_names),
+            target_parameters=target_parameters,
+            base_model_name_or_path=str(built.bridge.hf_pretrained.model_name_or_path or ""),
+            rank_pattern=infer_rank_pattern_from_adapter_weights(weights, default_rank=spec.rank),
+        )
+        return cls(config=config, state={name: tensor.contiguous() for name, tensor in state.items()})
+
+    def save(self, directory: Path) -> None:
+        """Write the two files `peft` reads into an existing `directory`."""
+        from safetensors.torch import save_file
+
+        (directory / PEFT_CONFIG_FILE).write_text(json.dumps(self.config, indent=2))
+        save_file({name: tensor.cpu() for name, tensor in self.state.items()}, directory / PEFT_WEIGHTS_FILE)

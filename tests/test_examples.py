@@ -1,0 +1,188 @@
+"""The example launch scripts in examples/megatron: each one, run with a stand-in `skyrl-megatron`,
+gives overrides that compose and pass the full validation (ours and the host's) for the world size it
+plans; its pasted memory plan is what the planner prints today for exactly its layout, and fits the GPU
+its header names. The architecture JSONs carry the published shapes and load in transformers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from skyrl_megatron.cli import compose_config
+from skyrl_megatron.config import validate_config
+from skyrl_megatron.planner.cli import build_parser
+from skyrl_megatron.planner.cli import main as plan_main
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "megatron"
+MODEL_CONFIGS = EXAMPLES / "model_configs"
+SCRIPTS = sorted(EXAMPLES.glob("run_*.sh"))
+PLANNED = [s for s in SCRIPTS if s.name != "run_fsdp_baseline.sh"]
+PLAN_PREFIX = "#   $ skyrl-megatron plan "
+GPU_MEMORY_GIB = {"H100": 80, "H200": 141}
+HARDWARE = re.compile(r"^# Hardware: (\d+) nodes? x (\d+) (H100|H200) \((\d+) GiB each\)", re.MULTILINE)
+DEFAULT_MODEL = re.compile(r"^MODEL_PATH=\$\{MODEL_PATH:-([^}]+)\}$", re.MULTILINE)
+
+# Published shapes (model cards / config.json on the Hub).
+PUBLISHED = {
+    "Qwen3-0.6B": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
+    "Qwen3-1.7B": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, tie_word_embeddings=True),
+    "Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          tie_word_embeddings=False),
+    "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                            head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                            tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def model_config_of(script: Path) -> Path:
+    """The architecture JSON of the model a script trains by default (MODEL_PATH=${MODEL_PATH:-Qwen/<name>})."""
+    (model_id,) = DEFAULT_MODEL.findall(script.read_text())
+    return MODEL_CONFIGS / f"{Path(model_id).name}.json"
+
+
+def launch_overrides(script: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """Run the script with a stand-in `skyrl-megatron` that records its arguments; return them."""
+    bin_dir, model_dir, record = tmp_path / "bin", tmp_path / "model", tmp_path / "args"
+    bin_dir.mkdir(parents=True)
+    model_dir.mkdir()
+    shutil.copy(model_config_of(script), model_dir / "config.json")
+    stub = bin_dir / "skyrl-megatron"
+    stub.write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "$RECORD_ARGS"\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOGGER", "CKPT_DIR")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", HOME=str(tmp_path / "home"), MODEL_PATH=str(model_dir),
+               DATA_DIR=str(tmp_path / "data"), RECORD_ARGS=str(record))  # fmt: skip
+    subprocess.run(["bash", str(script), *extra], env=env, check=True, timeout=60)
+    return record.read_text().split("\0")[:-1]
+
+
+def plan_of(script: Path) -> tuple[list[str], str]:
+    """The planner arguments and the pasted output in a script's header."""
+    lines = script.read_text().splitlines()
+    (start,) = [i for i, line in enumerate(lines) if line.startswith(PLAN_PREFIX)]
+    pasted = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("#"):
+            break
+        pasted.append(line[4:])
+    return shlex.split(lines[start][len(PLAN_PREFIX) :]), "\n".join(pasted)
+
+
+def test_every_example_is_covered():
+    assert {s.name for s in SCRIPTS} == {
+        "run_qwen3_1.7b_grpo.sh",
+        "run_qwen3_30b_a3b_1node.sh",
+        "run_qwen3_30b_a3b_4nodes.sh",
+        "run_qwen3_235b_a22b.sh",
+        "run_fsdp_baseline.sh",
+    }
+    for script in SCRIPTS:
+        assert os.access(script, os.X_OK), f"chmod +x {script.name}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
+def test_overrides_compose_and_pass_validation(script, tmp_path):
+    overrides = launch_overrides(script, tmp_path)
+    assert overrides[-1].startswith("trainer.run_name=")  # nothing after "$@" was lost
+    cfg = compose_config(overrides)
+    assert cfg.trainer.policy.model.path == str(tmp_path / "model")
+    validate_config(cfg)  # ours (layout against the model's shape) and the host's validate_cfg
+    placement = cfg.trainer.placement
+    engines = cfg.generator.num_inference_engines * cfg.generator.inference_engine_tensor_parallel_size
+    assert placement.colocate_all and engines == placement.policy_num_nodes * placement.policy_num_gpus_per_node
+    assert cfg.generator.backend == "vllm"
+    if cfg.trainer.algorithm.use_kl_loss:  # the reference model runs the policy's layout
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            assert cfg.trainer.ref.megatron_config[key] == cfg.trainer.policy.megatron_config[key]
+
+
+def test_extra_arguments_reach_the_command_last(tmp_path):
+    overrides = launch_overrides(EXAMPLES / "run_qwen3_1.7b_grpo.sh", tmp_path, "trainer.epochs=1")
+    assert overrides[-1] == "trainer.epochs=1"
+
+
+@pytest.mark.parametrize("script", PLANNED, ids=lambda s: s.name)
+def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_path):
+    argv, pasted = plan_of(script)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert plan_main(argv) == 0
+    assert printed.getvalue().rstrip("\n") == pasted, f"re-run the plan command in {script.name} and paste its output"
+    total = [line for line in pasted.splitlines() if line.strip().startswith("total")]
+    assert len(total) == 1 and " fits " in total[0]
+
+    plan = build_parser().parse_args(argv)
+    assert ROOT / plan.model == model_config_of(script)
+    ((nodes, gpus, gpu, gib),) = HARDWARE.findall(script.read_text())
+    assert (plan.nodes, plan.gpus_per_node) == (int(nodes), int(gpus))
+    assert plan.gpu_memory_gib == int(gib) == GPU_MEMORY_GIB[gpu]
+
+    cfg = compose_config(launch_overrides(script, tmp_path))
+    placement, mc = cfg.trainer.placement, cfg.trainer.policy.megatron_config
+    assert (placement.policy_num_nodes, placement.policy_num_gpus_per_node) == (plan.nodes, plan.gpus_per_node)
+    planned = (plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, plan.etp if plan.etp is not None else plan.tp)
+    configured = (
+        mc.tensor_model_parallel_size,
+        mc.pipeline_model_parallel_size,
+        mc.virtual_pipeline_model_parallel_size,
+        mc.context_parallel_size,
+        mc.expert_model_parallel_size,
+        mc.expert_tensor_parallel_size if mc.expert_tensor_parallel_size is not None else mc.tensor_model_parallel_size,
+    )
+    assert planned == configured
+    assert plan.micro_batch_tokens == mc.max_tokens_per_microbatch
+    assert plan.recompute == (mc.transformer_config_kwargs.recompute_granularity or "none")
+    assert plan.no_sequence_parallel != mc.sequence_parallel
+    assert plan.swiglu_fusion == bool(mc.transformer_config_kwargs.get("bias_activation_fusion"))
+    assert plan.lora_rank == cfg.trainer.policy.model.lora.rank
+    assert plan.no_grad_reduce_in_fp32 != mc.ddp_config.grad_reduce_in_fp32
+    assert plan.no_distributed_optimizer != mc.ddp_config.use_distributed_optimizer
+    offloaded = mc.optimizer_config_kwargs.optimizer_offload_fraction if mc.optimizer_config_kwargs.optimizer_cpu_offload else 0.0
+    assert plan.optimizer_offload_fraction == offloaded
+
+
+def test_fsdp_baseline_trains_the_same_run_with_the_hosts_fsdp2(tmp_path):
+    megatron = compose_config(launch_overrides(EXAMPLES / "run_qwen3_1.7b_grpo.sh", tmp_path / "megatron"))
+    fsdp = compose_config(launch_overrides(EXAMPLES / "run_fsdp_baseline.sh", tmp_path / "fsdp"))
+    assert (megatron.trainer.strategy, fsdp.trainer.strategy) == ("megatron", "fsdp2")
+    assert model_config_of(EXAMPLES / "run_fsdp_baseline.sh") == model_config_of(EXAMPLES / "run_qwen3_1.7b_grpo.sh")
+    for section in ("generator", "environment", "trainer.algorithm", "trainer.placement", "trainer.policy.optimizer_config"):
+        assert _select(fsdp, section) == _select(megatron, section), section
+    for key in ("train_batch_size", "policy_mini_batch_size", "max_prompt_length", "epochs", "use_sample_packing"):
+        assert fsdp.trainer[key] == megatron.trainer[key], key
+
+
+def _select(cfg, dotted: str):
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, dotted)
+    data = OmegaConf.to_container(node, resolve=True)
+    data.pop("model_name", None)  # the model path: each run's own temp directory here
+    return data
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_model_configs_carry_the_published_shape_and_load_in_transformers(name, tmp_path):
+    from transformers import AutoConfig
+
+    config = json.loads((MODEL_CONFIGS / f"{name}.json").read_text())
+    assert {k: config[k] for k in PUBLISHED[name]} == PUBLISHED[name]
+    assert config["vocab_size"] == 151936
+    assert config["architectures"] == ["Qwen3MoeForCausalLM" if "num_experts" in PUBLISHED[name] else "Qwen3ForCausalLM"]
+    shutil.copy(MODEL_CONFIGS / f"{name}.json", tmp_path / "config.json")
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert loaded.model_type == config["model_type"]
+    assert loaded.num_hidden_layers == config["num_hidden_layers"]

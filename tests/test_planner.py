@@ -1,0 +1,318 @@
+"""The memory planner: parameter counts against real checkpoints and published totals, the sharding
+properties of the estimate, layout suggestions, and the `skyrl-megatron plan` command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skyrl_megatron.planner import (
+    BatchPlan,
+    Layout,
+    ModelArch,
+    PlanError,
+    TrainingSetup,
+    candidate_layouts,
+    estimate,
+    layer_activation_bytes,
+    layout_problems,
+    load_model_arch,
+    stage_parameters,
+    suggest_layouts,
+)
+from skyrl_megatron.planner.cli import main as plan_main
+from skyrl_megatron.planner.memory import ADAM_STATE_BYTES, GIB, micro_batches_in_flight
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_CONFIGS = ROOT / "examples" / "megatron" / "model_configs"
+CLI = shutil.which("skyrl-megatron", path=str(Path(sys.executable).parent)) or "skyrl-megatron"
+BATCH = BatchPlan(micro_batch_tokens=8192)
+
+
+def arch(name: str) -> ModelArch:
+    return load_model_arch(MODEL_CONFIGS / f"{name}.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter counts
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("qwen3", {}),
+        ("qwen3", {"tie_word_embeddings": True}),
+        ("llama", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True}),
+        ("qwen2", {}),
+        ("qwen3_moe", {}),
+        ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [0]}),  # dense and MoE layers mixed
+    ],
+)
+def test_parameter_counts_equal_the_hf_model_built_from_the_same_config(tmp_path, family, overrides):
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    checkpoint = make_tiny_hf_model(family, tmp_path / family, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    planned = load_model_arch(checkpoint)
+    assert planned.num_parameters() == sum(p.numel() for p in model.parameters())
+    # Active: everything but the experts a token is not routed to (k of E per MoE layer).
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    share = planned.experts_per_token / planned.num_experts if planned.is_moe else 1.0
+    assert planned.num_active_parameters() == round(planned.num_parameters() - experts * (1 - share))
+    assert planned.is_moe == (experts > 0)
+
+
+# Published model-card totals, rounded to two or three significant digits: 3% covers the rounding.
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("Qwen3-0.6B", 0.6e9, None),
+        ("Qwen3-1.7B", 1.7e9, None),
+        ("Qwen3-30B-A3B", 30.5e9, 3.3e9),
+        ("Qwen3-235B-A22B", 235e9, 22e9),
+    ],
+)
+def test_parameter_counts_match_the_published_totals(name, total, active):
+    model = arch(name)
+    assert model.num_parameters() == pytest.approx(total, rel=0.03)
+    if active is not None:
+        assert model.num_active_parameters() == pytest.approx(active, rel=0.03)
+
+
+def test_unknown_model_types_and_missing_files_name_the_model_flag(tmp_path):
+    with pytest.raises(PlanError, match="model_type 'gpt2' is not supported") as err:
+        ModelArch.from_hf_config({"model_type": "gpt2"})
+    assert err.value.flag == "--model"
+    with pytest.raises(PlanError, match="neither a config.json nor a directory") as err:
+        load_model_arch(tmp_path / "missing")
+    assert err.value.flag == "--model"
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharding
+# ----------------------------------------------------------------------------------------------
+
+
+def test_doubling_tp_halves_the_sharded_parameters_and_keeps_the_norms():
+    model = arch("Qwen3-1.7B")
+    one, two = (stage_parameters(model, Layout(gpus_per_node=8, tp=tp), 0) for tp in (1, 2))
+    assert two.tp_sharded * 2 == one.tp_sharded
+    # Replicated on every TP rank: two RMSNorms and the q/k norms per layer, plus the final norm.
+    h, d = model.hidden_size, model.head_dim
+    assert one.replicated == two.replicated == model.num_layers * (2 * h + 2 * d) + h
+    assert estimate(model, Layout(gpus_per_node=8, tp=2), BATCH).params == 2 * two.total
+
+
+def test_pipeline_stages_hold_every_parameter_once_plus_the_tied_embedding_copy():
+    for name, layout in (("Qwen3-1.7B", Layout(gpus_per_node=4, pp=4)), ("Qwen3-30B-A3B", Layout(gpus_per_node=8, pp=4, ep=2))):
+        model = arch(name)
+        stages = [stage_parameters(model, layout, s) for s in range(layout.pp)]
+        on_all_gpus = sum(s.tp_sharded + s.replicated + s.expert * layout.ep for s in stages)
+        tied_copy = model.embedding_params if model.tie_word_embeddings else 0
+        assert on_all_gpus == model.num_parameters() + tied_copy
+        # the embedding lives on the first stage and the output layer on the last
+        assert stages[0].tp_sharded - stages[1].tp_sharded == model.embedding_params
+
+
+def test_data_parallelism_shards_only_the_optimizer_state():
+    model = arch("Qwen3-1.7B")
+    single, eight = (estimate(model, Layout(gpus_per_node=n), BATCH) for n in (1, 8))
+    assert (eight.params, eight.grads, eight.activations) == (single.params, single.grads, single.activations)
+    assert eight.optimizer * 8 == pytest.approx(single.optimizer, rel=1e-9)
+    unsharded = estimate(model, Layout(gpus_per_node=8), BATCH, TrainingSetup(distributed_optimizer=False))
+    assert unsharded.optimizer == single.optimizer
+
+
+def test_expert_state_is_sharded_over_the_expert_data_parallel_group():
+    model = arch("Qwen3-30B-A3B")
+    for nodes, expert_dp in ((1, 1), (4, 4)):
+        layout = Layout(nodes=nodes, gpus_per_node=8, ep=8, etp=1)
+        assert layout.expert_dp == expert_dp
+        params = stage_parameters(model, layout, 0)
+        assert params.expert * 8 == sum(model.layer_params(i).expert for i in range(model.num_layers))
+        dense = params.tp_sharded + params.replicated
+        expected = ADAM_STATE_BYTES * (dense / layout.dp + params.expert / expert_dp)
+        assert estimate(model, layout, BATCH).optimizer == round(expected)
+
+
+def test_recompute_orders_activations_full_below_selective_below_none():
+    for name, layout in (("Qwen3-1.7B", Layout(gpus_per_node=8, tp=2)), ("Qwen3-30B-A3B", Layout(gpus_per_node=8, ep=8))):
+        model = arch(name)
+        none, selective, more_selective, full = (
+            estimate(model, layout, BatchPlan(8192, recompute=r, recompute_modules=m)).activations
+            for r, m in (("none", ()), ("selective", ("core_attn",)), ("selective", ("core_attn", "layernorm", "mlp", "moe_act")), ("full", ()))
+        )
+        assert full < more_selective < selective < none
+        # full recompute keeps one bf16 hidden state per token and layer (sequence-parallel split)
+        per_token = model.hidden_size * 2 / layout.tp
+        assert full == round(model.num_layers * 8192 * per_token)
+
+
+def test_fused_swiglu_saves_one_ffn_wide_tensor_per_layer():
+    model, layout = arch("Qwen3-1.7B"), Layout(gpus_per_node=8, tp=2)
+    unfused, fused = (estimate(model, layout, BatchPlan(8192, swiglu_fusion=f)).activations for f in (False, True))
+    assert unfused - fused == model.num_layers * 8192 * (model.ffn_hidden_size // 2) * 2  # bf16, TP-split
+
+
+def test_sequence_and_context_parallelism_shrink_activations():
+    model = arch("Qwen3-1.7B")
+    with_sp, without_sp = (
+        layer_activation_bytes(model, Layout(gpus_per_node=8, tp=2, sequence_parallel=sp), BATCH, moe_layer=False) for sp in (True, False)
+    )
+    assert with_sp < without_sp
+    cp1, cp2 = (layer_activation_bytes(model, Layout(gpus_per_node=8, cp=cp), BATCH, moe_layer=False) for cp in (1, 2))
+    assert cp1 / 2 < cp2 < cp1  # each CP rank keeps half the tokens, but all-gathered keys and values
+
+
+def test_pipeline_keeps_pp_micro_batches_on_the_first_stage_and_interleaving_adds_the_known_factor():
+    assert [micro_batches_in_flight(Layout(gpus_per_node=4, pp=4), s) for s in range(4)] == [4, 3, 2, 1]
+    pp, vpp = 4, 2
+    interleaved = micro_batches_in_flight(Layout(gpus_per_node=4, pp=pp, vpp=vpp), 0)
+    assert interleaved == pytest.approx(pp * (1 + (pp - 1) / (pp * vpp)))  # Korthikanti et al. 2022
+
+
+def test_the_most_loaded_stage_is_reported():
+    result = estimate(arch("Qwen3-1.7B"), Layout(gpus_per_node=4, pp=4), BATCH)
+    assert len(result.stage_totals) == 4
+    assert result.total == max(result.stage_totals) == result.stage_totals[result.stage]
+    assert result.stage == 0  # four micro-batches in flight plus the embedding
+
+
+def test_lora_trains_only_adapters_and_offload_moves_optimizer_state_off_the_gpu():
+    model, layout = arch("Qwen3-30B-A3B"), Layout(gpus_per_node=8, ep=8)
+    full = estimate(model, layout, BATCH)
+    lora = estimate(model, layout, BATCH, TrainingSetup(lora_rank=32))
+    assert lora.params > full.params  # the frozen base stays, adapters are added
+    assert lora.grads < full.grads / 10 and lora.optimizer < full.optimizer / 10
+    assert estimate(model, layout, BATCH, TrainingSetup(optimizer_offload_fraction=1.0)).optimizer == 0
+    half = estimate(model, layout, BATCH, TrainingSetup(optimizer_offload_fraction=0.5)).optimizer
+    assert half == pytest.approx(full.optimizer / 2, abs=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout validity and suggestions
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, layout, flag, text",
+    [
+        ("Qwen3-1.7B", Layout(gpus_per_node=3, tp=3), "--tp", "number of attention heads (16) is not divisible by TP=3"),
+        ("Qwen3-1.7B", Layout(gpus_per_node=3, pp=3), "--pp/--vpp", "28 layers do not split evenly"),
+        ("Qwen3-1.7B", Layout(gpus_per_node=8, ep=2), "--ep/--etp", "is a dense model"),
+        ("Qwen3-1.7B", Layout(gpus_per_node=8, vpp=2), "--vpp", "need pipeline parallelism"),
+        ("Qwen3-1.7B", Layout(gpus_per_node=6, tp=4), "--tp/--pp/--cp", "world size 6"),
+        ("Qwen3-30B-A3B", Layout(gpus_per_node=3, ep=3), "--ep", "number of experts (128) is not divisible by EP=3"),
+        ("Qwen3-30B-A3B", Layout(gpus_per_node=8, tp=8), "--tp", "key/value heads (4)"),
+        ("Qwen3-30B-A3B", Layout(gpus_per_node=8, tp=2, ep=4, sequence_parallel=False), "--no-sequence-parallel", "sequence parallelism"),
+    ],
+)
+def test_invalid_layouts_name_the_flag(name, layout, flag, text):
+    problems = layout_problems(arch(name), layout)
+    assert any(p.flag == flag and text in p.message for p in problems), problems
+    with pytest.raises(PlanError):
+        estimate(arch(name), layout, BATCH)
+
+
+@pytest.mark.parametrize("name, nodes, gpu_gib", [("Qwen3-1.7B", 1, 24), ("Qwen3-30B-A3B", 1, 141), ("Qwen3-30B-A3B", 4, 80)])
+def test_suggestions_are_exactly_the_valid_layouts_that_fit_best_first(name, nodes, gpu_gib):
+    model, gpu_bytes = arch(name), gpu_gib * GIB
+    batch = BatchPlan(8192, recompute="full")
+    suggestions = suggest_layouts(model, nodes, 8, batch, gpu_bytes)
+    assert suggestions
+    for suggestion in suggestions:
+        assert layout_problems(model, suggestion.layout) == []
+        assert suggestion.estimate.fits(gpu_bytes)
+    suggested = {s.layout for s in suggestions}
+    for layout in candidate_layouts(model, nodes, 8):
+        if layout not in suggested:
+            assert not estimate(model, layout, batch).fits(gpu_bytes)
+    sizes = [s.layout.model_parallel_size for s in suggestions]
+    assert sizes == sorted(sizes)  # fewest GPUs per copy of the dense weights first
+
+
+def test_no_suggestion_when_nothing_fits():
+    assert suggest_layouts(arch("Qwen3-235B-A22B"), 1, 8, BATCH, 80 * GIB) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------
+
+
+def test_plan_prints_the_breakdown_and_the_verdict(capsys):
+    model = MODEL_CONFIGS / "Qwen3-30B-A3B.json"
+    assert plan_main(["--model", str(model), "--ep", "8", "--recompute", "full", "--gpu-memory-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    for line in ("params", "grads", "optimizer", "activations", "transient", "overhead", "total"):
+        assert f"\n  {line} " in out
+    assert "EP 8, ETP 1, expert-DP 1" in out and "fits 141 GiB" in out
+
+
+def test_suggest_lists_layouts_that_fit(capsys):
+    model = MODEL_CONFIGS / "Qwen3-30B-A3B.json"
+    assert plan_main(["--model", str(model), "--nodes", "4", "--suggest", "--recompute", "full", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts of 32 GPUs (4 x 8) that fit 80 GiB" in out
+    assert len([line for line in out.splitlines() if line.strip().endswith("GiB      0")]) == 3
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--gpus-per-node", "3", "--tp", "3"], "--tp: the model's number of attention heads (16) is not divisible by TP=3. Fix:"),
+        (["--ep", "2"], "--ep/--etp: Qwen3-1.7B (qwen3) is a dense model. Fix: drop --ep and --etp"),
+        (["--micro-batch-tokens", "0"], "--micro-batch-tokens: must be positive"),
+        (["--recompute", "partial"], "argument --recompute: invalid choice: 'partial'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_naming_the_flag(capsys, args, expected):
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json"), *args])
+    assert exit_.value.code == 2
+    assert expected in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_skyrl_megatron_plan_dispatches_to_the_planner_before_hydra(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    bad = subprocess.run([CLI, "plan", "--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    last = bad.stderr.splitlines()[-1]
+    assert last.startswith("skyrl-megatron plan: error: --model: model_type 'gpt2' is not supported by the planner. Fix:")
+    assert "Traceback" not in bad.stderr
+    good = subprocess.run([CLI, "plan", "--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json")], capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "fits 80 GiB" in good.stdout, good.stderr
+
+
+def test_the_readme_sample_is_what_the_planner_prints(capsys):
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("$ skyrl-megatron plan "))
+    command, end = "", start
+    while True:
+        command += lines[end].removeprefix("$ skyrl-megatron plan ").rstrip("\\") + " "
+        end += 1
+        if not lines[end - 1].endswith("\\"):
+            break
+    sample = []
+    while not lines[end].startswith(("$ ", "```")):
+        sample.append(lines[end])
+        end += 1
+    assert plan_main(shlex.split(command)) == 0
+    assert capsys.readouterr().out.strip() == "\n".join(sample).strip()
+
+
+def test_the_planner_imports_neither_torch_nor_megatron():
+    probe = "import sys, skyrl_megatron.planner.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers', 'hydra'}))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
