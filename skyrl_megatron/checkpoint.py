@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from skyrl_megatron.model.lora import is_adapter_name
+from skyrl_megatron.weights import iter_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -392,9 +393,7 @@ def save_hf_model(
         built_model.bridge.hf_pretrained.save_artifacts(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
-    weights = built_model.bridge.export_hf_weights(
-        built_model.chunks, cpu=True, show_progress=False, merge_adapter_weights=True
-    )
+    weights = iter_hf_weights(built_model, device="cpu")  # LoRA adapters merged in
     if rank == 0:
         _write_safetensors(weights, partial, max_shard_bytes)
     else:

@@ -69,7 +69,88 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 
 @dataclass
 class LoraSettings:
+    """``megatron_config.lora_config``; rank, alpha, dropout and targets are the host's ``model.lora`` keys."""
+
     lora_type: str = "lora"  # "lora" | "canonical_lora" (Megatron-Bridge PEFT)
+    weight_sync: str = "merged"  # "merged": base + BA under HF names | "adapters": a PEFT adapter directory
+
+
+# moe_config values; skyrl_megatron/model/moe.py maps them onto Megatron's TransformerConfig
+
+TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
+FLEX_BACKENDS = ("deepep", "hybridep")
+ROUTER_DTYPES = ("fp32", "fp64")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
+
+
+@dataclass
+class MoeSettings:
+    """``megatron_config.moe_config``: routing and token dispatch of MoE models; ignored for dense ones.
+
+    The defaults suit RL fine-tuning: no load-balancing loss and a frozen expert bias, since both
+    pull routing towards balance rather than towards the reward (and are computed over padding).
+    """
+
+    token_dispatcher: str = "alltoall"  # alltoall | allgather | flex
+    flex_backend: str = "deepep"  # deepep | hybridep (with token_dispatcher=flex)
+    router_dtype: str | None = "fp32"  # fp32 | fp64 | null (the model's dtype)
+    load_balancing_type: str | None = None  # null: the checkpoint's (as the bridge sets it)
+    aux_loss_coeff: float = 0.0
+    freeze_router: bool = False
+    expert_bias: bool | None = None  # null: the checkpoint's; true/false must match it
+    expert_bias_update_rate: float = 0.0
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], prefix: str = "megatron_config.moe_config") -> "MoeSettings":
+        unknown = [k for k in data if k not in cls.field_names()]
+        if unknown:
+            raise ConfigError(Problem(f"{prefix}.{k}", "unknown key", _did_you_mean(k, cls.field_names())) for k in unknown)
+        return cls(**data)
+
+    def problems(self, prefix: str) -> list[Problem]:
+        """Bad values, each naming its key (availability of the flex backend is checked separately)."""
+        found = []
+
+        def one_of(key: str, value, allowed: tuple, nullable: bool = False) -> None:
+            if value in allowed or (nullable and value is None):
+                return
+            hint = closest(str(value), allowed)
+            fix = f"use one of {', '.join(allowed)}" + (" or null" if nullable else "")
+            found.append(Problem(f"{prefix}.{key}", f"unknown value {value!r}", fix + (f" (did you mean '{hint}'?)" if hint else "")))
+
+        def non_negative(key: str, value) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                found.append(Problem(f"{prefix}.{key}", f"must be a number >= 0, got {value!r}", "set 0 to turn it off"))
+
+        def boolean(key: str, value, nullable: bool = False) -> None:
+            if not isinstance(value, bool) and not (nullable and value is None):
+                found.append(Problem(f"{prefix}.{key}", f"must be true or false{' or null' if nullable else ''}, got {value!r}", "set true or false"))
+
+        one_of("token_dispatcher", self.token_dispatcher, TOKEN_DISPATCHERS)
+        one_of("flex_backend", self.flex_backend, FLEX_BACKENDS)
+        one_of("router_dtype", self.router_dtype, ROUTER_DTYPES, nullable=True)
+        one_of("load_balancing_type", self.load_balancing_type, LOAD_BALANCING_TYPES, nullable=True)
+        non_negative("aux_loss_coeff", self.aux_loss_coeff)
+        non_negative("expert_bias_update_rate", self.expert_bias_update_rate)
+        boolean("freeze_router", self.freeze_router)
+        boolean("expert_bias", self.expert_bias, nullable=True)
+        if self.load_balancing_type in ("sinkhorn", "quantile_balancing", "none") and _positive(self.aux_loss_coeff):
+            found.append(
+                Problem(
+                    f"{prefix}.aux_loss_coeff",
+                    f"an auxiliary loss ({self.aux_loss_coeff}) needs an aux-loss load-balancing type, not {self.load_balancing_type!r}",
+                    "set load_balancing_type to aux_loss, seq_aux_loss or global_aux_loss, or aux_loss_coeff=0",
+                )
+            )
+        return found
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 @dataclass
@@ -93,6 +174,7 @@ class MegatronWorkerConfig:
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     model_config_kwargs: dict[str, Any] = field(default_factory=dict)
     lora_config: LoraSettings = field(default_factory=LoraSettings)
+    moe_config: MoeSettings = field(default_factory=MoeSettings)
     torch_profiler_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -109,6 +191,8 @@ class MegatronWorkerConfig:
         values = dict(data)
         if isinstance(values.get("lora_config"), Mapping):
             values["lora_config"] = LoraSettings(**values["lora_config"])
+        if isinstance(values.get("moe_config"), Mapping):
+            values["moe_config"] = MoeSettings.from_mapping(values["moe_config"])
         return cls(**values)
 
     @classmethod
@@ -280,6 +364,10 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
                         _did_you_mean(key, fields),
                     )
                 )
+    moe_section = data.get("moe_config") or {}
+    for key in moe_section:
+        if key not in MoeSettings.field_names():
+            problems.append(Problem(f"{prefix}.moe_config.{key}", "unknown key", _did_you_mean(key, MoeSettings.field_names())))
     if problems:
         return problems  # the sizes below may be meaningless when keys are misspelt
 
@@ -337,13 +425,51 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
         )
     if mc.runtime not in ("auto", "cuda", "cpu"):
         problems.append(Problem(f"{prefix}.runtime", f"unknown runtime {mc.runtime!r}", "use auto, cuda or cpu"))
-    if mc.lora_config.lora_type not in ("lora", "canonical_lora"):
-        problems.append(Problem(f"{prefix}.lora_config.lora_type", f"unknown LoRA type {mc.lora_config.lora_type!r}", "use lora or canonical_lora"))
+    problems += check_lora(cfg, role, mc, shape)
+    problems += mc.moe_config.problems(f"{prefix}.moe_config")
+    if shape is None or shape.num_experts:  # a dense model ignores moe_config
+        problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
 
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
+    return problems
+
+
+def _moe_backend_problems(prefix: str, settings: MoeSettings) -> list[Problem]:
+    from skyrl_megatron.model.moe import flex_backend_problem
+
+    problem = flex_backend_problem(settings, prefix)
+    return [problem] if problem is not None else []
+
+
+def check_lora(cfg, role: str, mc: MegatronWorkerConfig, shape: ModelShape | None) -> list[Problem]:
+    """`megatron_config.lora_config` and the host's `model.lora` keys map onto Megatron-Bridge's PEFT."""
+    from skyrl_megatron.model.lora import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
+
+    prefix = f"trainer.{role}.megatron_config.lora_config"
+    settings = mc.lora_config
+    problems = []
+    if settings.lora_type not in LORA_TYPES:
+        problems.append(Problem(f"{prefix}.lora_type", f"unknown LoRA type {settings.lora_type!r}", "use lora or canonical_lora"))
+    if settings.weight_sync not in WEIGHT_SYNC_MODES:
+        problems.append(Problem(f"{prefix}.weight_sync", f"unknown mode {settings.weight_sync!r}", "use merged or adapters"))
+    if problems or "lora" not in cfg.trainer[role].model:
+        return problems
+    try:
+        spec = LoraSpec.from_host_config(cfg, role)
+    except LoraConfigError as exc:
+        return [Problem(f"trainer.{role}.model.lora", str(exc), "change the LoRA keys as described")]
+    expert_tp = mc.expert_tensor_parallel_size or mc.tensor_model_parallel_size
+    if spec is not None and shape is not None and shape.num_experts and expert_tp > 1 and spec.adapts_mlp:
+        problems.append(
+            Problem(
+                f"trainer.{role}.megatron_config.expert_tensor_parallel_size",
+                f"LoRA on the experts of {shape.model_type} needs the experts unsplit by TP, but expert TP is {expert_tp}",
+                "set expert_tensor_parallel_size=1 (experts split over EP only), or target only attention modules",
+            )
+        )
     return problems
 
 

@@ -17,8 +17,9 @@ through without a copy): consume them before the next optimizer step, or copy th
 Each stream carries an :class:`ExportReport` that fills in as it is iterated.
 
 A model with LoRA adapters exports merged weights (base + scale * BA, under the base's HF names): what an
-inference engine without LoRA support serves. :func:`iter_peft_adapter_weights` exports the adapters
-alone, under the names of HF `peft`'s `adapter_model.safetensors`.
+inference engine without LoRA support serves. The adapters (rank r of each adapted matrix: small) are
+gathered once at the start and held through the stream. :func:`iter_peft_adapter_weights` exports the
+adapters alone, under the names of HF `peft`'s `adapter_model.safetensors`.
 """
 
 from __future__ import annotations
@@ -162,10 +163,18 @@ def iter_weight_buckets(
 def _export(
     built: BuiltModel, dtype: torch.dtype | None, device: torch.device | str | None, report: ExportReport
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    from skyrl_megatron.model.lora import AdapterMerger
+
+    started = time.perf_counter()
+    with torch.no_grad():
+        # LoRA: the adapters (small) are gathered up front and folded into their base weights as those
+        # stream past; the bridge's own merge is wrong under expert parallelism (see AdapterMerger).
+        merge = AdapterMerger.for_model(built) if built.lora is not None else None
+    report.seconds += time.perf_counter() - started
     # cpu=False: gather on the model's device and let `device` decide where the result goes, so the GPU
     # path (CUDA IPC, NCCL broadcast) never round-trips through host memory.
     bridge_items = iter(
-        built.bridge.export_hf_weights(built.chunks, cpu=False, show_progress=False, merge_adapter_weights=True)
+        built.bridge.export_hf_weights(built.chunks, cpu=False, show_progress=False, merge_adapter_weights=False)
     )
     while True:
         started = time.perf_counter()
@@ -174,8 +183,12 @@ def _export(
         with torch.no_grad():
             item = next(bridge_items, None)
             if item is None:
+                if merge is not None:
+                    merge.check_all_merged()
                 return
             name, tensor = item
+            if merge is not None:
+                name, tensor = merge(name, tensor)
             tensor = _convert(tensor, dtype, device)
         report.seconds += time.perf_counter() - started
         report._record_tensor(tensor)

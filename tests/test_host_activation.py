@@ -109,3 +109,44 @@ def test_activation_reaches_ray_worker_processes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["skyrl_megatron.workers.policy", "1"]
+
+
+_COMPAT_PROBE = textwrap.dedent(
+    """
+    import json, types
+    import skyrl_megatron; skyrl_megatron.activate()
+    from skyrl_megatron.testing import make_tiny_tokenizer
+    import skyrl_train.distributed.utils as host_distributed_utils
+    import skyrl_train.entrypoints.main_base as main_base
+    from skyrl_megatron.host import standalone_process_group
+
+    tokenizer = make_tiny_tokenizer()
+    chat = [{"role": "user", "content": "hi"}]
+    # a function living in a host module (as SkyRLGymGenerator and PromptDataset do)
+    host_module = types.ModuleType("skyrl_train.generators.probe")
+    exec("def tokenize(tok, chat):\\n    return tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)",
+         host_module.__dict__)
+    print(json.dumps({
+        "host_call": type(host_module.tokenize(tokenizer, chat)).__name__,
+        "our_call": type(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)).__name__,
+        "host_asked_for_dict": type(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)).__name__,
+        "process_group_fixed": host_distributed_utils.init_custom_process_group is standalone_process_group,
+        "engine_factory_routed": getattr(main_base.create_ray_wrapped_inference_engines_from_config,
+                                         "_skyrl_megatron_routed", False),
+    }))
+    """
+)
+
+
+def test_compat_fixes_for_the_pinned_host_are_in_place_after_activation():
+    """transformers-5 chat templates for host callers only; the torch>=2.10 process-group fix; engine routing."""
+    out = subprocess.run([sys.executable, "-c", _COMPAT_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found == {
+        "host_call": "list",
+        "our_call": "BatchEncoding",
+        "host_asked_for_dict": "BatchEncoding",
+        "process_group_fixed": True,
+        "engine_factory_routed": True,
+    }

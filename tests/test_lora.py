@@ -10,6 +10,7 @@ PP2 with the loss the TP2 run had continuing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -189,6 +190,7 @@ def _train_and_export(hf_dir: str, layout: dict, out_dir: str, lora_type: str = 
         "logits": session.logits(),
         **session.exports(Path(out_dir)),
         "footprint": _footprint(session),
+        "adam_state_bytes": _adam_state_bytes(session.optimizer),  # fp32: the main params are the params
     }
 
 
@@ -215,24 +217,66 @@ def _bf16_step(hf_dir: str) -> dict:
     session = _Session(hf_dir, {}, _spec(), dtype="bf16")
     frozen = session.frozen_snapshot()
     session.train(session.old_logprobs(), 1)
-    inner = session.optimizer.chained_optimizers if hasattr(session.optimizer, "chained_optimizers") else [session.optimizer]
-    moments = main_params = 0
-    main_dtypes = set()
-    for part in inner:
-        for group in part.optimizer.param_groups:
-            for param in group["params"]:
-                main_params += param.nbytes
-                main_dtypes.add(param.dtype)
-                state = part.optimizer.state[param]
-                moments += state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes
+    main_params = [param for _, param in _optimizer_states(session.optimizer)]
     params = dict(session._named_parameters())
     return {
         "frozen_dtypes": {p.dtype for p in frozen.values()},
         "adapter_dtypes": {p.dtype for p in params.values() if p.requires_grad},
         "base_unchanged": all(torch.equal(frozen[k], params[k].detach()) for k in frozen),
-        "optimizer_bytes": moments + main_params,
-        "main_dtypes": main_dtypes,
+        "optimizer_bytes": _adam_state_bytes(session.optimizer) + sum(p.nbytes for p in main_params),
+        "main_dtypes": {p.dtype for p in main_params},
         "footprint": _footprint(session),
+    }
+
+
+def _optimizer_states(optimizer):
+    """(torch optimizer, main parameter) for every parameter this rank's Megatron optimizer steps."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in part.optimizer.param_groups:
+            for param in group["params"]:
+                yield part.optimizer, param
+
+
+def _adam_state_bytes(optimizer) -> int:
+    return sum(
+        torch_optimizer.state[param]["exp_avg"].nbytes + torch_optimizer.state[param]["exp_avg_sq"].nbytes
+        for torch_optimizer, param in _optimizer_states(optimizer)
+    )
+
+
+def _expert_tp_refused(hf_dir: str, layout: dict) -> str:
+    """Building LoRA on experts split over expert-TP ranks fails with a clear error (the bridge's
+    expert adapters would train with wrong gradients)."""
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
+
+    parallel = ParallelConfig(**layout)
+    initialize_model_parallel(parallel, seed=5)
+    try:
+        build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", lora=_spec()))
+    except LoraConfigError as exc:
+        return str(exc)
+    return "built"
+
+
+def _through_cache(hf_dir: str, cache_root: str) -> dict:
+    """Two LoRA builds through the conversion cache: the miss stores the base, the hit loads it."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.cache import CHECKPOINT_DIRNAME, ConversionCacheSettings
+    from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
+
+    initialize_model_parallel(ParallelConfig(), seed=5)
+    spec = ModelSpec(hf_dir, dtype="fp32", lora=_spec(), cache=ConversionCacheSettings(root=cache_root))
+    miss, hit = build_model(spec), build_model(spec)
+    params = [{name: p.detach().clone() for name, p in built.chunks[0].named_parameters()} for built in (miss, hit)]
+    return {
+        "hits": (miss.load_report.hit, hit.load_report.hit),
+        "identical": params[0].keys() == params[1].keys()
+        and all(torch.equal(params[0][k], params[1][k]) for k in params[0]),
+        "adapter_params": sum(".adapter." in name for name in params[1]),
+        "cached_keys": list(load_tensors_metadata(str(Path(hit.load_report.entry) / CHECKPOINT_DIRNAME))),
     }
 
 
@@ -271,6 +315,7 @@ def world1(checkpoints, work) -> dict:
         "canonical_lora": (_train_and_export, (dense, {}, str(work / "w1-canonical"), "canonical_lora")),
         "moe": (_train_and_export, (moe, {}, str(work / "w1-moe"))),
         "bf16": (_bf16_step, (dense,)),
+        "cache": (_through_cache, (dense, str(work / "cache"))),
     }
     return run_on_ranks(_jobs, 1, jobs, timeout=600)
 
@@ -281,6 +326,7 @@ def tp2(checkpoints, work) -> list[dict]:
     jobs = {
         "lora": (_train_and_export, (dense, layout, str(work / "tp2-lora"), "lora", str(work / "tp2-ckpt"))),
         "canonical_lora": (_train_and_export, (dense, layout, str(work / "tp2-canonical"), "canonical_lora")),
+        "moe_expert_tp2": (_expert_tp_refused, (checkpoints["qwen3_moe"], layout)),
     }
     return run_on_ranks(_jobs, 2, jobs, timeout=600)
 
@@ -344,6 +390,16 @@ def _assert_exports_reproduce(results: list[dict], job: str, hf_dir: str, name: 
     assert set(result["adapter_names"]) == set(load_file(Path(result["peft_dir"]) / "adapter_model.safetensors"))
 
 
+def _assert_same_footprint(results: list[dict], job: str, reference: dict) -> None:
+    """Parameter counts as at world 1; this rank's optimizer bytes as its optimizer really holds (the
+    distributed optimizer pads its shards: a few elements per rank)."""
+    for rank_result in results:
+        footprint = rank_result[job]["footprint"]
+        assert footprint.trainable_params == reference["footprint"].trainable_params
+        assert footprint.total_params == reference["footprint"].total_params
+        assert abs(footprint.optimizer_bytes - rank_result[job]["adam_state_bytes"]) <= 8 * len(results)
+
+
 def _assert_same_training(got: list[dict], want: list[dict], name: str) -> None:
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want)):
@@ -383,6 +439,31 @@ def test_spec_maps_host_keys_onto_megatron_targets(compose):
         LoraSpec(rank=2, weight_sync="vllm")
 
 
+def test_config_validation_names_the_lora_key(compose):
+    from skyrl_megatron.config import LoraSettings, MegatronWorkerConfig, ModelShape, check_lora
+
+    def problems(cfg, shape=None, **megatron):
+        mc = MegatronWorkerConfig.from_host_config(cfg, "policy")
+        return check_lora(cfg, "policy", dataclasses.replace(mc, **megatron), shape)
+
+    lora = "trainer.policy.model.lora.rank=8"
+    (problem,) = problems(compose(lora, "trainer.policy.model.lora.target_modules=[q_proj]"))
+    assert problem.key == "trainer.policy.model.lora" and "k_proj" in problem.message
+    wrong_names = problems(compose(), lora_config=LoraSettings(lora_type="qlora", weight_sync="disk"))
+    assert [p.key for p in wrong_names] == [
+        "trainer.policy.megatron_config.lora_config.lora_type",
+        "trainer.policy.megatron_config.lora_config.weight_sync",
+    ]
+    assert problems(compose(lora)) == []
+
+    moe = ModelShape("qwen3_moe", num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=8)
+    (problem,) = problems(compose(lora), moe, tensor_model_parallel_size=2)  # expert TP follows TP
+    assert problem.key == "trainer.policy.megatron_config.expert_tensor_parallel_size"
+    assert problems(compose(lora), moe, tensor_model_parallel_size=2, expert_tensor_parallel_size=1) == []
+    attention_only = compose(lora, "trainer.policy.model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+    assert problems(attention_only, moe, tensor_model_parallel_size=2) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("job", ["lora", "canonical_lora", "moe"])
 def test_world1_trains_only_adapters_and_exports_reproduce_logits(world1, checkpoints, job):
@@ -405,6 +486,7 @@ def test_footprint_counts_adapters_and_optimizer_bytes(world1, checkpoints):
     base_params = sum(p.numel() for p in _hf_model(checkpoints["qwen3"]).parameters())
 
     footprint = world1[0]["lora"]["footprint"]
+    _assert_same_footprint(world1, "lora", world1[0]["lora"])
     assert footprint.trainable_params == layers * per_layer
     assert footprint.total_params == base_params + footprint.trainable_params
     assert footprint.optimizer_bytes == 8 * footprint.trainable_params  # fp32: two Adam moments
@@ -419,6 +501,14 @@ def test_footprint_counts_adapters_and_optimizer_bytes(world1, checkpoints):
 
 
 @pytest.mark.slow
+def test_conversion_cache_holds_the_base_only(world1):
+    result = world1[0]["cache"]
+    assert result["hits"] == (False, True)
+    assert result["identical"] and result["adapter_params"] > 0  # same base, same seeded adapters
+    assert result["cached_keys"] and not [key for key in result["cached_keys"] if ".adapter." in key]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("job", ["lora", "canonical_lora"])
 def test_tp2_sp_matches_world1(tp2, world1, checkpoints, job):
     reference = world1[0][job]
@@ -426,9 +516,14 @@ def test_tp2_sp_matches_world1(tp2, world1, checkpoints, job):
         result = rank_result[job]
         assert result["base_unchanged"] and result["non_adapter_trainable"] == []
         _assert_same_training(result["history"], reference["history"], f"tp2-{job}")
-        assert result["footprint"].trainable_params == reference["footprint"].trainable_params
-        assert result["footprint"].total_params == reference["footprint"].total_params
+    _assert_same_footprint(tp2, job, reference)
     _assert_exports_reproduce(tp2, job, checkpoints["qwen3"], f"tp2-{job}")
+
+
+@pytest.mark.slow
+def test_expert_adapters_split_by_expert_tp_are_refused(tp2):
+    for rank_result in tp2:
+        assert "expert_tensor_parallel_size=1" in rank_result["moe_expert_tp2"]
 
 
 @pytest.mark.slow
@@ -438,8 +533,7 @@ def test_pp2_matches_world1_and_resumes_a_tp2_checkpoint(pp2, tp2, world1, check
         result = rank_result["lora"]
         assert result["base_unchanged"] and result["non_adapter_trainable"] == []
         _assert_same_training(result["history"], reference["history"], "pp2")
-        assert result["footprint"].trainable_params == reference["footprint"].trainable_params
-        assert result["footprint"].total_params == reference["footprint"].total_params
+    _assert_same_footprint(pp2, "lora", reference)
     _assert_exports_reproduce(pp2, "lora", checkpoints["qwen3"], "pp2")
 
     continuing = tp2[0]["lora"]["history"][-1]
@@ -454,6 +548,5 @@ def test_ep2_moe_matches_world1(ep2, world1, checkpoints):
         result = rank_result["moe"]
         assert result["base_unchanged"] and result["non_adapter_trainable"] == []
         _assert_same_training(result["history"], reference["history"], "ep2-moe")
-        assert result["footprint"].trainable_params == reference["footprint"].trainable_params
-        assert result["footprint"].total_params == reference["footprint"].total_params
+    _assert_same_footprint(ep2, "moe", reference)
     _assert_exports_reproduce(ep2, "moe", checkpoints["qwen3_moe"], "ep2-moe")

@@ -33,7 +33,9 @@ from skyrl_megatron.compute.batching import (
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
 from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
+from skyrl_megatron.compute.router_metrics import RouterMetrics, real_token_mask
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
+from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import current_runtime
 
@@ -59,6 +61,7 @@ class _MicroBatch:
     rows: torch.Tensor  # indices into the rank's batch
     response: dict[str, torch.Tensor]  # [rows, A] slices of the response tensors
     cp_split: ContextParallelSplit | None = None
+    real_tokens: torch.Tensor | None = None  # this CP rank's [b, s] real-token mask, for router metrics
 
 
 class _GatherContextParallel(torch.autograd.Function):
@@ -94,7 +97,9 @@ class ModelRunner:
         self.pad_token_id = pad_token_id
         self.logits_chunk_bytes = logits_chunk_bytes
         self.optimizer = None
+        self.router_metrics: RouterMetrics | None = None
         self.device = current_runtime().torch_device
+        self.equal_token_counts = dispatch_needs_equal_token_counts(chunks)
 
     def attach_optimizer(self, optimizer) -> None:
         """Wire the optimizer and Megatron's gradient hooks into the model config, as the schedules
@@ -119,6 +124,10 @@ class ModelRunner:
             sync = [chunk.start_param_sync for chunk in self.chunks]
             config.param_sync_func = sync[0] if len(sync) == 1 else sync
 
+    def attach_router_metrics(self, metrics: RouterMetrics) -> None:
+        """Tell `metrics` which tokens of each micro-batch are real (MoE router statistics exclude padding)."""
+        self.router_metrics = metrics
+
     # -- batching ---------------------------------------------------------------------------------
 
     def _packing(self, packed: bool) -> PackingSettings:
@@ -137,20 +146,24 @@ class ModelRunner:
         plan = plan_micro_batches(
             spans.length, micro_batch_size=batching.micro_batch_size, max_tokens=batching.max_tokens
         )
-        # every rank runs the same number of micro-batches: expert-parallel all-to-alls and the
-        # pipeline pair up forward passes across data-parallel ranks
-        count = torch.tensor([len(plan)], dtype=torch.long, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        count = int(count)
-        if self.parallel.virtual_pipeline:
-            # the interleaved schedule walks micro-batches in groups of PP size
-            count = -(-count // self.parallel.pipeline) * self.parallel.pipeline
-        plan = pad_plan(plan, count)
         settings = self._packing(packed)
         # pipeline stages exchange fixed-shape activations: give every micro-batch the same shape
         shape = model_shape([spans.length[rows].tolist() for rows in plan.groups], settings)
         if not packed:
             shape = (max(shape[0], batching.micro_batch_size), shape[1])
+        # every rank runs the same number of micro-batches: expert-parallel all-to-alls and the
+        # pipeline pair up forward passes across data-parallel ranks; the allgather MoE dispatcher
+        # also needs as many tokens on every expert-parallel rank, hence one shape for all ranks
+        agreed = [len(plan), *(shape if self.equal_token_counts else ())]
+        agreed = torch.tensor(agreed, dtype=torch.long, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        count = int(agreed[0])
+        if self.equal_token_counts:
+            shape = (int(agreed[1]), int(agreed[2]))
+        if self.parallel.virtual_pipeline:
+            # the interleaved schedule walks micro-batches in groups of PP size
+            count = -(-count // self.parallel.pipeline) * self.parallel.pipeline
+        plan = pad_plan(plan, count)
         micro_batches = []
         for rows in plan.groups:
             model_in = build_model_inputs(
@@ -165,6 +178,9 @@ class ModelRunner:
             sliced = {k: v[rows].to(self.device) for k, v in (response or {}).items() if v is not None}
             if model_in.packed_seq_params is not None:
                 model_in.packed_seq_params = _params_on(model_in.packed_seq_params, self.device)
+            real_tokens = None
+            if self.router_metrics is not None:
+                real_tokens = local(real_token_mask(model_in)).to(self.device)
             micro_batches.append(
                 _MicroBatch(
                     inputs=model_in,
@@ -174,6 +190,7 @@ class ModelRunner:
                     rows=rows,
                     response=sliced,
                     cp_split=split,
+                    real_tokens=real_tokens,
                 )
             )
         return micro_batches, shape
@@ -198,6 +215,8 @@ class ModelRunner:
         )
 
         def forward(model, mb: _MicroBatch):
+            if self.router_metrics is not None:
+                self.router_metrics.start_forward(model, mb.real_tokens)
             out = model(
                 mb.model_input_ids,
                 mb.model_position_ids,

@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from skyrl_megatron.config import MoeSettings
 from skyrl_megatron.model.bridge_import import import_bridge
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
+from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
 
@@ -50,6 +52,7 @@ class ModelSpec:
     load_weights: bool = True
     cache: ConversionCacheSettings | None = None  # None: convert through the bridge on every build
     lora: LoraSpec | None = None  # None: every parameter trains; else only LoRA adapters on a frozen base
+    moe: MoeSettings = field(default_factory=MoeSettings)  # routing/dispatch of MoE models; ignored for dense
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -125,13 +128,12 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    if getattr(provider, "num_moe_experts", None):
-        # The load-balancing loss is a pre-training device: in RL it pulls the router away from the
-        # policy and makes the update depend on padding and micro-batch composition. Off unless a
-        # user sets moe_aux_loss_coeff in transformer_config_kwargs (then it is logged).
-        settings["moe_aux_loss_coeff"] = 0.0
-        if spec.transformer_overrides.get("moe_aux_loss_coeff"):
-            logger.info("MoE load-balancing loss on: coeff %s", spec.transformer_overrides["moe_aux_loss_coeff"])
+    # MoE routing and dispatch (model/moe.py; {} for a dense model). The load-balancing loss is off
+    # by default: in RL it pulls the router away from the policy and makes the update depend on
+    # padding and micro-batch composition. transformer_config_kwargs, applied below, still win.
+    settings.update(moe_transformer_settings(provider, spec.moe, spec.transformer_overrides))
+    if spec.moe.freeze_router and getattr(provider, "num_moe_experts", None):
+        provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
     settings.update(runtime.transformer_config_overrides())
     settings.update(spec.transformer_overrides)
     for key, value in settings.items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +101,7 @@ class LoraSpec:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
         if problems:
             raise LoraConfigError("; ".join(problems))
-        if self.lora_type in LORA_TYPES:
-            self.megatron_targets()  # fail at construction, not inside model building
+        self.megatron_targets()  # fail at construction, not inside model building
 
     @classmethod
     def from_host_config(cls, cfg, role: str = "policy") -> LoraSpec | None:
@@ -130,6 +130,12 @@ class LoraSpec:
             seed=int(cfg.trainer.get("seed", 0)),
             weight_sync=str(megatron_lora.get("weight_sync", "merged")),
         )
+
+    @property
+    def adapts_mlp(self) -> bool:
+        """Whether any target may be an MLP (in MoE models: expert) linear."""
+        attention = {"linear_qkv", "linear_proj", "linear_q", "linear_k", "linear_v"}
+        return any(target not in attention for target in self.megatron_targets())
 
     @property
     def scale(self) -> float:
@@ -202,10 +208,31 @@ def adapter_hook(spec: LoraSpec) -> Callable[[list], list]:
 
     def add_adapters(chunks: list) -> list:
         chunks = spec.make_peft()(chunks, training=True)
+        _require_whole_expert_adapters(chunks)
         initialise_adapters(chunks, spec)
         return chunks
 
     return add_adapters
+
+
+def _require_whole_expert_adapters(chunks: Sequence[torch.nn.Module]) -> None:
+    """Megatron-Bridge's adapters on Megatron's per-expert linears inherit the experts' "explicit
+    communication" mode, in which the expert layer leaves the tensor-parallel reductions to the token
+    dispatcher; the adapters' own reductions (B's input, fc2's low-rank activation) are then never
+    made, and their gradients come out wrong once experts are split over expert-TP ranks."""
+    from megatron.bridge.peft.utils import ParallelLinearAdapter
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_tensor_parallel_world_size() == 1:
+        return
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, ParallelLinearAdapter) and module.is_expert:
+                raise LoraConfigError(
+                    f"LoRA on MoE expert layers ({name}) needs expert_tensor_parallel_size=1 (experts split "
+                    f"over EP only; TP still splits attention), got {ps.get_expert_tensor_parallel_world_size()}; "
+                    "or target only attention modules"
+                )
 
 
 def is_adapter_name(name: str) -> bool:
@@ -313,34 +340,44 @@ def measure_footprint(
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    dense_owner = ps.get_data_parallel_rank() == 0
-    expert_owner = ps.get_expert_data_parallel_rank() == 0
-    tp_rank, expert_tp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
-    trainable = total = local_trainable = local_total = 0
+    from skyrl_megatron.runtime import current_runtime
+
+    # Megatron marks expert parameters allreduce=False: they are replicated over the expert-DP group
+    # and split over expert-TP, the others over DP (x CP) and TP. The distributed optimizer shards
+    # each kind over its own data-parallel group.
+    first_replica = {False: ps.get_data_parallel_rank() == 0, True: ps.get_expert_data_parallel_rank() == 0}
+    tp_rank = {False: ps.get_tensor_model_parallel_rank(), True: ps.get_expert_tensor_parallel_rank()}
+    optimizer_shards = {
+        False: ps.get_data_parallel_world_size(with_context_parallel=True) if distributed_optimizer else 1,
+        True: ps.get_expert_data_parallel_world_size() if distributed_optimizer else 1,
+    }
+    counted = torch.zeros(2, dtype=torch.int64)  # trainable, total: this rank's share of the global count
+    local = {(is_expert, trains): 0 for is_expert in (False, True) for trains in (False, True)}
     for param in _unique_parameters(chunks):
-        local_total += param.numel()
-        local_trainable += param.numel() if param.requires_grad else 0
-        # Megatron marks expert parameters allreduce=False: they are replicated over the expert-DP
-        # group and split over expert-TP, the others over DP and TP.
         is_expert = not getattr(param, "allreduce", True)
-        owner = expert_owner if is_expert else dense_owner
+        local[(is_expert, param.requires_grad)] += param.numel()
         split = getattr(param, "tensor_model_parallel", False)
-        first_replica = split or (expert_tp_rank if is_expert else tp_rank) == 0
         # a tied output layer on the last stage shares the first stage's embedding
         tied_copy = getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)
-        if owner and first_replica and not tied_copy:
-            total += param.numel()
-            trainable += param.numel() if param.requires_grad else 0
-    counts = torch.tensor([trainable, total], dtype=torch.int64)
+        if first_replica[is_expert] and (split or tp_rank[is_expert] == 0) and not tied_copy:
+            counted += torch.tensor([param.numel() if param.requires_grad else 0, param.numel()])
+    counts = counted.to(current_runtime().torch_device)
     dist.all_reduce(counts)
 
     per_element = _ADAM_MOMENT_BYTES + (_FP32_MAIN_PARAM_BYTES if bf16 else 0)
-    shards = ps.get_data_parallel_world_size(with_context_parallel=True) if distributed_optimizer else 1
+
+    def optimizer_bytes(with_frozen: bool) -> int:
+        elements = 0
+        for is_expert in (False, True):
+            held = local[(is_expert, True)] + (local[(is_expert, False)] if with_frozen else 0)
+            elements += math.ceil(held / optimizer_shards[is_expert])
+        return elements * per_element
+
     return LoraFootprint(
         trainable_params=int(counts[0]),
         total_params=int(counts[1]),
-        optimizer_bytes=math.ceil(local_trainable / shards) * per_element,
-        full_finetune_optimizer_bytes=math.ceil(local_total / shards) * per_element,
+        optimizer_bytes=optimizer_bytes(with_frozen=False),
+        full_finetune_optimizer_bytes=optimizer_bytes(with_frozen=True),
     )
 
 
@@ -354,11 +391,105 @@ def _unique_parameters(chunks: Sequence[torch.nn.Module]):
 
 
 # ----------------------------------------------------------------------------------------------
-# The adapters in HF `peft`'s layout
+# The adapters under HF names: gathered, merged, or in HF `peft`'s layout
 # ----------------------------------------------------------------------------------------------
 
 PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+_LORA_A, _LORA_B = ".lora_A.weight", ".lora_B.weight"
+_BASE_LAYER = ".base_layer"
+_EXPERT_INDEX = re.compile(r"(\.experts\.)(\d+)(\.)")
+
+
+def gather_hf_adapter_weights(built) -> dict[str, torch.Tensor]:
+    """Every adapter of `built` as full tensors on every rank, under the bridge's HF names
+    (`<HF module>.lora_A.weight` / `.lora_B.weight`; fused q/k/v and gate/up adapters come out per
+    HF projection). Collective over all ranks of the model.
+    """
+    if built.lora is None:
+        raise LoraConfigError("the model carries no LoRA adapters (build it with ModelSpec.lora)")
+    # cloned: a replicated adapter may come out as the parameter itself, which the next step changes
+    weights = {
+        item.param_name: item.weight.detach().clone()
+        for item in built.bridge.export_adapter_weights(built.chunks, cpu=False, show_progress=False)
+    }
+    return _with_every_expert(weights, built.config.num_moe_experts)
+
+
+def _with_every_expert(weights: dict[str, torch.Tensor], num_experts: int | None) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge 0.6.2 exports the adapters of per-expert (SequentialMLP) layers only for this
+    rank's experts, numbered by their local index: renumber them globally and share them over the
+    expert-parallel group, so that every rank holds every expert's adapters, as for the base weights."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ep_size = ps.get_expert_model_parallel_world_size()
+    experts = {name: tensor for name, tensor in weights.items() if _EXPERT_INDEX.search(name)}
+    if ep_size == 1 or not experts:
+        return weights
+    local_count = num_experts // ep_size
+    offset = ps.get_expert_model_parallel_rank() * local_count
+
+    def global_name(name: str) -> str:
+        return _EXPERT_INDEX.sub(lambda m: f"{m[1]}{int(m[2]) + offset}{m[3]}", name, count=1)
+
+    mine = [(global_name(name), tensor.cpu()) for name, tensor in experts.items()]
+    everyone: list[list[tuple[str, torch.Tensor]] | None] = [None] * ep_size
+    dist.all_gather_object(everyone, mine, group=ps.get_expert_model_parallel_group())
+    device = next(iter(experts.values())).device
+    gathered = {name: tensor.to(device) for part in everyone for name, tensor in part}
+    indices = {int(_EXPERT_INDEX.search(name)[2]) for name in gathered}
+    if len(gathered) != ep_size * len(experts) or indices != set(range(num_experts)):
+        raise RuntimeError(
+            f"expert adapters did not come out as {local_count} local experts per rank (found expert "
+            f"indices {sorted(indices)}); the bridge's adapter export changed: revisit _with_every_expert"
+        )
+    return {name: tensor for name, tensor in weights.items() if name not in experts} | gathered
+
+
+class AdapterMerger:
+    """Folds the adapters into the base weights they belong to: W + scale * B @ A, matched by HF name.
+
+    The bridge can merge while exporting, but under expert parallelism it merges the other ranks'
+    experts with this rank's adapters; merging from :func:`gather_hf_adapter_weights` is right under
+    every layout. Takes the bridge's unmerged export, which names adapted weights the PEFT way
+    (`<module>.base_layer.weight`), and gives back plain HF names. The sum is formed in fp32 and cast
+    back to the base weight's dtype.
+    """
+
+    def __init__(self, adapters: dict[str, torch.Tensor], scale: float):
+        self.scale = scale
+        self._pairs = {
+            name[: -len(_LORA_A)] + ".weight": (tensor, adapters[name[: -len(_LORA_A)] + _LORA_B])
+            for name, tensor in adapters.items()
+            if name.endswith(_LORA_A)
+        }
+        self._unused = set(self._pairs)
+
+    @classmethod
+    def for_model(cls, built) -> AdapterMerger:
+        """Collective (gathers the adapters)."""
+        return cls(gather_hf_adapter_weights(built), built.lora.scale)
+
+    def __call__(self, name: str, base: torch.Tensor) -> tuple[str, torch.Tensor]:
+        module, _, leaf = name.rpartition(".")
+        if not module.endswith(_BASE_LAYER):
+            return name, base
+        name = f"{module[: -len(_BASE_LAYER)]}.{leaf}"
+        pair = self._pairs.get(name)
+        if pair is None:  # e.g. the bias of an adapted projection
+            return name, base
+        self._unused.discard(name)
+        lora_a, lora_b = pair
+        if lora_a.ndim != 2:
+            raise NotImplementedError(f"merging packed (3-D) expert adapters is not supported ({name})")
+        delta = self.scale * (lora_b.float() @ lora_a.float())
+        return name, (base.float() + delta.to(base.device)).to(base.dtype)
+
+    def check_all_merged(self) -> None:
+        """Every adapter found its base weight (a naming mismatch would otherwise drop adapters silently)."""
+        if self._unused:
+            raise RuntimeError(f"adapters without a base weight in the export: {sorted(self._unused)[:5]}")
 
 
 @dataclass(frozen=True)
@@ -370,10 +501,10 @@ class PeftAdapter:
 
     @classmethod
     def export(cls, built) -> PeftAdapter:
-        """Gather the adapters of `built` (a BuiltModel with LoRA) into full tensors on every rank. Collective.
+        """Gather the adapters of `built` (a BuiltModel with LoRA) on every rank. Collective.
 
-        The bridge names each adapter after its HF projection (`...q_proj.lora_A.weight`; one 3-D tensor
-        per fused MoE expert matrix); its PEFT helpers rename and pack them and write the matching config.
+        The bridge's PEFT helpers rename (and, for 3-D expert tensors, pack) the HF-named adapters and
+        write the matching config.
         """
         from megatron.bridge.models.conversion.model_bridge import HFWeightTuple
         from megatron.bridge.models.conversion.peft_bridge import (
@@ -383,14 +514,8 @@ class PeftAdapter:
             infer_target_modules_from_adapter_weights,
         )
 
-        spec: LoraSpec | None = built.lora
-        if spec is None:
-            raise LoraConfigError("the model carries no LoRA adapters to export (build it with ModelSpec.lora)")
-        # cloned: a replicated adapter may come out as the parameter itself, which the next step changes
-        weights = [
-            HFWeightTuple(item.param_name, item.weight.detach().clone())
-            for item in built.bridge.export_adapter_weights(built.chunks, cpu=False, show_progress=False)
-        ]
+        spec: LoraSpec = built.lora
+        weights = [HFWeightTuple(name, tensor) for name, tensor in gather_hf_adapter_weights(built).items()]
         state, module_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
         config = build_adapter_config_dict(
             spec.make_peft(),

@@ -7,6 +7,8 @@ mini-batches with the host's objective and Megatron's optimizer.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,13 +30,22 @@ def policy_steps(
     distributed_optimizer: bool = True,
     seed: int = 5,
     old_logprob_noise: float = 0.0,
+    spec_overrides: dict[str, Any] | None = None,
+    router_metrics: bool = False,
+    inspect: Callable[[list], Any] | None = None,
 ) -> dict[str, Any]:
     """Returns per-step metrics (all ranks agree on them), the logprobs scored before training (on
-    the last pipeline stage, else None) and which rows of the batch this rank's DP group had."""
+    the last pipeline stage, else None) and which rows of the batch this rank's DP group had.
+
+    `spec_overrides` replaces ModelSpec fields (e.g. `moe`, `transformer_overrides`);
+    `router_metrics` adds the MoE router metrics of each step's mini-batch to its metrics;
+    `inspect(chunks)` runs before and after training, its results under "inspected".
+    """
     from megatron.core import parallel_state as ps
 
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+    from skyrl_megatron.compute.router_metrics import RouterMetrics
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -45,7 +56,9 @@ def policy_steps(
     parallel = ParallelConfig(**layout)
     initialize_model_parallel(parallel, seed=seed)
     ddp = {"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True, "average_in_collective": True}
-    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp))
+    spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp)
+    built = build_model(dataclasses.replace(spec, **(spec_overrides or {})))
+    inspected = [inspect(built.chunks)] if inspect is not None else []
     # the host derives max_seq_len in validate_cfg (needed by seq_mean_token_sum_norm)
     max_seq_len = f"++trainer.algorithm.max_seq_len={prompt_length + response_length}"
     cfg = compose_config([f"trainer.policy.optimizer_config.lr={lr}", max_seq_len, *host_overrides])
@@ -54,6 +67,9 @@ def policy_steps(
     scheduler = settings.build_scheduler(optimizer)
     runner = ModelRunner(built.chunks, parallel)
     runner.attach_optimizer(optimizer)
+    collector = RouterMetrics.attach(built.chunks) if router_metrics else None
+    if collector is not None:
+        runner.attach_router_metrics(collector)
     objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(cfg.trainer.algorithm))
     micro = MicroBatching(**batching)
 
@@ -73,6 +89,8 @@ def policy_steps(
     history = []
     response = {k: v for k, v in batch.items() if k not in ("sequences", "attention_mask")}
     for _ in range(steps):
+        if collector is not None:
+            collector.reset()
         metrics = runner.train_mini_batch(
             batch["sequences"],
             batch["attention_mask"],
@@ -83,5 +101,9 @@ def policy_steps(
         )
         result = optimizer_step(optimizer, scheduler)
         metrics["grad_norm"] = result.grad_norm
+        if collector is not None:
+            metrics.update(collector.summary())
         history.append(metrics)
-    return {"history": history, "initial_logprobs": old, "rows": (share.start, share.stop)}
+    if inspect is not None:
+        inspected.append(inspect(built.chunks))
+    return {"history": history, "initial_logprobs": old, "rows": (share.start, share.stop), "inspected": inspected}
