@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.model.lora import is_adapter_name
+from skyrl_megatron.model.lora import PEFT_CONFIG_FILE, PeftAdapter, is_adapter_name
 from skyrl_megatron.weights import iter_hf_weights
 
 logger = logging.getLogger(__name__)
@@ -404,8 +404,6 @@ def save_hf_model(
 
 
 def _save_peft_adapter(final: Path, built_model, tokenizer) -> Path:
-    from skyrl_megatron.model.lora import PEFT_CONFIG_FILE, PeftAdapter
-
     _check_replaceable(final, marker=PEFT_CONFIG_FILE, what="a PEFT adapter directory")
     partial = _sibling(final, _PARTIAL_SUFFIX)
     adapter = PeftAdapter.export(built_model)  # collective

@@ -365,6 +365,10 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
                     )
                 )
     moe_section = data.get("moe_config") or {}
+    if not isinstance(moe_section, Mapping):
+        fix = "set its keys, e.g. moe_config.token_dispatcher=alltoall"
+        problems.append(Problem(f"{prefix}.moe_config", f"must be a mapping, got {moe_section!r}", fix))
+        moe_section = {}
     for key in moe_section:
         if key not in MoeSettings.field_names():
             problems.append(Problem(f"{prefix}.moe_config.{key}", "unknown key", _did_you_mean(key, MoeSettings.field_names())))
@@ -529,6 +533,14 @@ def check_inference_engine(cfg) -> list[Problem]:
     if engine not in ENGINES:
         return [Problem("generator.engine", f"unknown engine {engine!r}", f"use one of {', '.join(ENGINES)}")]
     if engine != "cpu":
+        policy = cfg.trainer.policy
+        lora_sync = ((policy.get("megatron_config") or {}).get("lora_config") or {}).get("weight_sync", "merged")
+        if cfg.trainer.strategy == "megatron" and int(policy.model.lora.rank or 0) > 0 and lora_sync == "adapters":
+            # the host starts vLLM with LoRA enabled for its fsdp strategies only
+            return [Problem("trainer.policy.megatron_config.lora_config.weight_sync",
+                            "adapter sync needs engines started with LoRA enabled, which skyrl-train 0.3.1 does "
+                            "not do for trainer.strategy=megatron",
+                            "use weight_sync=merged (the default) with vLLM/SGLang; adapters work with generator.engine=cpu")]
         return []
     needs = [
         ("generator.weight_sync_backend", generator.weight_sync_backend, "gloo",

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
+from skyrl_megatron.model.lora import AdapterMerger, PeftAdapter
+
 if TYPE_CHECKING:
     from skyrl_megatron.model.build import BuiltModel
 
@@ -163,8 +165,6 @@ def iter_weight_buckets(
 def _export(
     built: BuiltModel, dtype: torch.dtype | None, device: torch.device | str | None, report: ExportReport
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    from skyrl_megatron.model.lora import AdapterMerger
-
     started = time.perf_counter()
     with torch.no_grad():
         # LoRA: the adapters (small) are gathered up front and folded into their base weights as those
@@ -201,8 +201,6 @@ def _export(
 def _export_adapters(
     built: BuiltModel, dtype: torch.dtype | None, device: torch.device | str | None, report: ExportReport
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    from skyrl_megatron.model.lora import PeftAdapter
-
     started = time.perf_counter()
     with torch.no_grad():
         adapter = PeftAdapter.export(built)

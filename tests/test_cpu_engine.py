@@ -301,6 +301,34 @@ def test_broadcast_needs_a_gloo_communicator_and_other_channels_are_refused(engi
         NamedTensorsUpdateRequest(["w"], ["torch.float32"], [[2]], [torch.zeros(2, dtype=torch.bfloat16)])
 
 
+def _peft_adapter(model_dir, out_dir, seed: int):
+    """A PEFT LoRA adapter with non-zero B (so it changes the logits), saved as a trainer would."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(base, config).eval()
+    peft_model.save_pretrained(out_dir)
+    return peft_model
+
+
+def test_lora_adapter_loads_from_disk_and_replaces_the_previous_one(engine, model_dir, tmp_path):
+    from skyrl_train.weight_sync import LoraLoadRequest
+
+    tokens = torch.tensor([PROMPTS[2]])
+    for seed in (1, 2):  # the second adapter replaces the first; it does not stack on it
+        adapter = _peft_adapter(model_dir, tmp_path / f"adapter{seed}", seed)
+        run(engine.update_named_weights(LoraLoadRequest(lora_path=str(tmp_path / f"adapter{seed}"))))
+        with torch.no_grad():
+            expected = adapter(tokens).logits
+            served = engine.model(tokens).logits
+        torch.testing.assert_close(served, expected, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(tokens).logits
+    assert (served - base).abs().max() > 1e-3  # the adapter did change the model
+
+
 def test_update_request_survives_pickling_bitwise(other_model_dir):
     """What Ray's object store does to a request on its way to an engine actor."""
     sent = other_weights(other_model_dir)

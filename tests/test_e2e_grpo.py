@@ -164,3 +164,25 @@ def test_reward_goes_up_and_the_final_export_holds_the_trained_policy(interrupte
     assert set(initial) <= set(trained)
     assert any(not torch.equal(initial[name], trained[name]) for name in initial)
     assert "reward plot" in run["second_stdout"] and (run["run_dir"] / "reward.png").stat().st_size > 0
+
+
+def test_lora_demo_syncs_adapters_to_the_engine_by_one_override_more(tmp_path):
+    """`trainer.policy.model.lora.rank=8` turns the demo into LoRA training (merged sync by default, see
+    the README); with `weight_sync=adapters` the worker writes a PEFT directory each step, the engine
+    loads it with peft, and still holds exactly the trainer's merged weights."""
+    run_dir = tmp_path / "lora"
+    out = subprocess.run(
+        [sys.executable, "-m", "skyrl_megatron.demo", "--out", str(run_dir), "--steps", "2",
+         "trainer.policy.model.lora.rank=8",
+         "trainer.policy.megatron_config.lora_config.weight_sync=adapters",
+         f"trainer.policy.model.lora.lora_sync_path={run_dir / 'lora_sync'}"],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    steps = [r for r in _records(run_dir) if "trainer/global_step" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        assert record["sync/bitwise_equal"] == 1.0
+        assert record["sync/rollout_logprob_max_diff"] <= LOGPROB_TOLERANCE
+        assert 0 < record["policy/lora/trainable_fraction"] < 0.2
+    assert (run_dir / "lora_sync" / "adapter_config.json").exists()

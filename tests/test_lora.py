@@ -22,6 +22,8 @@ from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ran
 
 ROWS, PROMPT, RESPONSE = 8, 6, 6
 STEPS = 3
+# Adam turns rounding noise in near-zero gradient elements into weight differences of order lr: 1e-3
+# keeps layouts within TRAIN_RTOL over three steps and still moves the logits far past LOGIT_ATOL.
 LR = 1e-3
 TRAIN_RTOL = 1e-5
 LOGIT_ATOL = 1e-4
@@ -66,9 +68,8 @@ class _Session:
             hf_dir, parallel=self.parallel, dtype=dtype, wrap_with_ddp=True, ddp_config=DISTRIBUTED_OPTIMIZER, lora=lora
         )
         self.built = build_model(spec)
-        cfg = compose_config(
-            [f"trainer.policy.optimizer_config.lr={LR}", f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}", *HOST_OVERRIDES]
-        )
+        max_seq_len = f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}"
+        cfg = compose_config([f"trainer.policy.optimizer_config.lr={LR}", max_seq_len, *HOST_OVERRIDES])
         settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, dtype)
         self.optimizer = settings.build_optimizer(self.built.chunks)
         self.scheduler = settings.build_scheduler(self.optimizer)
@@ -168,7 +169,9 @@ def _dp_share(batch: dict) -> tuple[dict, slice]:
     return {k: v[rows] for k, v in batch.items()}, rows
 
 
-def _train_and_export(hf_dir: str, layout: dict, out_dir: str, lora_type: str = "lora", checkpoint: str | None = None) -> dict:
+def _train_and_export(
+    hf_dir: str, layout: dict, out_dir: str, lora_type: str = "lora", checkpoint: str | None = None
+) -> dict:
     """Three steps from the base model (with a checkpoint after the second when asked), then exports."""
     session = _Session(hf_dir, layout, _spec(lora_type))
     frozen = session.frozen_snapshot()
@@ -373,7 +376,7 @@ def _assert_exports_reproduce(results: list[dict], job: str, hf_dir: str, name: 
     result = results[0][job]  # rank 0 keeps the exported tensors
     base = _hf_logits(_hf_model(hf_dir))
     moved = (megatron - base).abs().max().item()
-    assert moved > 100 * LOGIT_ATOL, f"{name}: training moved the logits by only {moved:.1e}; the check would be vacuous"
+    assert moved > 100 * LOGIT_ATOL, f"{name}: training moved the logits by only {moved:.1e}: a vacuous check"
 
     merged_model = _hf_model(result["merged_dir"])
     diff = (_hf_logits(merged_model) - megatron).abs().max().item()

@@ -1,10 +1,10 @@
 """MoE settings (``megatron_config.moe_config``) and router metrics, on a tiny Qwen3-MoE (CPU, gloo, fp32).
 
 Config rules and the settings mapping run in-process. Training runs through the real runner
-(`policy_steps`) in three spawns of ranks: world-1 (the references, a direct count of the router's
-top-k choices, capacity dropping, activation recompute, transformer_config_kwargs precedence),
-EP2, and TP2 x EP2 (with router freezing). Every layout must reproduce the world-1 losses and
-router metrics under both the alltoall and the allgather dispatcher.
+(`policy_steps`) in two spawns of ranks: world-1 (the references, a direct count of the router's
+top-k choices, capacity dropping, activation recompute, transformer_config_kwargs precedence) and
+world-4 (EP2, TP2 x EP2, PP2 x EP2 with recompute, router freezing). Every layout must reproduce the
+world-1 losses and router metrics under both the alltoall and the allgather dispatcher.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ ONE_PACKED_MICRO_BATCH = {"max_tokens": 10_000}  # world-1 packing adds no paddi
 # compute the same thing there); the packed runs under TP2 x SP carry alignment padding
 PARALLEL_RUNS = {"padded": ("alltoall", PADDED), "packed": ("allgather", PACKED)}
 CAPACITY_FACTOR = 1.0
+AUX_LOSS_COEFF = 0.1
 RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 TRAIN_RTOL = 1e-5
 LAYERS, EXPERTS, TOPK = 4, 8, 2  # the tiny Qwen3-MoE
@@ -59,6 +60,8 @@ def test_unknown_moe_key_names_the_closest(compose, hf_config_dir):
     assert f"{MC}.moe_config.dispatcher: unknown key" in msg and "did you mean 'token_dispatcher'" in msg
     with pytest.raises(ConfigError, match="moe_config.freeze_routers: unknown key.*did you mean 'freeze_router'"):
         MegatronWorkerConfig.from_mapping({"moe_config": {"freeze_routers": True}})
+    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config=fast"))
+    assert f"{MC}.moe_config: must be a mapping, got 'fast'" in msg
 
 
 def test_bad_moe_values_are_reported_together_each_with_its_key(compose, hf_config_dir):
@@ -183,16 +186,11 @@ def _router_and_expert_weights(chunks) -> dict:
     return picked
 
 
-def _provider_fields(hf_dir: str) -> dict:
-    """The finalised TransformerConfig values when moe_config and transformer_config_kwargs disagree."""
+def _provider_fields(hf_dir: str, moe: MoeSettings, transformer_overrides: dict) -> dict:
+    """The finalised TransformerConfig's MoE values for these settings."""
     from skyrl_megatron.model.build import ModelSpec, load_bridge, make_provider
 
-    spec = ModelSpec(
-        hf_dir,
-        dtype="fp32",
-        moe=MoeSettings(token_dispatcher="allgather", router_dtype="fp32", aux_loss_coeff=0.0),
-        transformer_overrides={"moe_router_dtype": "fp64", "moe_aux_loss_coeff": 0.02},
-    )
+    spec = ModelSpec(hf_dir, dtype="fp32", moe=moe, transformer_overrides=transformer_overrides)
     provider = make_provider(spec, load_bridge(hf_dir))
     names = ("moe_token_dispatcher_type", "moe_router_dtype", "moe_aux_loss_coeff", "moe_router_bias_update_rate")
     return {name: getattr(provider, name) for name in names}
@@ -215,7 +213,15 @@ def _world1(rank, world_size, hf_dir) -> dict:
             rank, world_size, hf_dir, {}, ONE_PACKED_MICRO_BATCH, steps=1, router_metrics=True,
             spec_overrides={"transformer_overrides": capacity},
         )
-    runs["precedence"] = _provider_fields(hf_dir)
+    runs["aux_loss"] = policy_steps(
+        rank, world_size, hf_dir, {}, PADDED, steps=1, spec_overrides={"moe": MoeSettings(aux_loss_coeff=AUX_LOSS_COEFF)}
+    )
+    runs["defaults"] = _provider_fields(hf_dir, MoeSettings(), {})
+    runs["precedence"] = _provider_fields(
+        hf_dir,
+        MoeSettings(token_dispatcher="allgather", router_dtype="fp32", aux_loss_coeff=0.0),
+        {"moe_router_dtype": "fp64", "moe_aux_loss_coeff": 0.02},
+    )
     return runs
 
 
@@ -323,6 +329,13 @@ def test_capacity_factor_drops_the_excess_choices(world1):
 
 @pytest.mark.slow
 def test_transformer_config_kwargs_win_over_moe_config(world1):
+    # the defaults replace the bridge's Qwen3-MoE values (aux loss 1e-3, router in the model's dtype)
+    assert world1["defaults"] == {
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_router_dtype": "fp32",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_bias_update_rate": 0.0,
+    }
     assert world1["precedence"] == {
         "moe_token_dispatcher_type": "allgather",  # from moe_config
         "moe_router_dtype": "fp64",  # transformer_config_kwargs over moe_config's fp32
@@ -331,68 +344,62 @@ def test_transformer_config_kwargs_win_over_moe_config(world1):
     }
 
 
-EP2 = {"expert": 2}
-TP2_EP2 = {"tensor": 2, "expert": 2, "sequence_parallel": True}
-# PP2's one-forward-one-backward schedule recomputes a micro-batch after later ones have run forward
-PP2 = {"pipeline": 2}
+@pytest.mark.slow
+def test_aux_loss_is_off_by_default_and_trains_when_set(world1):
+    # the load-balancing loss is not part of the reported policy loss, but its gradient reaches the
+    # routers and the layers below them
+    off, on = world1["padded"]["history"][0], world1["aux_loss"]["history"][0]
+    assert on["final_loss"] == pytest.approx(off["final_loss"], rel=1e-6)
+    assert abs(on["grad_norm"] - off["grad_norm"]) > 1e-4 * off["grad_norm"]
 
 
-def _dispatcher_runs(layout: dict) -> dict:
-    return {
-        name: (layout, batching, {"moe": MoeSettings(token_dispatcher=dispatcher)}, None)
+WORLD = 4
+LAYOUTS = {  # at world 4: EP2 with DP4, TP2 x EP2 with DP2
+    "ep2": {"expert": 2},
+    "tp2_ep2": {"tensor": 2, "expert": 2, "sequence_parallel": True},
+}
+# PP2's one-forward-one-backward schedule recomputes a micro-batch after a later one ran forward
+PP2_EP2 = {"pipeline": 2, "expert": 2}
+
+
+def _world4_plan() -> dict:
+    plan = {
+        f"{layout}_{name}": (parallel, batching, {"moe": MoeSettings(token_dispatcher=dispatcher)}, None)
+        for layout, parallel in LAYOUTS.items()
         for name, (dispatcher, batching) in PARALLEL_RUNS.items()
     }
-
-
-SPAWNS = {  # name -> world size, runs
-    "ep2": (2, {**_dispatcher_runs(EP2), "pp2_recompute": (PP2, PADDED, {"transformer_overrides": RECOMPUTE}, None)}),
-    "tp2_ep2": (
-        4,
-        {
-            **_dispatcher_runs(TP2_EP2),
-            "frozen": (TP2_EP2, PADDED, {"moe": MoeSettings(freeze_router=True)}, _router_and_expert_weights),
-        },
-    ),
-}
+    plan["pp2_ep2_recompute"] = (PP2_EP2, PADDED, {"transformer_overrides": RECOMPUTE}, None)
+    plan["frozen"] = (LAYOUTS["tp2_ep2"], PADDED, {"moe": MoeSettings(freeze_router=True)}, _router_and_expert_weights)
+    return plan
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(moe_model):
-    cache = {}
-
-    def get(name: str) -> list[dict]:
-        if name not in cache:
-            world, plan = SPAWNS[name]
-            cache[name] = run_on_ranks(_runs, world, moe_model, plan, timeout=600)
-        return cache[name]
-
-    return get
+def world4(moe_model) -> list[dict]:
+    return run_on_ranks(_runs, WORLD, moe_model, _world4_plan(), timeout=600)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(SPAWNS))
-def test_layout_matches_world1_losses_and_router_metrics(world1, parallel_runs, layout):
-    per_rank = parallel_runs(layout)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_world1_losses_and_router_metrics(world1, world4, layout):
     for name, (dispatcher, _) in PARALLEL_RUNS.items():
-        histories = [runs[name]["history"] for runs in per_rank]
+        histories = [runs[f"{layout}_{name}"]["history"] for runs in world4]
         what = f"{layout} {dispatcher} {name}"
         assert all(h == histories[0] for h in histories), f"{what}: ranks disagree on the metrics"
-        _assert_same_training(per_rank[0][name], world1[name], what)
+        _assert_same_training(world4[0][f"{layout}_{name}"], world1[name], what)
 
 
 @pytest.mark.slow
-def test_pipeline_stages_with_recompute_count_each_token_once(world1, parallel_runs):
+def test_pipeline_stages_with_recompute_count_each_token_once(world1, world4):
     # layers 0-1 and 2-3 live on different stages; a router recomputed in the backward pass must
     # neither count again nor take the real-token mask of the micro-batch that ran forward last
-    per_rank = parallel_runs("ep2")
-    assert per_rank[0]["pp2_recompute"]["history"] == per_rank[1]["pp2_recompute"]["history"]
-    _assert_same_training(per_rank[0]["pp2_recompute"], world1["recompute"], "pp2 with recompute")
+    histories = [runs["pp2_ep2_recompute"]["history"] for runs in world4]
+    assert all(h == histories[0] for h in histories)
+    _assert_same_training(world4[0]["pp2_ep2_recompute"], world1["recompute"], "pp2 x ep2 with recompute")
 
 
 @pytest.mark.slow
-def test_frozen_router_keeps_its_weights_while_experts_train(world1, parallel_runs):
-    per_rank = parallel_runs("tp2_ep2")
-    for rank, runs in enumerate(per_rank):
+def test_frozen_router_keeps_its_weights_while_experts_train(world1, world4):
+    for rank, runs in enumerate(world4):
         before, after = runs["frozen"]["inspected"]
         routers = [name for name in before if ".router." in name]
         experts = [name for name in before if name not in routers]
@@ -405,7 +412,7 @@ def test_frozen_router_keeps_its_weights_while_experts_train(world1, parallel_ru
             value, requires_grad, has_grad_buffer = after[name]
             assert requires_grad and has_grad_buffer
             assert not torch.equal(value, before[name][0]), f"rank {rank} {name}: the expert did not train"
-    frozen, trained = per_rank[0]["frozen"]["history"][0], world1["padded"]["history"][0]
+    frozen, trained = world4[0]["frozen"]["history"][0], world1["padded"]["history"][0]
     # same weights, same forward; the gradient norm lacks only the router's share
     assert frozen["final_loss"] == pytest.approx(trained["final_loss"], rel=TRAIN_RTOL)
     assert frozen["grad_norm"] < trained["grad_norm"]

@@ -99,6 +99,8 @@ class RouterMetrics:
         self._forwards = [_ChunkForward() for _ in chunks]
         self._tallies: list[_LayerTally] = []
         for index, router in routers(chunks):
+            if router.is_mtp_layer:  # multi-token prediction layers share layer numbers with the decoder's
+                continue
             tally = _LayerTally(
                 layer=router.layer_number - 1,
                 chunk=index,

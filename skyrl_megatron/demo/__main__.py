@@ -126,11 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"skyrl-megatron demo: GRPO, Megatron policy (TP=2+SP) + ref on CPU (gloo), CPU engine; {steps} steps")
     print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
     started = time.perf_counter()
-    try:
-        run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False)
-    except WorkerFailure as failure:
-        print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
-        return 1
+    if done_before >= steps:
+        # the host would restart from its final checkpoint only to save it again one step further
+        print(f"all {steps} steps were trained already; showing that run (--fresh starts over)")
+    else:
+        try:
+            run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False)
+        except WorkerFailure as failure:
+            print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
+            return 1
 
     records = [r for r in read_metrics(metrics_file) if REWARD in r]
     by_step = {r["step"]: r for r in records}
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{last:.3f} (last {quarter} steps)")
     print(f"weight sync bitwise equal at every step: {all(r.get('sync/bitwise_equal') == 1.0 for r in records)}")
     print(f"checkpoint: {run_dir.resolve() / 'ckpts' / f'global_step_{latest}'}")
-    print(f"HF export:  {run_dir.resolve() / 'exports' / f'global_step_{latest}' / 'policy'}")
+    exports = sorted((run_dir / "exports").glob("global_step_*"), key=lambda d: int(d.name.split("_")[-1]))
+    print(f"HF export:  {(exports[-1] / 'policy').resolve() if exports else '(none)'}")
     print(f"reward plot: {plot.resolve()}")
     return 0
 

@@ -420,6 +420,7 @@ class CpuInferenceEngine(host.inference_engine_interface()):
         self._lock = threading.Lock()
         self._in_flight: set[threading.Event] = set()
         self._broadcast_group = None  # the host's weight-broadcast process group, once joined
+        self._base_model = None  # the weights LoRA adapters apply to, kept at the first adapter load
 
     def _eos_ids(self) -> set[int]:
         # generation_config may list several (chat checkpoints end turns with a token of their own)
@@ -501,7 +502,8 @@ class CpuInferenceEngine(host.inference_engine_interface()):
 
     async def update_named_weights(self, request) -> None:
         if isinstance(request, host.lora_load_request_class()):
-            raise NotImplementedError("CpuInferenceEngine does not load LoRA adapters; send merged weights")
+            await asyncio.to_thread(self._load_adapter_blocking, request.lora_path)
+            return
         if not len(request):
             raise ValueError("weight update request must not be empty")
         if isinstance(request, host.broadcast_update_request_class()):
@@ -535,6 +537,23 @@ class CpuInferenceEngine(host.inference_engine_interface()):
         with self._lock:
             for name, tensor in zip(request.names, request.tensors):
                 self._parameters[name].copy_(tensor)
+
+    @torch.no_grad()
+    def _load_adapter_blocking(self, lora_path: str) -> None:
+        """Serve base + the PEFT adapter at `lora_path`, merged (peft's own merge), replacing any earlier one.
+
+        The base is the model as it was before the first adapter arrived: with adapter sync the
+        trainer never sends base weights, so adapters must not stack.
+        """
+        import copy
+
+        from peft import PeftModel
+
+        if self._base_model is None:
+            self._base_model = copy.deepcopy(self.model)
+        merged = PeftModel.from_pretrained(copy.deepcopy(self._base_model), lora_path).merge_and_unload()
+        with self._lock:
+            self.model.load_state_dict(merged.state_dict())
 
     async def named_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the current weights under HF names (for checks that a sync delivered bitwise)."""

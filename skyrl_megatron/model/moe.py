@@ -50,7 +50,8 @@ def flex_backend_available(backend: str) -> bool:
 
 
 def flex_backend_problem(settings: MoeSettings, prefix: str = SECTION) -> Problem | None:
-    """The flex dispatcher without its backend installed (Megatron would only fail at the first forward)."""
+    """The flex dispatcher without its backend installed (Megatron's own ImportError, raised while the
+    model is built on every rank, names no config key)."""
     if settings.token_dispatcher != "flex" or flex_backend_available(settings.flex_backend):
         return None
     library = "deep_ep.HybridEPBuffer" if settings.flex_backend == "hybridep" else "deep_ep (DeepEP)"
@@ -90,15 +91,13 @@ def moe_transformer_settings(provider, settings: MoeSettings, user_overrides: Ma
     if settings.expert_bias is not None:
         fields["moe_router_enable_expert_bias"] = settings.expert_bias
 
+    effective = {**fields, **user_overrides}
     for name in sorted(set(fields) & set(user_overrides)):
         if user_overrides[name] != fields[name]:
             logger.info("transformer_config_kwargs.%s=%r wins over moe_config (%r)", name, user_overrides[name], fields[name])
-    coeff = user_overrides.get("moe_aux_loss_coeff", fields["moe_aux_loss_coeff"])
-    if coeff:
-        balancing = user_overrides.get(
-            "moe_router_load_balancing_type", fields.get("moe_router_load_balancing_type", provider.moe_router_load_balancing_type)
-        )
-        logger.info("MoE load-balancing loss on: %s, coeff %s", balancing, coeff)
+    if effective["moe_aux_loss_coeff"]:
+        balancing = effective.get("moe_router_load_balancing_type", provider.moe_router_load_balancing_type)
+        logger.info("MoE load-balancing loss on: %s, coeff %s", balancing, effective["moe_aux_loss_coeff"])
     return fields
 
 
@@ -114,13 +113,13 @@ def _expert_bias_problems(provider, settings: MoeSettings) -> list[Problem]:
 
 
 def routers(chunks: list[torch.nn.Module]) -> Iterator[tuple[int, torch.nn.Module]]:
-    """(chunk index, router) for every MoE router of the decoder (multi-token-prediction routers excluded)."""
+    """(chunk index, router) for every MoE router of the chunks (multi-token-prediction layers' included)."""
     with quiet_megatron_import():
         from megatron.core.transformer.moe.router import TopKRouter
 
     for index, chunk in enumerate(chunks):
         for module in chunk.modules():
-            if isinstance(module, TopKRouter) and not module.is_mtp_layer:
+            if isinstance(module, TopKRouter):
                 yield index, module
 
 

@@ -19,6 +19,7 @@ from skyrl_megatron.config import MegatronWorkerConfig
 from skyrl_megatron.failures import register_current_worker
 from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.cache import ConversionCacheSettings
+from skyrl_megatron.model.lora import LoraSpec
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
 from skyrl_megatron.workers.offload import ModelOffloader
 from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
@@ -78,6 +79,8 @@ class MegatronWorkerMixin:
             wrap_with_ddp=self.trains,
             ddp_config=dict(m.ddp_config),
             cache=ConversionCacheSettings(root=m.checkpoint_cache_dir, force_reconvert=m.force_reconvert),
+            # only a trained role gets adapters; the reference model is the frozen base
+            lora=LoraSpec.from_host_config(self.cfg, self.role) if self.trains else None,
         )
 
     def _build(self, model_path: str) -> BuiltModel:

@@ -65,13 +65,14 @@ def _model_tensors(chunks) -> list[torch.Tensor]:
             if isinstance(getattr(chunk, name, None), (list, tuple))
             for buffer in getattr(chunk, name)
         ]
-        if buffers:
-            for buffer in buffers:
-                tensors.append(buffer.param_data)
-                if buffer.grad_data is not None:
-                    tensors.append(buffer.grad_data)
-        else:
-            tensors.extend(p.data for p in chunk.parameters())
+        for buffer in buffers:
+            tensors.append(buffer.param_data)
+            if buffer.grad_data is not None:
+                tensors.append(buffer.grad_data)
+        # Parameters DDP does not own: every one of a bare module, and under LoRA the frozen base
+        # (DDP buffers hold only trainable parameters).
+        in_buffers = {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+        tensors.extend(p.data for p in chunk.parameters() if p.data.untyped_storage().data_ptr() not in in_buffers)
     return [t for t in tensors if t is not None and t.untyped_storage().nbytes() > 0]
 
 

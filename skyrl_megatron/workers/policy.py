@@ -11,6 +11,7 @@ from skyrl_megatron import host
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
+from skyrl_megatron.model.lora import measure_footprint
 from skyrl_megatron.optim import OptimizerSettings, optimizer_step
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
 from skyrl_megatron.workers.base import MegatronWorkerMixin
@@ -39,6 +40,16 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.runner.attach_optimizer(self.optimizer)
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
         self.skipped_steps = 0
+        self.lora_metrics: dict[str, float] = {}
+        if built.lora is not None:
+            footprint = measure_footprint(
+                built.chunks,
+                bf16=bool(trainer.bf16),
+                distributed_optimizer=bool(self.megatron_cfg.ddp_config.get("use_distributed_optimizer")),
+            )
+            self.lora_metrics = footprint.as_metrics()
+            if torch.distributed.get_rank() == 0:
+                logger.info("LoRA: %s", self.lora_metrics)
 
     def ppo_train(self, train_data):
         """Epochs x mini-batches of the rank's rows; one optimizer step per mini-batch."""
@@ -83,6 +94,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         status = {name: sum(values) / len(values) for name, values in history.items()}
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
+        status.update(self.lora_metrics)
         return host.training_output(metadata={"train_status": status})
 
     # -- weight sync ------------------------------------------------------------------------------
@@ -100,6 +112,11 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         reset_prefix_cache = None
         if generator.enable_prefix_caching and rank0:
             reset_prefix_cache = inference_engine_client.reset_prefix_cache()
+        if self.built.lora is not None and self.built.lora.weight_sync == "adapters":
+            await self._send_adapters(inference_engine_client)
+            if reset_prefix_cache is not None:
+                await reset_prefix_cache
+            return {"adapters": True}
         buckets = iter_weight_buckets(
             self.built,
             host.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls),
@@ -119,6 +136,18 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             )
         return {"tensors": report.tensors, "bytes": report.bytes, "chunks": report.buckets,
                 "export_seconds": report.seconds}
+
+    async def _send_adapters(self, inference_engine_client) -> None:
+        """LoRA with ``weight_sync: adapters``: a PEFT adapter directory the engines load from disk.
+
+        The engines must have loaded the base weights (they start from the same checkpoint) and, for
+        vLLM, run with LoRA enabled.
+        """
+        path = self.cfg.trainer.policy.model.lora.lora_sync_path
+        save_hf_model(path, self.built, adapters_only=True)  # collective; rank 0 writes, atomically
+        if torch.distributed.get_rank() == 0:
+            await inference_engine_client.update_named_weights(host.lora_load_request_class()(lora_path=str(path)))
+        torch.distributed.barrier()
 
     def weight_digests(self) -> dict[str, str]:
         """SHA-256 of every exported tensor in the engines' dtype (rank 0; {} elsewhere). Collective.
