@@ -10,6 +10,7 @@ import torch
 from skyrl_megatron import host
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
 from skyrl_megatron.optim import OptimizerSettings, optimizer_step
@@ -38,6 +39,8 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.optimizer = settings.build_optimizer(built.chunks)
         self.scheduler = settings.build_scheduler(self.optimizer)
         self.runner.attach_optimizer(self.optimizer)
+        self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
+        self.runner.attach_router_metrics(self.router_metrics)
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
         self.skipped_steps = 0
         self.lora_metrics: dict[str, float] = {}
@@ -75,6 +78,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                     for k in RESPONSE_KEYS
                     if k in train_data and train_data[k] is not None
                 }
+                self.router_metrics.reset()
                 metrics = self.runner.train_mini_batch(
                     batch["sequences"],
                     batch["attention_mask"],
@@ -85,6 +89,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                     dp_group=ps.get_data_parallel_group(),
                 )
                 step = optimizer_step(self.optimizer, self.scheduler)
+                metrics.update(self.router_metrics.summary())  # collective: every rank
                 steps += 1
                 self.skipped_steps += int(step.skipped)
                 metrics["raw_grad_norm"] = step.grad_norm if step.grad_norm is not None else float("nan")
