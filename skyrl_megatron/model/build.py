@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.config import MoeSettings
-from skyrl_megatron.model.bridge_import import import_bridge
+from skyrl_megatron.model.bridge_import import have_transformer_engine, import_bridge
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
@@ -135,6 +135,10 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     if spec.moe.freeze_router and getattr(provider, "num_moe_experts", None):
         provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
     settings.update(runtime.transformer_config_overrides())
+    if not have_transformer_engine():
+        # Bridge providers turn on fused MoE token permutation (Qwen3-MoE does), which Megatron-Core
+        # implements only through TE and refuses at config time without it, on GPU too.
+        settings["moe_permute_fusion"] = False
     settings.update(spec.transformer_overrides)
     for key, value in settings.items():
         setattr(provider, key, value)

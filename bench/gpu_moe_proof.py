@@ -1,0 +1,168 @@
+"""Multi-GPU MoE proof (issue 8), 4 GPUs, bf16: a Qwen3-30B-A3B-shaped model with 4 layers.
+
+Same HF weights (random, saved once) under three layouts: EP1 on one GPU, EP4 (DP4) and TP2 x EP2
+(SP, DP2) on four. Every rank scores the same RL-shaped batch and trains on it, so all layouts do the
+same arithmetic up to bf16 reduction order.
+
+1. Logprob parity of EP4 and TP2xEP2 against EP1 before training (mean and max |diff|).
+2. Two training steps (policy-gradient loss, distributed optimizer): loss and grad norm per step in
+   each layout, tokens/s of the second step.
+3. Checkpoint after the two EP4 steps, reloaded under TP2 x EP2: its logprobs against EP4's after
+   training.
+
+Usage (4 GPUs): python bench/gpu_moe_proof.py --out moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gpu_model_checks import _pg_objective  # same directory
+
+SHAPE = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+             vocab_size=151936, max_position_embeddings=40960, norm_topk_prob=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+             tie_word_embeddings=False)
+ROWS, PROMPT, RESPONSE = 8, 256, 256
+STEPS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_checkpoint(directory: Path) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**SHAPE)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    torch.cuda.empty_cache()
+    return str(directory)
+
+
+def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt: str, results) -> None:
+    from megatron.core import parallel_state as ps
+
+    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.optim import OptimizerSettings, optimizer_step
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.testing.rl_batches import make_rl_batch
+
+    faulthandler.dump_traceback_later(240, exit=True, file=sys.stderr)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    init_distributed("cuda")
+    parallel = ParallelConfig(tensor=layout["tp"], expert=layout["ep"], sequence_parallel=layout["tp"] > 1)
+    initialize_model_parallel(parallel, seed=0)
+    ddp = {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True}
+    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="bf16", wrap_with_ddp=True, ddp_config=ddp))
+    settings = OptimizerSettings.from_host_config({"lr": 1e-5, "weight_decay": 0.0, "max_grad_norm": 1.0}, {}, 100, "bf16")
+    optimizer = settings.build_optimizer(built.chunks)
+    scheduler = settings.build_scheduler(optimizer)
+    runner = ModelRunner(built.chunks, parallel)
+    runner.attach_optimizer(optimizer)
+    batch = make_rl_batch(ROWS, PROMPT, RESPONSE, vocab_size=SHAPE["vocab_size"], seed=1)
+    response = {"loss_mask": batch["loss_mask"], "advantages": torch.randn(ROWS, RESPONSE, generator=torch.Generator().manual_seed(2))}
+
+    def logprobs():
+        return runner.response_logprobs(batch["sequences"], batch["attention_mask"], RESPONSE,
+                                        MicroBatching(micro_batch_size=4)).float().cpu()
+
+    out = {"layout": layout["name"]}
+    if layout.get("load"):
+        load_checkpoint(layout["load"], built.chunks, optimizer, scheduler)
+        out["logprobs_after_load"] = logprobs()
+    else:
+        out["logprobs_before"] = logprobs()
+        steps = []
+        for _ in range(STEPS):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            metrics = runner.train_mini_batch(batch["sequences"], batch["attention_mask"], response, _pg_objective,
+                                              MicroBatching(max_tokens=4096), dp_group=ps.get_data_parallel_group())
+            step = optimizer_step(optimizer, scheduler)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            steps.append({"loss": float(metrics["loss"]), "grad_norm": step.grad_norm, "seconds": seconds,
+                          "tokens_per_s_per_gpu": int(batch["attention_mask"].sum()) / seconds / world})
+        out["steps"] = steps
+        out["logprobs_after"] = logprobs()
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if layout.get("save"):
+            save_checkpoint(layout["save"], built.chunks, optimizer, scheduler, step=STEPS)
+    if rank == 0:
+        results[layout["name"]] = out
+        # printed as each layout finishes, so a run cut short still reports what it measured
+        printable = {k: v for k, v in out.items() if not k.startswith("logprobs")}
+        print(f"{layout['name']}: {json.dumps(printable)}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
+    d = (a - b)[mask].abs()
+    return {"mean_abs_diff": d.mean().item(), "max_abs_diff": d.max().item()}
+
+
+def main() -> None:
+    from skyrl_megatron.testing.rl_batches import make_rl_batch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="moe.json")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    assert gpus >= 4, "needs 4 GPUs"
+    mp.set_start_method("spawn", force=True)
+    work = Path(tempfile.mkdtemp())
+    hf_dir = write_checkpoint(work / "qwen3-30b-a3b-4layers")
+    ckpt = str(work / "ckpt")
+    layouts = [
+        dict(name="EP1", world=1, tp=1, ep=1),
+        dict(name="EP4", world=4, tp=1, ep=4, save=ckpt),
+        dict(name="TP2xEP2", world=4, tp=2, ep=2),
+        dict(name="TP2xEP2 loaded from EP4", world=4, tp=2, ep=2, load=ckpt),
+    ]
+    manager = mp.Manager()
+    results = manager.dict()
+    for layout in layouts:
+        print(f"{time.strftime('%H:%M:%S')} {layout['name']}", flush=True)
+        mp.spawn(rank_main, args=(layout["world"], _free_port(), hf_dir, layout, ckpt, results), nprocs=layout["world"])
+    mask = make_rl_batch(ROWS, PROMPT, RESPONSE, vocab_size=SHAPE["vocab_size"], seed=1)["loss_mask"].bool()
+    ref = results["EP1"]
+    summary = {"gpu": torch.cuda.get_device_name(0), "shape": SHAPE, "response_tokens": int(mask.sum()), "layouts": {}}
+    for name in ("EP1", "EP4", "TP2xEP2"):
+        r = results[name]
+        entry = {"steps": r["steps"], "peak_gib": r["peak_gib"]}
+        if name != "EP1":
+            entry["logprobs_before_vs_EP1"] = _diff(r["logprobs_before"], ref["logprobs_before"], mask)
+            entry["logprobs_after_vs_EP1"] = _diff(r["logprobs_after"], ref["logprobs_after"], mask)
+        summary["layouts"][name] = entry
+    summary["training_moved_logprobs_EP1"] = _diff(ref["logprobs_after"], ref["logprobs_before"], mask)
+    summary["checkpoint_EP4_reloaded_as_TP2xEP2_vs_EP4"] = _diff(
+        results["TP2xEP2 loaded from EP4"]["logprobs_after_load"], results["EP4"]["logprobs_after"], mask)
+    print(json.dumps(summary, indent=2), flush=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
