@@ -13,7 +13,7 @@ demo: setup
 
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: setup
-	@$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
 
 test-fast: setup
