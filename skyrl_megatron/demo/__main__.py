@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL); the demo
     # prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
     os.environ.setdefault("LOG_LEVEL", "WARNING")
+    from loguru import logger  # the host's logger in this process (the trainer runs here)
+
+    logger.remove()
+    logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
 
     metrics_file = run_dir / "metrics.jsonl"
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
