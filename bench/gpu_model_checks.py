@@ -40,6 +40,15 @@ def qwen3_config(name: str):
     return config
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_single_gpu() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29512")

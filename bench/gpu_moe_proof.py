@@ -19,7 +19,6 @@ import argparse
 import faulthandler
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpu_model_checks import _pg_objective  # same directory
+from gpu_model_checks import _pg_objective, free_port as _free_port  # same directory
 
 SHAPE = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
@@ -38,12 +37,6 @@ SHAPE = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_
              tie_word_embeddings=False)
 ROWS, PROMPT, RESPONSE = 8, 256, 256
 STEPS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_checkpoint(directory: Path) -> str:

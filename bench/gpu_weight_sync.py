@@ -27,7 +27,6 @@ import faulthandler
 import sys
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpu_model_checks import _pg_objective, qwen3_config  # same directory
+from gpu_model_checks import _pg_objective, free_port as _free_port, qwen3_config  # same directory
 
 MODEL = "qwen3-1.7b"
 HANG_SECONDS = float(os.environ.get("SYNC_BENCH_HANG_SECONDS", "400"))
@@ -51,12 +50,6 @@ def _watchdog() -> None:
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True, file=sys.stderr)
 IPC_CHUNK_GB = 1.0
 PLAN_TOKENS = 4096
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_checkpoint(directory: Path) -> Path:
