@@ -7,8 +7,9 @@ same arithmetic up to bf16 reduction order.
 1. Logprob parity of EP4 and TP2xEP2 against EP1 before training (mean and max |diff|).
 2. Two training steps (policy-gradient loss, distributed optimizer): loss and grad norm per step in
    each layout, tokens/s of the second step.
-3. Checkpoint after the two EP4 steps, reloaded under TP2 x EP2: its logprobs against EP4's after
-   training.
+3. Checkpoint (model, distributed optimizer, scheduler) after the two EP4 steps, reloaded under
+   TP2 x EP2: its logprobs against EP4's after training; then one more step in both, which shows the
+   Adam moments came back (a fresh optimizer's first step differs).
 
 Usage (4 GPUs): python bench/gpu_moe_proof.py --out moe.json
 """
@@ -61,7 +62,7 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt:
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch
 
-    faulthandler.dump_traceback_later(240, exit=True, file=sys.stderr)
+    faulthandler.dump_traceback_later(480, exit=True, file=sys.stderr)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     init_distributed("cuda")
@@ -81,28 +82,40 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt:
         return runner.response_logprobs(batch["sequences"], batch["attention_mask"], RESPONSE,
                                         MicroBatching(micro_batch_size=4)).float().cpu()
 
+    def train_step() -> dict:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        metrics = runner.train_mini_batch(batch["sequences"], batch["attention_mask"], response, _pg_objective,
+                                          MicroBatching(max_tokens=4096), dp_group=ps.get_data_parallel_group())
+        step = optimizer_step(optimizer, scheduler)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        return {"loss": float(metrics["loss"]), "grad_norm": step.grad_norm, "seconds": seconds,
+                "tokens_per_s_per_gpu": int(batch["attention_mask"].sum()) / seconds / world}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - started
+
     out = {"layout": layout["name"]}
     if layout.get("load"):
-        load_checkpoint(layout["load"], built.chunks, optimizer, scheduler)
+        out["load_seconds"] = timed(lambda: load_checkpoint(layout["load"], built.chunks, optimizer, scheduler))
         out["logprobs_after_load"] = logprobs()
+        out["step_after_load"] = train_step()
+        out["logprobs_after_extra_step"] = logprobs()
     else:
         out["logprobs_before"] = logprobs()
-        steps = []
-        for _ in range(STEPS):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            metrics = runner.train_mini_batch(batch["sequences"], batch["attention_mask"], response, _pg_objective,
-                                              MicroBatching(max_tokens=4096), dp_group=ps.get_data_parallel_group())
-            step = optimizer_step(optimizer, scheduler)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - started
-            steps.append({"loss": float(metrics["loss"]), "grad_norm": step.grad_norm, "seconds": seconds,
-                          "tokens_per_s_per_gpu": int(batch["attention_mask"].sum()) / seconds / world})
-        out["steps"] = steps
+        out["steps"] = [train_step() for _ in range(STEPS)]
         out["logprobs_after"] = logprobs()
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if layout.get("save"):
-            save_checkpoint(layout["save"], built.chunks, optimizer, scheduler, step=STEPS)
+            out["save_seconds"] = timed(
+                lambda: save_checkpoint(layout["save"], built.chunks, optimizer, scheduler, step=STEPS))
+            out["step_after_save"] = train_step()
+            out["logprobs_after_extra_step"] = logprobs()
     if rank == 0:
         results[layout["name"]] = out
         # printed as each layout finishes, so a run cut short still reports what it measured
@@ -126,7 +139,8 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     assert gpus >= 4, "needs 4 GPUs"
     mp.set_start_method("spawn", force=True)
-    work = Path(tempfile.mkdtemp())
+    # tmpfs: the checkpoint holds about 38 GB of optimizer state, and a disk would time the disk
+    work = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     hf_dir = write_checkpoint(work / "qwen3-30b-a3b-4layers")
     ckpt = str(work / "ckpt")
     layouts = [
@@ -151,8 +165,18 @@ def main() -> None:
             entry["logprobs_after_vs_EP1"] = _diff(r["logprobs_after"], ref["logprobs_after"], mask)
         summary["layouts"][name] = entry
     summary["training_moved_logprobs_EP1"] = _diff(ref["logprobs_after"], ref["logprobs_before"], mask)
-    summary["checkpoint_EP4_reloaded_as_TP2xEP2_vs_EP4"] = _diff(
-        results["TP2xEP2 loaded from EP4"]["logprobs_after_load"], results["EP4"]["logprobs_after"], mask)
+    loaded, saved = results["TP2xEP2 loaded from EP4"], results["EP4"]
+    summary["checkpoint"] = {
+        "save_seconds_EP4": saved["save_seconds"],
+        "load_seconds_TP2xEP2": loaded["load_seconds"],
+        "reloaded_vs_EP4_logprobs": _diff(loaded["logprobs_after_load"], saved["logprobs_after"], mask),
+        "one_more_step_loss": {"EP4": saved["step_after_save"]["loss"], "reloaded": loaded["step_after_load"]["loss"]},
+        "one_more_step_grad_norm": {"EP4": saved["step_after_save"]["grad_norm"],
+                                    "reloaded": loaded["step_after_load"]["grad_norm"]},
+        "after_one_more_step_logprobs": _diff(loaded["logprobs_after_extra_step"],
+                                              saved["logprobs_after_extra_step"], mask),
+        "moved_by_the_extra_step": _diff(saved["logprobs_after_extra_step"], saved["logprobs_after"], mask),
+    }
     print(json.dumps(summary, indent=2), flush=True)
     Path(args.out).write_text(json.dumps(summary, indent=2))
 

@@ -20,7 +20,6 @@ Asserted:
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -37,7 +36,10 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 CKPT_INTERVAL = 2
 KILL_AFTER_STEP = 3  # a checkpoint exists at step 2; the kill lands during step 4
-REWARD_MARGIN = 0.08  # measured without interruption: 0.12 (steps 1-3) -> 0.29 (steps 8-10)
+# Sampling diverges between machines (float reductions differ), so the margin must hold for any
+# trajectory, not one. Measured without interruption, trainer.seed 1, 2, 3 (steps 1-3 -> 8-10):
+# 0.12 -> 0.79, 0.13 -> 0.80, 0.07 -> 0.80; at the previous lr (3e-3) a CI machine saw 0.14 -> 0.18.
+REWARD_MARGIN = 0.3
 LOGPROB_TOLERANCE = 1e-4
 NUM_EXPORTED_TENSORS = 47  # tiny Qwen3: 4 layers x 11 + embeddings, final norm, lm_head
 TIMEOUT = 900
@@ -52,10 +54,9 @@ def _demo(run_dir: Path) -> subprocess.Popen:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    from skyrl_megatron.demo.experiment import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def _steps(records: list[dict]) -> list[int]:

@@ -38,6 +38,8 @@ PUBLISHED = {
                        head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
     "Qwen3-1.7B": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144, tie_word_embeddings=True),
+    "Qwen3-4B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728, tie_word_embeddings=True),
     "Qwen3-30B-A3B": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                           head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           tie_word_embeddings=False),

@@ -78,6 +78,7 @@ def test_parameter_counts_equal_the_hf_model_built_from_the_same_config(tmp_path
     [
         ("Qwen3-0.6B", 0.6e9, None),
         ("Qwen3-1.7B", 1.7e9, None),
+        ("Qwen3-4B", 4.0e9, None),
         ("Qwen3-30B-A3B", 30.5e9, 3.3e9),
         ("Qwen3-235B-A22B", 235e9, 22e9),
     ],

@@ -55,7 +55,7 @@ def demo_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ck
         "trainer.algorithm.advantage_estimator=grpo",
         "trainer.algorithm.use_kl_loss=true",
         "trainer.algorithm.kl_loss_coef=0.001",
-        "trainer.policy.optimizer_config.lr=3e-3",
+        "trainer.policy.optimizer_config.lr=1e-2",
         "trainer.policy.optimizer_config.weight_decay=0.0",
         f"trainer.train_batch_size={PROMPTS_PER_STEP}",
         f"trainer.policy_mini_batch_size={PROMPTS_PER_STEP // 2}",  # two optimizer steps per GRPO step

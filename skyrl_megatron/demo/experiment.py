@@ -40,14 +40,20 @@ CONSOLE_COLUMNS = (
 
 
 class StepReporter:
-    """The host's tracker interface (``log``, ``finish``): one console line and one JSON line per step."""
+    """The host's tracker interface (``log``, ``finish``): one console line and one JSON line per step,
+    with the tokens per second of the whole step (generation, scoring, training, sync) added."""
 
-    def __init__(self, metrics_file: Path, write=print):
+    def __init__(self, metrics_file: Path, write=None):
+        from tqdm import tqdm
+
         self.metrics_file = metrics_file
-        self.write = write
+        self.write = write or tqdm.write  # keeps the host's progress bar below the lines
         self._header_done = False
 
     def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:
+        seconds, tokens = data.get("timing/step"), data.get("throughput/tokens")
+        if seconds and tokens:
+            data = {**data, "throughput/tokens_per_second": tokens / seconds}
         record = {"step": step, **{k: _plain(v) for k, v in data.items()}}
         with self.metrics_file.open("a") as out:
             out.write(json.dumps(record) + "\n")
@@ -157,7 +163,7 @@ def experiment_class(run_dir: Path):
             return generator
 
         def get_tracker(self):
-            return _ThroughputReporter(run_dir / "metrics.jsonl")
+            return StepReporter(run_dir / "metrics.jsonl")
 
         def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
                         generator, colocate_pg):
@@ -170,16 +176,3 @@ def experiment_class(run_dir: Path):
     return DemoExperiment
 
 
-class _ThroughputReporter(StepReporter):
-    """Adds tokens per second of the whole step (generation, scoring, training, sync) before reporting."""
-
-    def __init__(self, metrics_file: Path):
-        from tqdm import tqdm
-
-        super().__init__(metrics_file, write=tqdm.write)
-
-    def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:
-        seconds, tokens = data.get("timing/step"), data.get("throughput/tokens")
-        if seconds and tokens:
-            data = {**data, "throughput/tokens_per_second": tokens / seconds}
-        super().log(data, step, commit)

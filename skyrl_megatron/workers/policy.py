@@ -112,16 +112,19 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         created by the host's ``init_weight_sync_state`` from ``generator.weight_sync_backend`` and
         the placement.
         """
-        generator = self.cfg.generator
-        rank0 = torch.distributed.get_rank() == 0
         reset_prefix_cache = None
-        if generator.enable_prefix_caching and rank0:
+        if self.cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
             reset_prefix_cache = inference_engine_client.reset_prefix_cache()
         if self.built.lora is not None and self.built.lora.weight_sync == "adapters":
             await self._send_adapters(inference_engine_client)
-            if reset_prefix_cache is not None:
-                await reset_prefix_cache
-            return {"adapters": True}
+            sent = {"adapters": True}
+        else:
+            sent = await self._send_full_weights()
+        if reset_prefix_cache is not None:
+            await reset_prefix_cache
+        return sent
+
+    async def _send_full_weights(self) -> dict:
         buckets = iter_weight_buckets(
             self.built,
             host.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls),
@@ -129,12 +132,10 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             device=self.runtime.torch_device,
         )
         await self._weight_transfer_sender.send_chunks(host.weight_chunk(bucket) for bucket in buckets)
-        if reset_prefix_cache is not None:
-            await reset_prefix_cache
         self.empty_cache()
         torch.distributed.barrier()
         report = buckets.report
-        if rank0:
+        if torch.distributed.get_rank() == 0:
             logger.info(
                 "weight sync: %d tensors, %.1f MiB in %d chunks, export %.2f s",
                 report.tensors, report.bytes / 2**20, report.buckets, report.seconds,

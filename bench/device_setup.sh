@@ -1,0 +1,38 @@
+#!/bin/bash
+# What the lent GPU machine lacks (it has torch, transformers, numpy, pandas, pyarrow, peft, ...),
+# installed into /tmp/site in two device calls: one call carries at most 64 MiB, and Ray's wheel
+# alone is 71 MB, so it travels split in two (`split -b 38M`) and is joined on the machine. The
+# machine keeps /tmp while it stays warm (30 s after a call), so call 2 must follow call 1 at once.
+#
+#   call 1 (carry .whl .whl3):            bash bench/device_setup.sh 1
+#   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
+#
+# .whl:  megatron-core, megatron-bridge, transformers, tokenizers, omegaconf, hydra-core, antlr4
+# .whl2: skyrl-train and its small pure-Python needs (loguru, pydantic, fastapi, opentelemetry, ...)
+# .whl3, .whl4: the two halves of ray-2.51.1 (cp312 manylinux2014)
+# .whl5: annotated-types, sniffio
+# .whl6: botocore, datasets, multiprocess, torchdata, skyrl-gym (imported by the host trainer), and
+#        flash_attn's Python files (the host imports its padding helpers; no CUDA kernels needed)
+set -e
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
+case "$1" in
+  1)
+    mkdir -p /tmp/stage
+    cp .whl3/raypart_aa /tmp/stage/
+    $PIP .whl/*.whl .whl/*.tar.gz >/dev/null 2>&1
+    echo "device_setup: part 1 done"
+    ;;
+  2)
+    test -f /tmp/stage/raypart_aa || { echo "device_setup: run part 1 first, within 30 s" >&2; return 1 2>/dev/null || exit 1; }
+    cat /tmp/stage/raypart_aa .whl4/raypart_ab > /tmp/stage/ray-2.51.1-cp312-cp312-manylinux2014_x86_64.whl
+    $PIP /tmp/stage/ray-*.whl .whl2/*.whl .whl5/*.whl .whl6/*.whl >/dev/null 2>&1
+    cp -r .whl6/flash_attn_pkg /tmp/site/flash_attn
+    export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    echo "device_setup: part 2 done"
+    ;;
+  *)
+    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2" >&2
+    return 2 2>/dev/null || exit 2
+    ;;
+esac

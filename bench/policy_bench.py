@@ -1,0 +1,571 @@
+"""Policy forward and training: our Megatron workers against the host's FSDP2 workers (issue 6).
+
+Both sides run what the host trainer runs between two generation steps, through its own code: the
+host's `RayPPOTrainer.build_models` creates the policy actor group for the strategy
+(`trainer.strategy=megatron`: our workers; `trainer.strategy=fsdp2`: the host's FSDP2 workers with
+HF SDPA attention), then `fwd_logprobs_values_reward` scores the batch (the "forward" phase: the
+policy's logprobs of the responses) and `train_critic_and_policy` runs `ppo_train` on it (the
+"train" phase: forward, backward and the optimizer step, one mini-batch). Each case gets a fresh Ray.
+
+The batch is RL-shaped: `--rows` sequences, prompts of 3/4 to all of `--prompt-tokens` (left
+padded), responses drawn log-uniformly between `--min-response` and `--max-response` tokens (a
+long tail: the median is the geometric mean of the bounds, a few rows are near the maximum).
+Weights are random, saved once as an HF checkpoint of the published shape.
+
+Reported per case and phase: median seconds over `--steps` steps after `--warmup` (excluded);
+tokens/s/GPU over the real (unpadded) tokens; MFU against the bf16 matmul peak measured on this GPU
+at start (model FLOPs: 2 x matmul parameters per token plus causal attention, times 3 for training;
+recompute not counted); peak memory allocated per GPU during the phase. Which path ran is recorded
+(Transformer Engine or our TE-free spec; FSDP2's attention implementation).
+
+    python bench/policy_bench.py --model Qwen3-1.7B --cases megatron:world1,fsdp2:world1
+    python bench/policy_bench.py --model Qwen3-4B --gpus 2 --cases megatron:dp2,megatron:tp2,fsdp2:dp2
+    python bench/policy_bench.py --smoke     # CPU, tiny shapes: our side only (FSDP2 needs CUDA)
+
+`--markdown FILE` writes (or replaces) this run's section in FILE (docs/benchmarks.md), and `--chart`
+a PNG of tokens/s/GPU per case and phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_CONFIGS = ROOT / "examples" / "megatron" / "model_configs"
+SMOKE_MODEL = "tiny-qwen3"
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    rows: int = 64
+    prompt_tokens: int = 256
+    min_response: int = 64
+    max_response: int = 4096
+    samples_per_prompt: int = 8
+    seed: int = 0
+
+    @property
+    def prompts(self) -> int:
+        return self.rows // self.samples_per_prompt
+
+
+def rl_batch(shape: BatchShape, vocab_size: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts and right-padded responses with long-tailed lengths, in the host's layout."""
+    g = torch.Generator().manual_seed(shape.seed)
+    width = shape.prompt_tokens + shape.max_response
+    low, high = math.log(shape.min_response), math.log(shape.max_response)
+    response_lengths = torch.exp(low + (high - low) * torch.rand(shape.rows, generator=g)).round().long()
+    prompt_lengths = torch.randint(shape.prompt_tokens * 3 // 4, shape.prompt_tokens + 1, (shape.rows,), generator=g)
+    sequences = torch.randint(1, vocab_size, (shape.rows, width), generator=g)
+    attention_mask = torch.zeros(shape.rows, width, dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompt_lengths.tolist(), response_lengths.tolist())):
+        attention_mask[row, shape.prompt_tokens - prompt : shape.prompt_tokens + response] = 1
+    sequences = sequences.masked_fill(attention_mask == 0, pad_token_id)
+    loss_mask = attention_mask[:, shape.prompt_tokens :].clone()
+    # GRPO-like: one advantage per sequence, on its response tokens
+    advantages = torch.randn(shape.rows, 1, generator=g).expand(-1, shape.max_response) * loss_mask
+    return {
+        "sequences": sequences,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "response_mask": loss_mask.clone(),
+        "advantages": advantages.contiguous(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Model FLOPs
+# ----------------------------------------------------------------------------------------------
+
+
+def forward_flops(arch, attention_mask: torch.Tensor) -> float:
+    """Model FLOPs of one forward over the real tokens of `attention_mask` (each row one sequence):
+    2 per matmul parameter per token (active experts only; the output layer counted, embeddings not)
+    plus causal attention (QK^T and AV, 2 x 2 x L^2 / 2 x heads x head_dim per layer)."""
+    h = arch.hidden_size
+    attention_projections = h * (2 * arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim  # q, k, v, o
+    mlp = 0
+    for layer in range(arch.num_layers):
+        if arch.is_moe_layer(layer):
+            mlp += 3 * h * arch.moe_ffn_hidden_size * arch.experts_per_token + h * arch.num_experts  # + router
+        else:
+            mlp += 3 * h * arch.ffn_hidden_size
+    matmul_params = arch.num_layers * attention_projections + mlp + arch.vocab_size * h
+    lengths = attention_mask.sum(dim=1).double()
+    tokens = float(lengths.sum())
+    attention = 2.0 * arch.num_layers * arch.num_attention_heads * arch.head_dim * float((lengths**2).sum())
+    return 2.0 * matmul_params * tokens + attention
+
+
+def measured_bf16_peak_tflops(size: int = 8192, repeats: int = 50) -> float | None:
+    """The bf16 matmul rate this GPU reaches (the MFU denominator); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * size**3 * repeats / seconds / 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: a backend and a layout
+# ----------------------------------------------------------------------------------------------
+
+LAYOUTS = {
+    # name: (GPUs, megatron overrides); FSDP2 shards over all the case's GPUs (dpN)
+    "world1": (1, []),
+    "dp2": (2, []),
+    "dp4": (4, []),
+    "tp2": (2, ["trainer.policy.megatron_config.tensor_model_parallel_size=2"]),
+    "tp2dp2": (4, ["trainer.policy.megatron_config.tensor_model_parallel_size=2"]),
+    "pp2": (2, ["trainer.policy.megatron_config.pipeline_model_parallel_size=2"]),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str  # megatron | fsdp2
+    layout: str
+    variant: str = ""  # a --variant name: extra host overrides for this case (one change to measure)
+
+    @classmethod
+    def parse(cls, text: str, variants: dict[str, list[str]] | None = None) -> "Case":
+        text, _, variant = text.partition("@")
+        if variant and variant not in (variants or {}):
+            raise SystemExit(f"--cases: variant {variant!r} is not defined; add --variant {variant}='key=value;...'")
+        backend, _, layout = text.partition(":")
+        if backend not in ("megatron", "fsdp2"):
+            raise SystemExit(f"--cases: backend {backend!r} is not megatron or fsdp2 (e.g. megatron:tp2)")
+        if layout not in LAYOUTS:
+            raise SystemExit(f"--cases: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        if backend == "fsdp2" and LAYOUTS[layout][1]:
+            raise SystemExit(f"--cases: the host's FSDP2 path has no {layout}; use world1, dp2 or dp4")
+        return cls(backend, layout, variant)
+
+    @property
+    def gpus(self) -> int:
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}:{self.layout}" + (f"@{self.variant}" if self.variant else "")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_dir: str
+    batch: BatchShape
+    workdir: str
+    cpu: bool
+    token_budget: int  # ours: packed micro-batches of at most this many tokens
+    fsdp_micro_rows: int  # the host's: padded micro-batches of this many rows
+    recompute: bool
+    steps: int
+    warmup: int
+    variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
+def host_overrides(case: Case, s: Settings) -> list[str]:
+    return _base_overrides(case, s) + s.variants.get(case.variant, [])
+
+
+def _base_overrides(case: Case, s: Settings) -> list[str]:
+    gpus = case.gpus
+    common = [
+        f"trainer.policy.model.path={s.model_dir}",
+        f"trainer.ckpt_path={s.workdir}/ckpt",
+        f"trainer.export_path={s.workdir}/export",
+        "trainer.placement.colocate_all=false",
+        "trainer.placement.colocate_policy_ref=false",
+        f"trainer.placement.policy_num_gpus_per_node={gpus}",
+        "trainer.algorithm.use_kl_loss=false",  # the policy group alone
+        "trainer.algorithm.advantage_estimator=grpo",
+        f"generator.n_samples_per_prompt={s.batch.samples_per_prompt}",
+        f"trainer.train_batch_size={s.batch.prompts}",
+        f"trainer.policy_mini_batch_size={s.batch.prompts}",  # one optimizer step per train phase
+        f"trainer.max_prompt_length={s.batch.prompt_tokens}",
+        f"generator.sampling_params.max_generate_length={s.batch.max_response}",
+        f"trainer.gradient_checkpointing={str(s.recompute).lower()}",
+        "trainer.policy.optimizer_config.lr=1e-6",
+        "trainer.bf16=" + ("false" if s.cpu else "true"),
+    ]
+    if case.backend == "fsdp2":
+        return common + [
+            "trainer.strategy=fsdp2",
+            "trainer.flash_attn=false",  # HF SDPA
+            "trainer.use_sample_packing=false",  # the host packs only with flash-attn
+            f"trainer.micro_train_batch_size_per_gpu={s.fsdp_micro_rows}",
+            f"trainer.micro_forward_batch_size_per_gpu={s.fsdp_micro_rows}",
+        ]
+    megatron = [
+        "trainer.strategy=megatron",
+        f"trainer.policy.megatron_config.max_tokens_per_microbatch={s.token_budget}",
+        f"trainer.policy.megatron_config.checkpoint_cache_dir={s.workdir}/conversion_cache",
+        "trainer.micro_train_batch_size_per_gpu=1",
+        "trainer.micro_forward_batch_size_per_gpu=1",
+    ]
+    if s.cpu:
+        megatron.append("trainer.policy.megatron_config.runtime=cpu")
+    if s.recompute:
+        megatron += [
+            "+trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity=full",
+            "+trainer.policy.megatron_config.transformer_config_kwargs.recompute_method=uniform",
+            "+trainer.policy.megatron_config.transformer_config_kwargs.recompute_num_layers=1",
+        ]
+    return common + megatron + LAYOUTS[case.layout][1]
+
+
+def compose(case: Case, s: Settings):
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.config import validate_config
+    from skyrl_megatron.host import validate_host_config
+
+    cfg = compose_config(host_overrides(case, s))
+    validate_config(cfg)
+    validate_host_config(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured workers: the real worker classes plus one read-only method for peak memory
+# ----------------------------------------------------------------------------------------------
+
+
+class _PeakMemory:
+    def bench_peak_memory(self, reset: bool = True) -> float:
+        """GiB allocated at the peak since the last reset (0 without CUDA)."""
+        if not torch.cuda.is_available():
+            return 0.0
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return peak
+
+    def bench_path(self) -> dict[str, Any]:
+        """Which implementation ran: TE or not, and the attention kernel family."""
+        model = getattr(self, "model", None)
+        if hasattr(self, "built"):  # ours
+            from skyrl_megatron.model.bridge_import import have_transformer_engine
+
+            te = have_transformer_engine() and torch.cuda.is_available()
+            return {"transformer_engine": te, "attention": "TE" if te else "ours (SDPA / varlen)"}
+        config = getattr(getattr(model, "model", model), "config", None)
+        return {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown")}
+
+
+def measured_policy_class(backend: str):
+    import ray
+
+    if backend == "megatron":
+        from skyrl_megatron.workers.policy import MegatronPolicyWorker as base
+    else:
+        from skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase as base
+    return ray.remote(num_gpus=1)(type(f"Measured{base.__name__}", (_PeakMemory, base), {}))
+
+
+# ----------------------------------------------------------------------------------------------
+# One case
+# ----------------------------------------------------------------------------------------------
+
+
+def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor], arch, peak_tflops) -> dict:
+    import ray
+
+    from skyrl_megatron import host
+    from skyrl_megatron.testing.host_trainer import host_trainer, training_input
+
+    cfg = compose(case, s)
+    host.initialize_ray(cfg, log_to_driver=False)
+    try:
+        trainer = host_trainer(cfg, tokenizer, total_training_steps=100)
+        started = time.perf_counter()
+        trainer.build_models(measured_policy_class(case.backend), None, None)
+        init_seconds = time.perf_counter() - started
+        policy = trainer.policy_model
+        path = ray.get(policy.async_run_ray_method("pass_through", "bench_path"))[0]
+
+        def peak() -> float:
+            return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))
+
+        peak()
+        phases: dict[str, list[float]] = {"forward": [], "train": []}
+        peaks: dict[str, float] = {"forward": 0.0, "train": 0.0}
+        for step in range(s.warmup + s.steps):
+            data = training_input(batch, s.batch.max_response, global_step=step + 1)
+            start = time.perf_counter()
+            data = trainer.fwd_logprobs_values_reward(data)
+            forward = time.perf_counter() - start
+            peaks["forward"] = max(peaks["forward"], peak())
+            start = time.perf_counter()
+            status = trainer.train_critic_and_policy(data)
+            train = time.perf_counter() - start
+            peaks["train"] = max(peaks["train"], peak())
+            if not math.isfinite(status["policy_loss"]):
+                raise RuntimeError(f"{case.name}: non-finite policy loss at step {step}")
+            if step >= s.warmup:
+                phases["forward"].append(forward)
+                phases["train"].append(train)
+            print(f"  {case.name} step {step}{' (warm-up)' if step < s.warmup else ''}: forward {forward:.2f} s, "
+                  f"train {train:.2f} s, loss {status['policy_loss']:.4f}", flush=True)
+    finally:
+        ray.shutdown()
+
+    tokens = int(batch["attention_mask"].sum())
+    flops = forward_flops(arch, batch["attention_mask"])
+    result = {"case": case.name, "backend": case.backend, "layout": case.layout, "variant": case.variant,
+              "gpus": case.gpus, "path": path,
+              "init_seconds": init_seconds, "tokens": tokens, "phases": {}}
+    for phase, seconds in phases.items():
+        median = statistics.median(seconds)
+        phase_flops = flops * (3 if phase == "train" else 1)
+        result["phases"][phase] = {
+            "seconds": seconds,
+            "median_seconds": median,
+            "tokens_per_s_per_gpu": tokens / median / case.gpus,
+            "mfu": None if peak_tflops is None else phase_flops / median / case.gpus / (peak_tflops * 1e12),
+            "peak_gib": peaks[phase],
+        }
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The checkpoint and the report
+# ----------------------------------------------------------------------------------------------
+
+
+def write_checkpoint(model: str, out_dir: Path, cpu: bool) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from skyrl_megatron.testing import make_tiny_hf_model
+    from skyrl_megatron.testing.tokenizer import save_tiny_tokenizer
+
+    if model == SMOKE_MODEL:
+        return Path(make_tiny_hf_model("qwen3", out_dir, seed=0))
+    config = AutoConfig.from_pretrained(MODEL_CONFIGS / f"{model}.json")
+    torch.manual_seed(0)
+    with torch.device("cpu" if cpu else "cuda"):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf_model.save_pretrained(out_dir)
+    del hf_model
+    if not cpu:
+        torch.cuda.empty_cache()
+    save_tiny_tokenizer(out_dir, vocab_size=config.vocab_size)
+    return out_dir
+
+
+def markdown_section(report: dict) -> str:
+    b = report["batch"]
+    lines = [
+        f"### {report['model']}, {report['device']} x {report['max_gpus']}, {report['date']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Batch: {b['rows']} sequences, prompts {b['prompt_tokens'] * 3 // 4}-{b['prompt_tokens']} tokens, responses "
+        f"log-uniform {b['min_response']}-{b['max_response']} ({report['tokens']} real tokens, "
+        f"{b['rows'] * (b['prompt_tokens'] + b['max_response'])} padded). bf16 peak measured: "
+        f"{report['peak_tflops']:.0f} TFLOP/s. Recompute: {'on' if report['recompute'] else 'off'}. "
+        f"Median of {report['steps']} steps after {report['warmup']} warm-up.",
+        *(f"Variant `{name}`: `{'; '.join(overrides)}`." for name, overrides in report["variants"].items()),
+        "",
+        "| case | path | phase | s | tokens/s/GPU | MFU | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["cases"]:
+        path = r["path"]["attention"] + (", TE" if r["path"]["transformer_engine"] else "")
+        for phase, p in r["phases"].items():
+            mfu = "-" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"
+            lines.append(f"| {r['case']} | {path} | {phase} | {p['median_seconds']:.2f} | "
+                         f"{p['tokens_per_s_per_gpu']:,.0f} | {mfu} | {p['peak_gib']:.1f} |")
+    ratios = speedups(report["cases"])
+    if ratios:
+        lines += ["", "Against FSDP2 on the same GPUs (tokens/s ratio; memory ratio, lower is better):", ""]
+        for (ours, theirs), phase_ratio in ratios.items():
+            cells = ", ".join(f"{phase} {speed:.2f}x speed, {memory:.2f}x memory" for phase, (speed, memory) in phase_ratio.items())
+            lines.append(f"- {ours} vs {theirs}: {cells}")
+    return "\n".join(lines) + "\n"
+
+
+def speedups(cases: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
+    fsdp = {r["gpus"]: r for r in cases if r["backend"] == "fsdp2" and not r["variant"]}
+    ratios = {}
+    for r in cases:
+        theirs = fsdp.get(r["gpus"]) if r["backend"] == "megatron" else None
+        if theirs is None:
+            continue
+        ratios[(r["case"], theirs["case"])] = {
+            phase: (p["tokens_per_s_per_gpu"] / theirs["phases"][phase]["tokens_per_s_per_gpu"],
+                    p["peak_gib"] / theirs["phases"][phase]["peak_gib"] if theirs["phases"][phase]["peak_gib"] else float("nan"))
+            for phase, p in r["phases"].items()
+        }
+    return ratios
+
+
+def replace_section(markdown_file: Path, key: str, section: str) -> None:
+    """Put `section` between this run's markers in `markdown_file` (appended the first time)."""
+    begin, end = f"<!-- policy_bench {key} begin -->", f"<!-- policy_bench {key} end -->"
+    text = markdown_file.read_text() if markdown_file.exists() else ""
+    block = f"{begin}\n{section}{end}\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    markdown_file.write_text(text)
+
+
+def plot(report: dict, out_file: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = report["cases"]
+    phases = ["forward", "train"]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(cases), 3.6))
+    width = 0.8 / len(phases)
+    for i, phase in enumerate(phases):
+        values = [r["phases"][phase]["tokens_per_s_per_gpu"] for r in cases]
+        ax.bar([x + i * width for x in range(len(cases))], values, width, label=phase)
+    ax.set_xticks([x + width * (len(phases) - 1) / 2 for x in range(len(cases))], [r["case"] for r in cases], rotation=15)
+    ax.set_ylabel("tokens/s per GPU")
+    ax.set_title(f"{report['model']} on {report['device']} ({report['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="Qwen3-1.7B", help="a shape in examples/megatron/model_configs")
+    parser.add_argument("--cases", help="backend:layout, comma-separated (default: megatron:world1,fsdp2:world1; "
+                        "with --smoke: megatron:tp2,fsdp2:world1)")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--min-response", type=int, default=64)
+    parser.add_argument("--max-response", type=int, default=4096)
+    parser.add_argument("--token-budget", type=int, default=16384, help="ours: tokens per packed micro-batch")
+    parser.add_argument("--fsdp-micro-rows", type=int, default=2, help="the host's FSDP2: rows per micro-batch")
+    parser.add_argument("--recompute", action="store_true", help="activation recompute on both sides")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME='KEY=VALUE;...'",
+                        help="named extra host overrides, used as backend:layout@NAME in --cases")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch; FSDP2 cases composed only")
+    parser.add_argument("--out", type=Path, default=Path("policy_bench.json"))
+    parser.add_argument("--markdown", type=Path, help="write this run's section into this file")
+    parser.add_argument("--chart", type=Path, help="PNG of tokens/s/GPU per case and phase")
+    args = parser.parse_args(argv)
+
+    variants = {}
+    for text in args.variant:
+        name, _, overrides = text.partition("=")
+        variants[name] = [o for o in overrides.split(";") if o]
+    default_cases = "megatron:tp2,fsdp2:world1" if args.smoke else "megatron:world1,fsdp2:world1"
+    cases = [Case.parse(text, variants) for text in (args.cases or default_cases).split(",")]
+    cpu = args.smoke or not torch.cuda.is_available()
+    if cpu and not args.smoke:
+        raise SystemExit("no GPU here: use --smoke for the CPU check")
+    model = SMOKE_MODEL if args.smoke else args.model
+    if not args.smoke and not (MODEL_CONFIGS / f"{model}.json").exists():
+        known = sorted(p.stem for p in MODEL_CONFIGS.glob("*.json"))
+        raise SystemExit(f"--model {model}: no {MODEL_CONFIGS / (model + '.json')}; one of {', '.join(known)}")
+    batch_shape = BatchShape(args.rows, args.prompt_tokens, args.min_response, args.max_response)
+    if args.smoke:
+        batch_shape = BatchShape(rows=8, prompt_tokens=8, min_response=2, max_response=16, samples_per_prompt=2)
+    if batch_shape.rows % batch_shape.samples_per_prompt:
+        raise SystemExit(f"--rows must be a multiple of {batch_shape.samples_per_prompt} (samples per prompt)")
+    gpus = torch.cuda.device_count() if not cpu else max(case.gpus for case in cases)
+    too_big = [case.name for case in cases if case.gpus > gpus]
+    if too_big:
+        raise SystemExit(f"--cases {', '.join(too_big)} need more than the {gpus} GPU(s) here")
+
+    from loguru import logger  # the host trainer's logger: one INFO line per phase otherwise
+    from transformers import AutoTokenizer
+
+    from skyrl_megatron.planner.arch import ModelArch
+
+    logger.remove()
+    logger.add(sys.stderr, level=os.environ.get("LOG_LEVEL", "WARNING"))
+
+    workdir = Path(tempfile.mkdtemp(prefix="policy_bench_"))
+    model_dir = write_checkpoint(model, workdir / "model", cpu)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    arch = ModelArch.from_hf_config(json.loads((model_dir / "config.json").read_text()), name=model)
+    batch = rl_batch(batch_shape, arch.vocab_size, tokenizer.pad_token_id)
+    settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
+                        args.recompute, args.steps, args.warmup, variants)
+    peak_tflops = measured_bf16_peak_tflops()
+
+    results, composed_only = [], []
+    for case in cases:
+        if cpu and case.backend == "fsdp2":
+            compose(case, settings)  # the host's FSDP2 workers need CUDA; the config must still hold
+            composed_only.append(case.name)
+            print(f"{case.name}: config composed and validated; not run (the host's FSDP2 workers need CUDA)")
+            continue
+        print(f"{time.strftime('%H:%M:%S')} {case.name}", flush=True)
+        results.append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
+
+    report = {
+        "model": model,
+        "device": torch.cuda.get_device_name(0) if not cpu else f"CPU ({platform.processor() or platform.machine()})",
+        "max_gpus": max(case.gpus for case in cases),
+        "date": datetime.date.today().isoformat(),
+        "command": "python bench/policy_bench.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "batch": dataclasses.asdict(batch_shape),
+        "tokens": int(batch["attention_mask"].sum()),
+        "peak_tflops": peak_tflops or float("nan"),
+        "recompute": args.recompute,
+        "variants": variants,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "cases": results,
+        "composed_only": composed_only,
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    section = markdown_section(report)
+    print(section)
+    if args.markdown:
+        replace_section(args.markdown, f"{model} {report['device']} x{report['max_gpus']}", section)
+    if args.chart and results:
+        plot(report, args.chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
