@@ -71,9 +71,10 @@ class MiniBatchTotals:
             dist.all_reduce(counts, group=dp_group)
         return cls(tokens=max(counts[0].item(), 1.0), sequences=max(counts[1].item(), 1.0))
 
-    def share(self, loss_mask: torch.Tensor, unit: str) -> float:
+    def share(self, loss_mask: torch.Tensor, unit: str) -> torch.Tensor | float:
         if unit == "tokens":
-            return float(loss_mask.sum()) / self.tokens
+            # stays on the device: a float() here would make every micro-batch wait for the GPU
+            return loss_mask.sum(dtype=torch.float32) / self.tokens
         return loss_mask.shape[0] / self.sequences
 
 
@@ -113,7 +114,7 @@ class PolicyObjective:
             "policy_loss": (policy_loss * policy_share).detach(),
             "ppo_kl": ppo_kl,
             # the host's clip ratio is a token mean over the micro-batch
-            "ppo_clip_ratio": torch.tensor(float(clip_ratio) * token_share, dtype=torch.float64),
+            "ppo_clip_ratio": torch.as_tensor(clip_ratio, dtype=torch.float64, device=loss_mask.device) * token_share,
         }
         if entropy is not None:
             entropy_mean = host.masked_mean(entropy, loss_mask) * token_share
