@@ -12,6 +12,7 @@ same arithmetic up to bf16 reduction order.
    Adam moments came back (a fresh optimizer's first step differs).
 
 Usage (4 GPUs): python bench/gpu_moe_proof.py --out moe.json
+Check on CPU first (gloo, 4 ranks, a tiny MoE of the same structure, fp32): MOE_PROOF_CPU=1 python ...
 """
 
 from __future__ import annotations
@@ -31,13 +32,25 @@ import torch.multiprocessing as mp
 
 from gpu_model_checks import _pg_objective, free_port as _free_port  # same directory
 
+# the script itself, checked before device time is spent on it; spawned ranks inherit the variable
+ON_CPU = os.environ.get("MOE_PROOF_CPU") == "1"
+DEVICE, DTYPE = ("cpu", "fp32") if ON_CPU else ("cuda", "bf16")
 SHAPE = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
              num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
              vocab_size=151936, max_position_embeddings=40960, norm_topk_prob=True,
              rope_parameters={"rope_type": "default", "rope_theta": 1e6},
              tie_word_embeddings=False)
 ROWS, PROMPT, RESPONSE = 8, 256, 256
+if ON_CPU:
+    SHAPE.update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, vocab_size=256)
+    ROWS, PROMPT, RESPONSE = 8, 8, 8
 STEPS = 2
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def write_checkpoint(directory: Path) -> str:
@@ -46,9 +59,10 @@ def write_checkpoint(directory: Path) -> str:
     config = Qwen3MoeConfig(**SHAPE)
     config.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
-    torch.cuda.empty_cache()
+    with torch.device(DEVICE):
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32 if ON_CPU else torch.bfloat16).save_pretrained(directory)
+    if not ON_CPU:
+        torch.cuda.empty_cache()
     return str(directory)
 
 
@@ -65,12 +79,12 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt:
     faulthandler.dump_traceback_later(480, exit=True, file=sys.stderr)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    init_distributed("cuda")
+    init_distributed(DEVICE)
     parallel = ParallelConfig(tensor=layout["tp"], expert=layout["ep"], sequence_parallel=layout["tp"] > 1)
     initialize_model_parallel(parallel, seed=0)
     ddp = {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True}
-    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="bf16", wrap_with_ddp=True, ddp_config=ddp))
-    settings = OptimizerSettings.from_host_config({"lr": 1e-5, "weight_decay": 0.0, "max_grad_norm": 1.0}, {}, 100, "bf16")
+    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype=DTYPE, wrap_with_ddp=True, ddp_config=ddp))
+    settings = OptimizerSettings.from_host_config({"lr": 1e-5, "weight_decay": 0.0, "max_grad_norm": 1.0}, {}, 100, DTYPE)
     optimizer = settings.build_optimizer(built.chunks)
     scheduler = settings.build_scheduler(optimizer)
     runner = ModelRunner(built.chunks, parallel)
@@ -83,12 +97,12 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt:
                                         MicroBatching(micro_batch_size=4)).float().cpu()
 
     def train_step() -> dict:
-        torch.cuda.synchronize()
+        _sync()
         started = time.perf_counter()
         metrics = runner.train_mini_batch(batch["sequences"], batch["attention_mask"], response, _pg_objective,
                                           MicroBatching(max_tokens=4096), dp_group=ps.get_data_parallel_group())
         step = optimizer_step(optimizer, scheduler)
-        torch.cuda.synchronize()
+        _sync()
         seconds = time.perf_counter() - started
         return {"loss": float(metrics["loss"]), "grad_norm": step.grad_norm, "seconds": seconds,
                 "tokens_per_s_per_gpu": int(batch["attention_mask"].sum()) / seconds / world}
@@ -110,7 +124,7 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt:
         out["logprobs_before"] = logprobs()
         out["steps"] = [train_step() for _ in range(STEPS)]
         out["logprobs_after"] = logprobs()
-        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
         if layout.get("save"):
             out["save_seconds"] = timed(
                 lambda: save_checkpoint(layout["save"], built.chunks, optimizer, scheduler, step=STEPS))
@@ -136,8 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="moe.json")
     args = parser.parse_args()
-    gpus = torch.cuda.device_count()
-    assert gpus >= 4, "needs 4 GPUs"
+    if not ON_CPU:
+        assert torch.cuda.device_count() >= 4, "needs 4 GPUs (MOE_PROOF_CPU=1 checks the script on CPU)"
     mp.set_start_method("spawn", force=True)
     # tmpfs: the checkpoint holds about 38 GB of optimizer state, and a disk would time the disk
     work = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -156,7 +170,7 @@ def main() -> None:
         mp.spawn(rank_main, args=(layout["world"], _free_port(), hf_dir, layout, ckpt, results), nprocs=layout["world"])
     mask = make_rl_batch(ROWS, PROMPT, RESPONSE, vocab_size=SHAPE["vocab_size"], seed=1)["loss_mask"].bool()
     ref = results["EP1"]
-    summary = {"gpu": torch.cuda.get_device_name(0), "shape": SHAPE, "response_tokens": int(mask.sum()), "layouts": {}}
+    summary = {"gpu": torch.cuda.get_device_name(0) if not ON_CPU else "CPU check", "shape": SHAPE, "response_tokens": int(mask.sum()), "layouts": {}}
     for name in ("EP1", "EP4", "TP2xEP2"):
         r = results[name]
         entry = {"steps": r["steps"], "peak_gib": r["peak_gib"]}
