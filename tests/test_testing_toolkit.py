@@ -50,6 +50,9 @@ def _raise_on_one_exit_on_two(rank: int, world_size: int) -> int:
 
 
 def _hang_on_rank_one(rank: int, world_size: int) -> int:
+    # Both ranks finish joining the group first: a rank 0 that returned and exited at once could
+    # close its gloo connection while a slow-starting rank 1 was still connecting to it.
+    dist.barrier()
     if rank == 1:
         time.sleep(3600)
     return rank
