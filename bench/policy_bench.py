@@ -395,6 +395,8 @@ def markdown_section(report: dict) -> str:
         f"{b['rows'] * (b['prompt_tokens'] + b['max_response'])} padded). bf16 peak measured: "
         f"{report['peak_tflops']:.0f} TFLOP/s. Recompute: {'on' if report['recompute'] else 'off'}. "
         f"Median of {report['steps']} steps after {report['warmup']} warm-up.",
+        *([f"Micro-batches: ours packed, at most {report['token_budget']} tokens each; FSDP2 padded, "
+           f"{report['fsdp_micro_rows']} rows each."] if "token_budget" in report else []),
         *(f"Variant `{name}`: `{'; '.join(overrides)}`." for name, overrides in report["variants"].items()),
         "",
         "| case | path | phase | s | tokens/s/GPU | MFU | peak GiB |",
@@ -406,6 +408,8 @@ def markdown_section(report: dict) -> str:
             mfu = "-" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"
             lines.append(f"| {r['case']} | {path} | {phase} | {p['median_seconds']:.2f} | "
                          f"{p['tokens_per_s_per_gpu']:,.0f} | {mfu} | {p['peak_gib']:.1f} |")
+    for name, error in report.get("failed", {}).items():
+        lines.append(f"| {name} | - | failed: {error.splitlines()[0][:160]} | - | - | - | - |")
     ratios = speedups(report["cases"])
     if ratios:
         lines += ["", "Against FSDP2 on the same GPUs (tokens/s ratio; memory ratio, lower is better):", ""]
@@ -468,6 +472,15 @@ def plot(report: dict, out_file: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def publish(report: dict, markdown: Path | None, chart: Path | None) -> None:
+    section = markdown_section(report)
+    print(section)
+    if markdown:
+        replace_section(markdown, f"{report['model']} {report['device']} x{report['max_gpus']}", section)
+    if chart and report["cases"]:
+        plot(report, chart)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen3-1.7B", help="a shape in examples/megatron/model_configs")
@@ -488,7 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("policy_bench.json"))
     parser.add_argument("--markdown", type=Path, help="write this run's section into this file")
     parser.add_argument("--chart", type=Path, help="PNG of tokens/s/GPU per case and phase")
+    parser.add_argument("--render", type=Path, metavar="REPORT_JSON",
+                        help="run nothing: write --markdown / --chart from a report an earlier run wrote")
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        publish(report, args.markdown, args.chart)
+        return 0
 
     variants = {}
     for text in args.variant:
@@ -530,16 +549,6 @@ def main(argv: list[str] | None = None) -> int:
                         args.recompute, args.steps, args.warmup, variants)
     peak_tflops = measured_bf16_peak_tflops()
 
-    results, composed_only = [], []
-    for case in cases:
-        if cpu and case.backend == "fsdp2":
-            compose(case, settings)  # the host's FSDP2 workers need CUDA; the config must still hold
-            composed_only.append(case.name)
-            print(f"{case.name}: config composed and validated; not run (the host's FSDP2 workers need CUDA)")
-            continue
-        print(f"{time.strftime('%H:%M:%S')} {case.name}", flush=True)
-        results.append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
-
     report = {
         "model": model,
         "device": torch.cuda.get_device_name(0) if not cpu else f"CPU ({platform.processor() or platform.machine()})",
@@ -550,20 +559,34 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": int(batch["attention_mask"].sum()),
         "peak_tflops": peak_tflops or float("nan"),
         "recompute": args.recompute,
+        "token_budget": args.token_budget,
+        "fsdp_micro_rows": args.fsdp_micro_rows,
         "variants": variants,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,
-        "cases": results,
-        "composed_only": composed_only,
+        "cases": [],
+        "composed_only": [],
+        "failed": {},
     }
+    for case in cases:
+        if cpu and case.backend == "fsdp2":
+            compose(case, settings)  # the host's FSDP2 workers need CUDA; the config must still hold
+            report["composed_only"].append(case.name)
+            print(f"{case.name}: config composed and validated; not run (the host's FSDP2 workers need CUDA)")
+            continue
+        print(f"{time.strftime('%H:%M:%S')} {case.name}", flush=True)
+        try:
+            report["cases"].append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
+        except Exception as error:  # noqa: BLE001 -- one failed case (say, out of memory) must not lose the others
+            if args.smoke:
+                raise
+            report["failed"][case.name] = f"{type(error).__name__}: {str(error)[-2000:]}"
+            print(f"{case.name} FAILED: {report['failed'][case.name]}", flush=True)
+        # written after every case: a run cut short by a time limit keeps what it measured
+        args.out.write_text(json.dumps(report, indent=2))
     args.out.write_text(json.dumps(report, indent=2))
-    section = markdown_section(report)
-    print(section)
-    if args.markdown:
-        replace_section(args.markdown, f"{model} {report['device']} x{report['max_gpus']}", section)
-    if args.chart and results:
-        plot(report, args.chart)
+    publish(report, args.markdown, args.chart)
     return 0
 
 

@@ -130,3 +130,26 @@ def test_a_variant_adds_its_overrides_to_its_case_only(tmp_path):
     cfg = bench.compose(fused, settings)
     assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.bias_activation_fusion is True
     assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2
+
+
+def test_render_writes_the_section_from_a_saved_report_and_names_failed_cases(tmp_path):
+    bench = _bench_module()
+    phase = {"seconds": [2.0, 1.0, 3.0], "median_seconds": 2.0, "tokens_per_s_per_gpu": 500.0, "mfu": 0.25, "peak_gib": 10.0}
+    ours = {"case": "megatron:world1", "backend": "megatron", "layout": "world1", "variant": "", "gpus": 1,
+            "path": {"transformer_engine": False, "attention": "ours (SDPA / varlen)"},
+            "phases": {"forward": phase, "train": {**phase, "tokens_per_s_per_gpu": 250.0, "peak_gib": 20.0}}}
+    theirs = {**ours, "case": "fsdp2:world1", "backend": "fsdp2",
+              "phases": {"forward": {**phase, "tokens_per_s_per_gpu": 100.0, "peak_gib": 20.0},
+                         "train": {**phase, "tokens_per_s_per_gpu": 125.0, "peak_gib": 40.0}}}
+    report = {"model": "Qwen3-1.7B", "device": "NVIDIA H200", "max_gpus": 1, "date": "2026-11-21", "command": "c",
+              "batch": {"rows": 64, "prompt_tokens": 256, "min_response": 64, "max_response": 4096},
+              "tokens": 1000, "peak_tflops": 700.0, "recompute": False, "token_budget": 8192, "fsdp_micro_rows": 2,
+              "variants": {}, "steps": 3, "warmup": 1, "cases": [ours, theirs], "composed_only": [],
+              "failed": {"megatron:world1@big": "OutOfMemoryError: CUDA out of memory.\nmore"}}
+    saved, page = tmp_path / "report.json", tmp_path / "benchmarks.md"
+    saved.write_text(json.dumps(report))
+    assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
+    text = page.read_text()
+    assert "at most 8192 tokens each; FSDP2 padded, 2 rows each" in text
+    assert "| megatron:world1@big | - | failed: OutOfMemoryError: CUDA out of memory. |" in text
+    assert "- megatron:world1 vs fsdp2:world1: forward 5.00x speed, 0.50x memory, train 2.00x speed, 0.50x memory" in text
