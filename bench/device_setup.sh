@@ -12,7 +12,8 @@
 # .whl3, .whl4: the two halves of ray-2.51.1 (cp312 manylinux2014)
 # .whl5: annotated-types, sniffio
 # .whl6: botocore, datasets, multiprocess, torchdata, skyrl-gym (imported by the host trainer), and
-#        flash_attn's Python files (the host imports its padding helpers; no CUDA kernels needed)
+#        flash_attn's Python files (the host imports its padding helpers and Triton cross entropy;
+#        no CUDA extension, so its __init__ is replaced by a version line)
 set -e
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
 case "$1" in
@@ -27,6 +28,9 @@ case "$1" in
     cat /tmp/stage/raypart_aa .whl4/raypart_ab > /tmp/stage/ray-2.51.1-cp312-cp312-manylinux2014_x86_64.whl
     $PIP /tmp/stage/ray-*.whl .whl2/*.whl .whl5/*.whl .whl6/*.whl >/dev/null 2>&1
     cp -r .whl6/flash_attn_pkg /tmp/site/flash_attn
+    # Its own __init__ loads the CUDA extension we do not carry; transformers imports the package
+    # to probe it (no dist-info here), and the host needs only bert_padding and the Triton loss.
+    echo '__version__ = "2.8.3"' > /tmp/site/flash_attn/__init__.py
     export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     echo "device_setup: part 2 done"

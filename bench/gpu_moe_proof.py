@@ -139,6 +139,20 @@ def rank_main(rank: int, world: int, port: int, hf_dir: str, layout: dict, ckpt:
     dist.destroy_process_group()
 
 
+def spawn_with_fresh_port(fn, world: int, *args, attempts: int = 3) -> None:
+    """mp.spawn with a new rendezvous port on EADDRINUSE: a free port can be taken between our probe
+    and rank 0's listen (seen on the 4-GPU machine). Nothing ran before the rendezvous, so a retry
+    repeats no work."""
+    for attempt in range(attempts):
+        try:
+            mp.spawn(fn, args=(world, _free_port(), *args), nprocs=world)
+            return
+        except mp.ProcessRaisedException as error:
+            if "EADDRINUSE" not in str(error) or attempt == attempts - 1:
+                raise
+            print(f"rendezvous port taken; retrying ({attempt + 1}/{attempts - 1})", flush=True)
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
     d = (a - b)[mask].abs()
     return {"mean_abs_diff": d.mean().item(), "max_abs_diff": d.max().item()}
@@ -167,7 +181,7 @@ def main() -> None:
     results = manager.dict()
     for layout in layouts:
         print(f"{time.strftime('%H:%M:%S')} {layout['name']}", flush=True)
-        mp.spawn(rank_main, args=(layout["world"], _free_port(), hf_dir, layout, ckpt, results), nprocs=layout["world"])
+        spawn_with_fresh_port(rank_main, layout["world"], hf_dir, layout, ckpt, results)
     mask = make_rl_batch(ROWS, PROMPT, RESPONSE, vocab_size=SHAPE["vocab_size"], seed=1)["loss_mask"].bool()
     ref = results["EP1"]
     summary = {"gpu": torch.cuda.get_device_name(0) if not ON_CPU else "CPU check", "shape": SHAPE, "response_tokens": int(mask.sum()), "layouts": {}}
