@@ -254,6 +254,7 @@ def _apply_compat_fixes() -> None:
         fsdp_utils.MixedPrecisionPolicy = MixedPrecisionPolicy
     _allow_flash_attn_import_without_kernels()
     _fix_custom_process_group()
+    _fix_fsdp2_wrap_classes(fsdp_utils)
     if _TOKENIZER_MODULE in sys.modules:
         _legacy_chat_template_for_host(sys.modules[_TOKENIZER_MODULE])
     _COMPAT_DONE = True
@@ -289,9 +290,44 @@ def _legacy_chat_template_for_host(tokenization_utils_base) -> None:
     cls.apply_chat_template = apply_chat_template
 
 
+_FSDP_STRATEGY_MODULE = "skyrl_train.distributed.fsdp_strategy"
+
+
+def _fix_fsdp2_wrap_classes(fsdp_utils) -> None:
+    """0.3.1's ``apply_fsdp2`` indexes the model's ``_no_split_modules`` (``[0]``).
+
+    transformers 5 makes that attribute a *set* on every model instance, so the host's own FSDP2
+    strategy fails in ``init_model`` with "'set' object is not subscriptable" as soon as our
+    dependency set is installed. The wrapper hands the host a sorted list; it wraps the same
+    decoder-layer classes as before.
+    """
+    original = fsdp_utils.apply_fsdp2
+    if getattr(original, "_skyrl_megatron_fixed", False):
+        return
+
+    def apply_fsdp2(model, fsdp_kwargs, config):
+        if isinstance(getattr(model, "_no_split_modules", None), (set, frozenset)):
+            model._no_split_modules = sorted(model._no_split_modules)
+        return original(model, fsdp_kwargs, config)
+
+    apply_fsdp2._skyrl_megatron_fixed = True  # type: ignore[attr-defined]
+    apply_fsdp2.__wrapped__ = original  # type: ignore[attr-defined]
+    fsdp_utils.apply_fsdp2 = apply_fsdp2
+    if _FSDP_STRATEGY_MODULE in sys.modules:  # imported the function by name before we got here
+        _rebind_fsdp2_wrap(sys.modules[_FSDP_STRATEGY_MODULE])
+
+
+def _rebind_fsdp2_wrap(fsdp_strategy) -> None:
+    fsdp_strategy.apply_fsdp2 = importlib.import_module("skyrl_train.distributed.fsdp_utils").apply_fsdp2
+
+
 # Host modules patched the moment they are imported (in every process that activated).
 _PATCHER = _PatchAfterImport(
-    {_ENTRYPOINT_MODULE: _route_local_engines, _TOKENIZER_MODULE: _legacy_chat_template_for_host}
+    {
+        _ENTRYPOINT_MODULE: _route_local_engines,
+        _TOKENIZER_MODULE: _legacy_chat_template_for_host,
+        _FSDP_STRATEGY_MODULE: _rebind_fsdp2_wrap,
+    }
 )
 
 

@@ -150,3 +150,50 @@ def test_compat_fixes_for_the_pinned_host_are_in_place_after_activation():
         "process_group_fixed": True,
         "engine_factory_routed": True,
     }
+
+
+_FSDP2_PROBE = textwrap.dedent(
+    """
+    import json, tempfile
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    import skyrl_megatron
+    skyrl_megatron.activate()
+    from skyrl_train.distributed import fsdp_strategy, fsdp_utils
+
+    def tiny():
+        config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, vocab_size=64)
+        return AutoModelForCausalLM.from_config(config)
+
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    found = {"no_split_type": type(tiny()._no_split_modules).__name__}
+    try:
+        fsdp_utils.apply_fsdp2.__wrapped__(tiny(), {"mesh": mesh}, {})  # the host's own function
+        found["host_unfixed"] = "ok"
+    except TypeError as error:
+        found["host_unfixed"] = str(error)
+    model = tiny()
+    fsdp_strategy.apply_fsdp2(model, {"mesh": mesh}, {})  # what the host's FSDP2 strategy calls
+    found["sharded_layers"] = sum(isinstance(layer, FSDPModule) for layer in model.model.layers)
+    found["root_sharded"] = isinstance(model, FSDPModule)
+    dist.destroy_process_group()
+    print(json.dumps(found))
+    """
+)
+
+
+def test_hosts_fsdp2_strategy_shards_transformers5_models_after_activation():
+    """transformers 5 gives every model a *set* of no-split classes; the host's FSDP2 wrap indexed it."""
+    out = subprocess.run([sys.executable, "-c", _FSDP2_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found == {
+        "no_split_type": "set",
+        "host_unfixed": "'set' object is not subscriptable",
+        "sharded_layers": 2,
+        "root_sharded": True,
+    }
