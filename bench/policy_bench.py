@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -193,6 +194,7 @@ class Settings:
     steps: int
     warmup: int
     variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    profile_dir: str | None = None  # profile one extra step per case and write its tables here
 
 
 def host_overrides(case: Case, s: Settings) -> list[str]:
@@ -261,7 +263,33 @@ def compose(case: Case, s: Settings):
 # ----------------------------------------------------------------------------------------------
 
 
-class _PeakMemory:
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Measured:
+    """Read-only additions to a worker class: peak memory, the path that ran, the time each phase
+    spends inside the worker (against the driver's, the rest is dispatch and collection), and an
+    optional profile of one step."""
+
+    def forward(self, *args, **kwargs):
+        return self._bench_timed("forward", super().forward, args, kwargs)
+
+    def ppo_train(self, *args, **kwargs):
+        return self._bench_timed("train", super().ppo_train, args, kwargs)
+
+    def _bench_timed(self, phase: str, fn, args, kwargs):
+        _synchronize()
+        started = time.perf_counter()
+        result = fn(*args, **kwargs)
+        _synchronize()
+        self.__dict__.setdefault("_bench_seconds", {})[phase] = time.perf_counter() - started
+        return result
+
+    def bench_worker_seconds(self) -> dict[str, float]:
+        return dict(self.__dict__.get("_bench_seconds", {}))
+
     def bench_peak_memory(self, reset: bool = True) -> float:
         """GiB allocated at the peak since the last reset (0 without CUDA)."""
         if not torch.cuda.is_available():
@@ -282,6 +310,37 @@ class _PeakMemory:
         config = getattr(getattr(model, "model", model), "config", None)
         return {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown")}
 
+    def bench_profile_start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        _synchronize()
+        self._bench_profiler = profile(activities=activities)
+        self._bench_profiler.__enter__()
+        self._bench_profile_started = time.perf_counter()
+
+    def bench_profile_stop(self, out_file: str | None) -> dict[str, float]:
+        """Stop profiling; rank 0 writes the top operators by device and by host time to `out_file`.
+        Returns the wall time and the summed device (kernel) time: their gap is the time the GPU
+        waited on the host."""
+        _synchronize()
+        wall = time.perf_counter() - self._bench_profile_started
+        profiler, self._bench_profiler = self._bench_profiler, None
+        profiler.__exit__(None, None, None)
+        averages = profiler.key_averages()
+        device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in averages)
+        summary = {"wall_seconds": wall, "device_seconds": device_us / 1e6,
+                   "host_ops": float(sum(e.count for e in averages if e.key.startswith("aten::")))}
+        if out_file and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            sort_device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            Path(out_file).write_text(
+                f"one forward + one train step, rank 0: {json.dumps(summary)}\n\n"
+                f"top operators by device time\n{averages.table(sort_by=sort_device, row_limit=40)}\n"
+                f"top operators by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
+                f"most frequent operators\n{averages.table(sort_by='count', row_limit=20)}\n"
+            )
+        return summary
+
 
 def measured_policy_class(backend: str):
     import ray
@@ -290,7 +349,7 @@ def measured_policy_class(backend: str):
         from skyrl_megatron.workers.policy import MegatronPolicyWorker as base
     else:
         from skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase as base
-    return ray.remote(num_gpus=1)(type(f"Measured{base.__name__}", (_PeakMemory, base), {}))
+    return ray.remote(num_gpus=1)(type(f"Measured{base.__name__}", (_Measured, base), {}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,26 +376,47 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         def peak() -> float:
             return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))
 
-        peak()
-        phases: dict[str, list[float]] = {"forward": [], "train": []}
-        peaks: dict[str, float] = {"forward": 0.0, "train": 0.0}
-        for step in range(s.warmup + s.steps):
-            data = training_input(batch, s.batch.max_response, global_step=step + 1)
+        def worker_seconds() -> dict[str, float]:
+            per_rank = ray.get(policy.async_run_ray_method("pass_through", "bench_worker_seconds"))
+            return {phase: max(r[phase] for r in per_rank) for phase in per_rank[0]}
+
+        def step(number: int) -> tuple[dict[str, float], dict[str, float], dict]:
+            data = training_input(batch, s.batch.max_response, global_step=number + 1)
             start = time.perf_counter()
             data = trainer.fwd_logprobs_values_reward(data)
-            forward = time.perf_counter() - start
+            driver = {"forward": time.perf_counter() - start}
             peaks["forward"] = max(peaks["forward"], peak())
             start = time.perf_counter()
             status = trainer.train_critic_and_policy(data)
-            train = time.perf_counter() - start
+            driver["train"] = time.perf_counter() - start
             peaks["train"] = max(peaks["train"], peak())
             if not math.isfinite(status["policy_loss"]):
-                raise RuntimeError(f"{case.name}: non-finite policy loss at step {step}")
-            if step >= s.warmup:
-                phases["forward"].append(forward)
-                phases["train"].append(train)
-            print(f"  {case.name} step {step}{' (warm-up)' if step < s.warmup else ''}: forward {forward:.2f} s, "
-                  f"train {train:.2f} s, loss {status['policy_loss']:.4f}", flush=True)
+                raise RuntimeError(f"{case.name}: non-finite policy loss at step {number}")
+            return driver, worker_seconds(), status
+
+        peak()
+        phases: dict[str, list[float]] = {"forward": [], "train": []}
+        in_worker: dict[str, list[float]] = {"forward": [], "train": []}
+        peaks: dict[str, float] = {"forward": 0.0, "train": 0.0}
+        for number in range(s.warmup + s.steps):
+            driver, worker, status = step(number)
+            if number >= s.warmup:
+                for phase in phases:
+                    phases[phase].append(driver[phase])
+                    in_worker[phase].append(worker[phase])
+            print(f"  {case.name} step {number}{' (warm-up)' if number < s.warmup else ''}: "
+                  f"forward {driver['forward']:.2f} s ({worker['forward']:.2f} in worker), "
+                  f"train {driver['train']:.2f} s ({worker['train']:.2f} in worker), "
+                  f"loss {status['policy_loss']:.4f}", flush=True)
+        profile = None
+        if s.profile_dir is not None:
+            # one more step, profiled on every rank; rank 0 writes its operator tables
+            out_file = str(Path(s.profile_dir) / f"profile_{case.name.replace(':', '_').replace('@', '_')}.txt")
+            ray.get(policy.async_run_ray_method("pass_through", "bench_profile_start"))
+            step(s.warmup + s.steps)
+            profile = ray.get(policy.async_run_ray_method("pass_through", "bench_profile_stop", out_file))[0]
+            profile["file"] = out_file
+            print(f"  {case.name} profiled step: {json.dumps(profile)}", flush=True)
     finally:
         ray.shutdown()
 
@@ -344,13 +424,15 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
     flops = forward_flops(arch, batch["attention_mask"])
     result = {"case": case.name, "backend": case.backend, "layout": case.layout, "variant": case.variant,
               "gpus": case.gpus, "path": path,
-              "init_seconds": init_seconds, "tokens": tokens, "phases": {}}
+              "init_seconds": init_seconds, "tokens": tokens, "profile": profile, "phases": {}}
     for phase, seconds in phases.items():
         median = statistics.median(seconds)
         phase_flops = flops * (3 if phase == "train" else 1)
         result["phases"][phase] = {
             "seconds": seconds,
             "median_seconds": median,
+            "worker_seconds": in_worker[phase],
+            "median_worker_seconds": statistics.median(in_worker[phase]),
             "tokens_per_s_per_gpu": tokens / median / case.gpus,
             "mfu": None if peak_tflops is None else phase_flops / median / case.gpus / (peak_tflops * 1e12),
             "peak_gib": peaks[phase],
@@ -399,17 +481,18 @@ def markdown_section(report: dict) -> str:
            f"{report['fsdp_micro_rows']} rows each."] if "token_budget" in report else []),
         *(f"Variant `{name}`: `{'; '.join(overrides)}`." for name, overrides in report["variants"].items()),
         "",
-        "| case | path | phase | s | tokens/s/GPU | MFU | peak GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| case | path | phase | s | in worker, s | tokens/s/GPU | MFU | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["cases"]:
         path = r["path"]["attention"] + (", TE" if r["path"]["transformer_engine"] else "")
         for phase, p in r["phases"].items():
             mfu = "-" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"
-            lines.append(f"| {r['case']} | {path} | {phase} | {p['median_seconds']:.2f} | "
+            worker = f"{p['median_worker_seconds']:.2f}" if "median_worker_seconds" in p else "-"
+            lines.append(f"| {r['case']} | {path} | {phase} | {p['median_seconds']:.2f} | {worker} | "
                          f"{p['tokens_per_s_per_gpu']:,.0f} | {mfu} | {p['peak_gib']:.1f} |")
     for name, error in report.get("failed", {}).items():
-        lines.append(f"| {name} | - | failed: {error.splitlines()[0][:160]} | - | - | - | - |")
+        lines.append(f"| {name} | - | failed: {_error_line(error)} | - | - | - | - | - |")
     ratios = speedups(report["cases"])
     if ratios:
         lines += ["", "Against FSDP2 on the same GPUs (tokens/s ratio; memory ratio, lower is better):", ""]
@@ -417,6 +500,14 @@ def markdown_section(report: dict) -> str:
             cells = ", ".join(f"{phase} {speed:.2f}x speed, {memory:.2f}x memory" for phase, (speed, memory) in phase_ratio.items())
             lines.append(f"- {ours} vs {theirs}: {cells}")
     return "\n".join(lines) + "\n"
+
+
+def _error_line(error: str) -> str:
+    """The exception line of a (Ray) traceback, without terminal colours."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in error.splitlines()]
+    lines = [line for line in lines if line]
+    exceptions = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return (exceptions[-1] if exceptions else lines[0] if lines else "")[:160].replace("|", "/")
 
 
 def speedups(cases: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
@@ -495,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", action="store_true", help="activation recompute on both sides")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME='KEY=VALUE;...'",
                         help="named extra host overrides, used as backend:layout@NAME in --cases")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="profile one extra step per case (torch.profiler); operator tables to DIR")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch; FSDP2 cases composed only")
@@ -546,7 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     arch = ModelArch.from_hf_config(json.loads((model_dir / "config.json").read_text()), name=model)
     batch = rl_batch(batch_shape, arch.vocab_size, tokenizer.pad_token_id)
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
-                        args.recompute, args.steps, args.warmup, variants)
+                        args.recompute, args.steps, args.warmup, variants,
+                        str(args.profile) if args.profile else None)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     peak_tflops = measured_bf16_peak_tflops()
 
     report = {

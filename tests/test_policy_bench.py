@@ -35,7 +35,9 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     markdown = tmp_path / "benchmarks.md"
     markdown.write_text("# Benchmarks\n\nearlier text\n")
     out, chart = tmp_path / "report.json", tmp_path / "chart.png"
-    command = [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--markdown", str(markdown), "--chart", str(chart)]
+    profiles = tmp_path / "profiles"
+    command = [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--markdown", str(markdown), "--chart", str(chart),
+               "--profile", str(profiles)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
 
@@ -51,10 +53,18 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
         assert measured["median_seconds"] == sorted(measured["seconds"])[1]
         assert measured["tokens_per_s_per_gpu"] == pytest.approx(case["tokens"] / measured["median_seconds"] / 2)
         assert measured["mfu"] is None  # no GPU peak to measure against
+        # the time inside the workers is part of the driver's
+        assert len(measured["worker_seconds"]) == 3
+        assert all(0 < w <= d for w, d in zip(measured["worker_seconds"], measured["seconds"]))
+    profile = case["profile"]
+    assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0
+    table = Path(profile["file"]).read_text()
+    assert Path(profile["file"]).parent == profiles and "top operators by host time" in table and "aten::" in table
 
     text = markdown.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     assert "| megatron:tp2 | ours (SDPA / varlen) | train |" in text
+    assert "| in worker, s |" in text
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -145,11 +155,12 @@ def test_render_writes_the_section_from_a_saved_report_and_names_failed_cases(tm
               "batch": {"rows": 64, "prompt_tokens": 256, "min_response": 64, "max_response": 4096},
               "tokens": 1000, "peak_tflops": 700.0, "recompute": False, "token_budget": 8192, "fsdp_micro_rows": 2,
               "variants": {}, "steps": 3, "warmup": 1, "cases": [ours, theirs], "composed_only": [],
-              "failed": {"megatron:world1@big": "OutOfMemoryError: CUDA out of memory.\nmore"}}
+              "failed": {"megatron:world1@big": "RayTaskError(OutOfMemoryError): \x1b[36mray::Worker.ppo_train()\x1b[39m\n"
+                                                "  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB |x"}}
     saved, page = tmp_path / "report.json", tmp_path / "benchmarks.md"
     saved.write_text(json.dumps(report))
     assert bench.main(["--render", str(saved), "--markdown", str(page)]) == 0
     text = page.read_text()
     assert "at most 8192 tokens each; FSDP2 padded, 2 rows each" in text
-    assert "| megatron:world1@big | - | failed: OutOfMemoryError: CUDA out of memory. |" in text
+    assert "| megatron:world1@big | - | failed: torch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB /x | - |" in text
     assert "- megatron:world1 vs fsdp2:world1: forward 5.00x speed, 0.50x memory, train 2.00x speed, 0.50x memory" in text
