@@ -31,6 +31,8 @@ case "$1" in
     # Its own __init__ loads the CUDA extension we do not carry; transformers imports the package
     # to probe it (no dist-info here), and the host needs only bert_padding and the Triton loss.
     echo '__version__ = "2.8.3"' > /tmp/site/flash_attn/__init__.py
+    # run from the source tree: the wheel would install config/ as the package skyrl_megatron.conf
+    ln -sfn ../config skyrl_megatron/conf
     export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     echo "device_setup: part 2 done"
