@@ -138,12 +138,16 @@ _COMPAT_PROBE = textwrap.dedent(
 )
 
 
+def _run_probe(code: str) -> dict:
+    """Run `code` in a fresh interpreter; its last stdout line is a JSON report."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_compat_fixes_for_the_pinned_host_are_in_place_after_activation():
     """transformers-5 chat templates for host callers only; the torch>=2.10 process-group fix; engine routing."""
-    out = subprocess.run([sys.executable, "-c", _COMPAT_PROBE], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    found = json.loads(out.stdout.strip().splitlines()[-1])
-    assert found == {
+    assert _run_probe(_COMPAT_PROBE) == {
         "host_call": "list",
         "our_call": "BatchEncoding",
         "host_asked_for_dict": "BatchEncoding",
@@ -188,10 +192,7 @@ _FSDP2_PROBE = textwrap.dedent(
 
 def test_hosts_fsdp2_strategy_shards_transformers5_models_after_activation():
     """transformers 5 gives every model a *set* of no-split classes; the host's FSDP2 wrap indexed it."""
-    out = subprocess.run([sys.executable, "-c", _FSDP2_PROBE], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    found = json.loads(out.stdout.strip().splitlines()[-1])
-    assert found == {
+    assert _run_probe(_FSDP2_PROBE) == {
         "no_split_type": "set",
         "host_unfixed": "'set' object is not subscriptable",
         "sharded_layers": 2,
