@@ -20,15 +20,22 @@ at the same path is replaced only then, so a crash mid-save leaves the previous 
 Loading checks the metadata (model identity, files present with their recorded sizes) before it
 reads a tensor, reads everything into fresh buffers, and copies into the model and optimizer only
 once every rank has read its part.
+
+Data-parallel (and context-parallel) replicas hold the same shards: each replica writes a share of
+them at save, and reads a share at load and hands it to the others, instead of the first replica
+writing everything and every replica reading everything. Saving starts no helper process, so a
+rank killed mid-save leaves nothing running behind it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 from collections.abc import Sequence
@@ -52,8 +59,9 @@ TOKENIZER_SUBDIR = "huggingface"
 # The distributed optimizer's one format in Megatron 0.19.2 that reshards across TP and PP
 # ("fully_sharded_model_space" rejects its own flattened tensors; "dp_reshardable" is DP-only).
 # It stores the state per model parameter, which costs host memory: saving gathers a model-parallel
-# shard's full optimizer state (12 bytes a parameter) on DP rank 0, and loading reads it on every
-# rank before each keeps its slice.
+# shard's full optimizer state (12 bytes a parameter) on DP rank 0, which alone writes it (the other
+# replicas take the model weights); loading has each replica read a share and broadcast it, so
+# every rank holds the full state before it keeps its slice.
 OPTIMIZER_SHARDING_TYPE = "fully_reshardable"
 MODEL_STATE_FULL = "full"
 MODEL_STATE_ADAPTERS = "adapters"
@@ -246,8 +254,9 @@ def save_checkpoint(
     sharded = _sharded_training_state(
         chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
     )
-    # returns after a barrier: every rank's shards are on disk
-    dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR))
+    with writer_results_in_process():
+        # returns after a barrier: every rank's shards are on disk
+        dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR), sharded_strategy=save_strategy())
     if dist.get_rank() == 0:
         metadata = CheckpointMetadata(
             step=int(step),
@@ -301,13 +310,15 @@ def load_checkpoint(
         chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout, model_state=metadata.model_state
     )
     _use_fresh_buffers(sharded)
+    failure = f"cannot read checkpoint {path}"
     loaded = _agree_on_all_ranks(
         lambda: dist_checkpointing.load(
             sharded,
             str(path / DIST_SUBDIR),
+            sharded_strategy=_load_strategy(failure),
             strict=StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED,
         ),
-        f"cannot read checkpoint {path}",
+        failure,
     )
 
     # every rank holds its complete state now: only copies from here on
@@ -456,6 +467,100 @@ def _write_safetensors(named_tensors, out_dir: Path, max_shard_bytes: int) -> No
         "weight_map": {tensor_name: names[i] for tensor_name, i in sorted(weight_map.items())},
     }
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------
+# How Megatron writes and reads
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def writer_results_in_process():
+    """Let Megatron's synchronous checkpoint writes run without a helper process.
+
+    Megatron 0.19.2's torch_dist writer (strategies/filesystem_async.py) writes with threads, but
+    passes their results on through a multiprocessing Manager queue that it creates at a rank's
+    first save and keeps for the life of the process. That Manager is a spawned Python server: it
+    re-imports the caller's `__main__` (hundreds of MB resident, seconds to start), no at-fork hook
+    runs in it (spawn execs a fresh interpreter), and it lives on as an orphan when the rank is
+    SIGKILLed. A synchronous save puts and takes the results in this very process, so a plain
+    queue carries them, and no process is started at all. The previous queue comes back afterwards:
+    Megatron's asynchronous save, which writes from another process, needs the Manager.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def save_strategy():
+    """Megatron's default save strategy; where ranks replicate shards, the save is spread over the
+    replicas (each writes a share) instead of falling to the first replica."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy()
+    replicas = _replica_group()
+    return strategy if replicas is None else FullyParallelSaveStrategyWrapper(strategy, replicas)
+
+
+def _load_strategy(what: str):
+    """Megatron's default load strategy; where ranks replicate shards, each replica reads a share and
+    broadcasts it to the others, instead of every replica reading everything (in the distributed
+    optimizer's `fully_reshardable` format, every rank reads its model-parallel shard's whole state).
+
+    That exchange is a collective after dist_checkpointing's checks and the reads, where a rank that
+    failed in either would leave its peers waiting. So the load, and each read in it, is one step
+    of all ranks: entered together, and failing on all when it fails on one (CorruptCheckpointError
+    with `what`, as the outer `_agree_on_all_ranks` raises it)."""
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    strategy = get_default_load_sharded_strategy()
+    replicas = _replica_group()
+    if replicas is None:
+        return strategy
+    parallel = FullyParallelLoadStrategyWrapper(_AllRanksTogether(strategy, what), replicas)
+    return _AllRanksTogether(parallel, what)
+
+
+class _AllRanksTogether:
+    """A load strategy whose `load` the ranks enter together and leave together: a rank that failed
+    before it (in checks of `dist_checkpointing.load` that may fail on one rank alone) or inside it
+    makes every rank raise. Anything else is the wrapped strategy's."""
+
+    def __init__(self, strategy, what: str):
+        self._strategy = strategy
+        self._what = what
+
+    def load(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        # a rank that failed on the way here is waiting for its peers in `_agree_on_all_ranks` already
+        _agree_on_all_ranks(lambda: None, self._what)
+        return _agree_on_all_ranks(
+            lambda: self._strategy.load(sharded_state_dict, checkpoint_dir, *args, **kwargs), self._what
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self._strategy, name)
+
+
+def _replica_group():
+    """The data- and context-parallel group (the ranks holding copies of this rank's model-parallel
+    shards), or None when it is this rank alone: the wrappers would then only add collectives.
+
+    Spreading over this group is correct under any layout: a shard is given to one member that holds
+    it, and the wrapper re-validates that every shard is written exactly once. Expert shards, which
+    replicate over the expert-data-parallel group instead, are spread as far as the two groups overlap.
+    """
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        return None
+    return ps.get_data_parallel_group(with_context_parallel=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,13 +788,16 @@ def _check_files(metadata: CheckpointMetadata, path: Path) -> None:
 
 def _agree_on_all_ranks(read, what: str):
     """Run `read` on every rank; if any rank failed, raise on all of them (nobody goes on to copy
-    a partial state while a peer bails out)."""
+    a partial state while a peer bails out). Calls nest: a CorruptCheckpointError out of `read` was
+    agreed on inside it, by every rank, and passes on without another collective."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     error: str | None = None
     result = None
     try:
         result = read()
+    except CorruptCheckpointError:
+        raise
     # torch.distributed.checkpoint reports read failures as a BaseException subclass
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported below, on every rank
         error = _describe_read_error(exc)

@@ -2,6 +2,7 @@
 
 Every run trains a tiny Qwen3 (fp32, Megatron DDP) on a fixed next-token batch. A checkpoint taken
 after step 2 and loaded by a fresh process group must continue with step 3 as if never interrupted.
+Tests that need no training use an even smaller GPT, built without Hugging Face weights.
 """
 
 from __future__ import annotations
@@ -40,6 +41,33 @@ CROSS_LAYOUT_ATOL = 1e-6
 # ----------------------------------------------------------------------------------------------
 # Code that runs on the ranks
 # ----------------------------------------------------------------------------------------------
+
+
+def _tiny_gpt() -> torch.nn.Module:
+    """A one-layer GPT, data-parallel over the ranks: quick to build where no HF weights are needed."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    runtime = init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        **runtime.transformer_config_overrides(),
+    )
+    return GPTModel(
+        config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64, max_sequence_length=16
+    )
 
 
 def _micro_batches(data_rank: int, data_size: int):
@@ -412,6 +440,53 @@ def test_damaged_or_foreign_checkpoint_fails_before_touching_anything(hf_dir, re
     assert kind == "CorruptCheckpointError" and f"cannot read checkpoint {garbled}" in message
     assert foreign["untouched"] and cut["untouched"] and unreadable["untouched"]
     assert digests == {path: _tree_digest(path) for path in digests}  # nothing was written
+
+
+def _load_with_rank1_failing(rank, world, ckpt_dir):
+    """Save, then load twice with rank 1 failing alone: in dist_checkpointing's checks, then in its read.
+    Report each error and whether the weights stayed as they were."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+
+    model = _tiny_gpt()
+    save_checkpoint(ckpt_dir, [model], step=1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)  # differs from the checkpoint: a load that went through would show
+    before = _local_params([model])
+
+    def fail(*args, **kwargs):
+        raise OSError("simulated failure on rank 1")
+
+    outcomes = []
+    for module, name in ((serialization, "validate_integrity_and_strict_load"), (TorchDistLoadShardedStrategy, "load")):
+        original = getattr(module, name)
+        if rank == 1:
+            setattr(module, name, fail)
+        try:
+            load_checkpoint(ckpt_dir, [model])
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the error is what the test inspects
+            error = (type(exc).__name__, str(exc))
+        finally:
+            setattr(module, name, original)
+        after = _local_params([model])
+        outcomes.append({"error": error, "untouched": all(torch.equal(after[k], v) for k, v in before.items())})
+    return outcomes
+
+
+def test_a_read_failing_on_one_data_parallel_rank_fails_the_load_on_all(tmp_path):
+    """The data-parallel load exchanges what each replica read: a rank that failed before or in its
+    read must not leave the other waiting in that exchange."""
+    results = run_on_ranks(_load_with_rank1_failing, 2, str(tmp_path / "ckpt"), timeout=90)
+    for outcomes in results:
+        for outcome in outcomes:
+            kind, message = outcome["error"]
+            assert kind == "CorruptCheckpointError"
+            assert message == f"cannot read checkpoint {tmp_path / 'ckpt'}: rank 1: OSError: simulated failure on rank 1"
+            assert outcome["untouched"]
 
 
 # ----------------------------------------------------------------------------------------------

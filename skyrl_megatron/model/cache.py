@@ -404,16 +404,13 @@ def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
 def save_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None:
     """Collective: write the chunks' weights as a Megatron distributed checkpoint."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    from skyrl_megatron.checkpoint import save_strategy, writer_results_in_process
 
     # Data-parallel replicas hold the same shards; by default only the first replica writes them.
     # Spreading the writes over the replicas divides the one-time save by the DP size.
-    strategy = FullyParallelSaveStrategyWrapper(
-        get_default_save_sharded_strategy(), ps.get_data_parallel_group(with_context_parallel=True)
-    )
-    dist_checkpointing.save(_sharded_state_dict(chunks), str(checkpoint_dir), sharded_strategy=strategy)
+    with writer_results_in_process():  # no helper process that a killed rank would leave behind
+        dist_checkpointing.save(_sharded_state_dict(chunks), str(checkpoint_dir), sharded_strategy=save_strategy())
 
 
 def load_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None:
