@@ -195,6 +195,7 @@ class Settings:
     warmup: int
     variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     profile_dir: str | None = None  # profile one extra step per case and write its tables here
+    profile_backends: tuple[str, ...] = ("megatron", "fsdp2")
 
 
 def host_overrides(case: Case, s: Settings) -> list[str]:
@@ -409,7 +410,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
                   f"train {driver['train']:.2f} s ({worker['train']:.2f} in worker), "
                   f"loss {status['policy_loss']:.4f}", flush=True)
         profile = None
-        if s.profile_dir is not None:
+        if s.profile_dir is not None and case.backend in s.profile_backends:
             # one more step, profiled on every rank; rank 0 writes its operator tables
             out_file = str(Path(s.profile_dir) / f"profile_{case.name.replace(':', '_').replace('@', '_')}.txt")
             ray.get(policy.async_run_ray_method("pass_through", "bench_profile_start"))
@@ -590,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="named extra host overrides, used as backend:layout@NAME in --cases")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="profile one extra step per case (torch.profiler); operator tables to DIR")
+    parser.add_argument("--profile-backends", default="megatron,fsdp2",
+                        help="with --profile: which backends' cases to profile (a long FSDP2 step makes a large trace)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch; FSDP2 cases composed only")
@@ -642,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = rl_batch(batch_shape, arch.vocab_size, tokenizer.pad_token_id)
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
                         args.recompute, args.steps, args.warmup, variants,
-                        str(args.profile) if args.profile else None)
+                        str(args.profile) if args.profile else None, tuple(args.profile_backends.split(",")))
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     peak_tflops = measured_bf16_peak_tflops()

@@ -37,7 +37,7 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     out, chart = tmp_path / "report.json", tmp_path / "chart.png"
     profiles = tmp_path / "profiles"
     command = [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--markdown", str(markdown), "--chart", str(chart),
-               "--profile", str(profiles)]
+               "--profile", str(profiles), "--profile-backends", "megatron"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
 
@@ -60,6 +60,7 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0
     table = Path(profile["file"]).read_text()
     assert Path(profile["file"]).parent == profiles and "top operators by host time" in table and "aten::" in table
+    assert [p.name for p in profiles.iterdir()] == ["profile_megatron_tp2.txt"]
 
     text = markdown.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
