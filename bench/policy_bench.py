@@ -377,6 +377,8 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         def peak() -> float:
             return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))
 
+        peaks: dict[str, float] = {"forward": 0.0, "train": 0.0}
+
         def worker_seconds() -> dict[str, float]:
             per_rank = ray.get(policy.async_run_ray_method("pass_through", "bench_worker_seconds"))
             return {phase: max(r[phase] for r in per_rank) for phase in per_rank[0]}
@@ -398,7 +400,6 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         peak()
         phases: dict[str, list[float]] = {"forward": [], "train": []}
         in_worker: dict[str, list[float]] = {"forward": [], "train": []}
-        peaks: dict[str, float] = {"forward": 0.0, "train": 0.0}
         for number in range(s.warmup + s.steps):
             driver, worker, status = step(number)
             if number >= s.warmup:
@@ -675,18 +676,17 @@ def main(argv: list[str] | None = None) -> int:
             compose(case, settings)  # the host's FSDP2 workers need CUDA; the config must still hold
             report["composed_only"].append(case.name)
             print(f"{case.name}: config composed and validated; not run (the host's FSDP2 workers need CUDA)")
-            continue
-        print(f"{time.strftime('%H:%M:%S')} {case.name}", flush=True)
-        try:
-            report["cases"].append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
-        except Exception as error:  # noqa: BLE001 -- one failed case (say, out of memory) must not lose the others
-            if args.smoke:
-                raise
-            report["failed"][case.name] = f"{type(error).__name__}: {str(error)[-2000:]}"
-            print(f"{case.name} FAILED: {report['failed'][case.name]}", flush=True)
+        else:
+            print(f"{time.strftime('%H:%M:%S')} {case.name}", flush=True)
+            try:
+                report["cases"].append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
+            except Exception as error:  # noqa: BLE001 -- one failed case (say, out of memory) must not lose the others
+                if args.smoke:
+                    raise
+                report["failed"][case.name] = f"{type(error).__name__}: {str(error)[-2000:]}"
+                print(f"{case.name} FAILED: {report['failed'][case.name]}", flush=True)
         # written after every case: a run cut short by a time limit keeps what it measured
         args.out.write_text(json.dumps(report, indent=2))
-    args.out.write_text(json.dumps(report, indent=2))
     publish(report, args.markdown, args.chart)
     return 0
 

@@ -23,8 +23,6 @@ class _Group:
 
 
 def _megatron_thd():
-    from megatron.core.models.common.embeddings import rope_utils
-
     rope.install()  # what build_model does; Megatron's own function stays reachable for comparison
     return rope._MEGATRON_THD
 
