@@ -29,6 +29,7 @@ a PNG of tokens/s/GPU per case and phase.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -92,6 +93,8 @@ def rl_batch(shape: BatchShape, vocab_size: int, pad_token_id: int) -> dict[str,
         "loss_mask": loss_mask,
         "response_mask": loss_mask.clone(),
         "advantages": advantages.contiguous(),
+        # the host's GRPO sets returns to the advantages; its FSDP workers read both
+        "returns": advantages.contiguous(),
     }
 
 
@@ -303,20 +306,21 @@ class _Measured:
     def bench_path(self) -> dict[str, Any]:
         """Which implementation ran: TE or not, and the attention kernel family."""
         model = getattr(self, "model", None)
+        threads = {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         if hasattr(self, "built"):  # ours
             from skyrl_megatron.model.bridge_import import have_transformer_engine
 
             te = have_transformer_engine() and torch.cuda.is_available()
-            return {"transformer_engine": te, "attention": "TE" if te else "ours (SDPA / varlen)"}
+            return {"transformer_engine": te, "attention": "TE" if te else "ours (SDPA / varlen)", **threads}
         config = getattr(getattr(model, "model", model), "config", None)
-        return {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown")}
+        return {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"), **threads}
 
     def bench_profile_start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         _synchronize()
-        self._bench_profiler = profile(activities=activities)
+        self._bench_profiler = profile(activities=activities, with_stack=bool(os.environ.get("BENCH_PROFILE_STACK")))
         self._bench_profiler.__enter__()
         self._bench_profile_started = time.perf_counter()
 
@@ -328,14 +332,18 @@ class _Measured:
         wall = time.perf_counter() - self._bench_profile_started
         profiler, self._bench_profiler = self._bench_profiler, None
         profiler.__exit__(None, None, None)
+        import gpu_idle  # bench/, beside this file
+
         averages = profiler.key_averages()
-        device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in averages)
-        summary = {"wall_seconds": wall, "device_seconds": device_us / 1e6,
+        idle = gpu_idle.from_profiler(profiler)
+        summary = {"wall_seconds": wall, "device_busy_seconds": idle.busy_us / 1e6,
+                   "device_idle_seconds": idle.idle_us / 1e6,
                    "host_ops": float(sum(e.count for e in averages if e.key.startswith("aten::")))}
         if out_file and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             sort_device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             Path(out_file).write_text(
                 f"one forward + one train step, rank 0: {json.dumps(summary)}\n\n"
+                f"where the device waited\n{idle.render()}\n"
                 f"top operators by device time\n{averages.table(sort_by=sort_device, row_limit=40)}\n"
                 f"top operators by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
                 f"most frequent operators\n{averages.table(sort_by='count', row_limit=20)}\n"
@@ -343,14 +351,48 @@ class _Measured:
         return summary
 
 
+@contextlib.contextmanager
+def hf_sdpa_for_eager():
+    """While active, the host's `HFModelWrapper` loads its model with HF SDPA attention where it
+    would pick eager. The host offers flash_attention_2 (not installable on the lent GPUs: no CUDA
+    build for their PyTorch) or eager, which materialises [heads, L, L] fp32 scores per layer and
+    runs out of memory on 4k-token rows. SDPA is the baseline issue 6 names."""
+    from skyrl_train import model_wrapper
+
+    original = model_wrapper.AutoModelForCausalLM
+
+    class _SdpaInsteadOfEager:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            if kwargs.get("attn_implementation") == "eager":
+                kwargs["attn_implementation"] = "sdpa"
+            return original.from_pretrained(*args, **kwargs)
+
+    model_wrapper.AutoModelForCausalLM = _SdpaInsteadOfEager
+    try:
+        yield
+    finally:
+        model_wrapper.AutoModelForCausalLM = original
+
+
+class _HostFSDPWithSdpa:
+    def init_model(self, *args, **kwargs):
+        with hf_sdpa_for_eager():
+            return super().init_model(*args, **kwargs)
+
+
 def measured_policy_class(backend: str):
     import ray
 
     if backend == "megatron":
         from skyrl_megatron.workers.policy import MegatronPolicyWorker as base
+
+        bases = (_Measured, base)
     else:
         from skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase as base
-    return ray.remote(num_gpus=1)(type(f"Measured{base.__name__}", (_Measured, base), {}))
+
+        bases = (_Measured, _HostFSDPWithSdpa, base)
+    return ray.remote(num_gpus=1)(type(f"Measured{base.__name__}", bases, {}))
 
 
 # ----------------------------------------------------------------------------------------------

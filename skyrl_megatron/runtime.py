@@ -21,7 +21,7 @@ import logging
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -62,7 +62,6 @@ class Runtime:
             return {}
         return dict(
             use_cpu_initialization=True,
-            gradient_accumulation_fusion=False,
             masked_softmax_fusion=False,
             bias_activation_fusion=False,
             bias_dropout_fusion=False,
@@ -115,8 +114,20 @@ def activate_runtime(requested: str | None = None) -> Runtime:
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % max(torch.cuda.device_count(), 1))
+        torch.set_num_threads(gpu_worker_host_threads(os.environ))
     _ACTIVE = Runtime(device)
     return _ACTIVE
+
+
+def gpu_worker_host_threads(env: Mapping[str, str]) -> int:
+    """Intra-op threads for a GPU worker's tensor work on the host (packing micro-batches,
+    collecting results): small tensors, where a thread pool only adds the cost of waking it, and
+    a pool per GPU worker on one host oversubscribes its cores. `OMP_NUM_THREADS` where set (Ray
+    sets it to the CPUs an actor was given, PyTorch may have read it before), else one."""
+    try:
+        return max(1, int(env.get("OMP_NUM_THREADS") or 1))
+    except ValueError:
+        return 1
 
 
 @contextlib.contextmanager

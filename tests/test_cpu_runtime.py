@@ -178,3 +178,12 @@ def test_unknown_runtime_is_a_clear_error(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="sees no GPU"):
             resolve_device("cuda")
+
+
+def test_gpu_workers_use_the_threads_they_were_given():
+    from skyrl_megatron.runtime import gpu_worker_host_threads
+
+    assert gpu_worker_host_threads({}) == 1
+    assert gpu_worker_host_threads({"OMP_NUM_THREADS": "4"}) == 4
+    assert gpu_worker_host_threads({"OMP_NUM_THREADS": "0"}) == 1
+    assert gpu_worker_host_threads({"OMP_NUM_THREADS": "many"}) == 1

@@ -45,7 +45,9 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     assert report["composed_only"] == ["fsdp2:world1"]
     (case,) = report["cases"]
     assert (case["case"], case["gpus"]) == ("megatron:tp2", 2)
-    assert case["path"] == {"transformer_engine": False, "attention": "ours (SDPA / varlen)"}
+    path = case["path"]
+    assert (path["transformer_engine"], path["attention"]) == (False, "ours (SDPA / varlen)")
+    assert path["torch_threads"] >= 1  # recorded: host-side thread pools were a GPU bottleneck
     assert report["tokens"] == case["tokens"] > 0
     for phase in ("forward", "train"):
         measured = case["phases"][phase]
@@ -60,6 +62,10 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0
     table = Path(profile["file"]).read_text()
     assert Path(profile["file"]).parent == profiles and "top operators by host time" in table and "aten::" in table
+    # the runner's marked phases, with their wall times (no device on CPU, so no idle analysis)
+    assert "no device activity recorded" in table
+    for phase in ("prepare_micro_batches", "schedule", "loss", "collect", "optimizer_step"):
+        assert f"skyrl_megatron.{phase}" in table
     assert [p.name for p in profiles.iterdir()] == ["profile_megatron_tp2.txt"]
 
     text = markdown.read_text()
@@ -165,3 +171,78 @@ def test_render_writes_the_section_from_a_saved_report_and_names_failed_cases(tm
     assert "at most 8192 tokens each; FSDP2 padded, 2 rows each" in text
     assert "| megatron:world1@big | - | failed: torch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB /x | - |" in text
     assert "- megatron:world1 vs fsdp2:world1: forward 5.00x speed, 0.50x memory, train 2.00x speed, 0.50x memory" in text
+
+
+def test_batch_converts_through_the_hosts_training_iterator():
+    """The host's FSDP workers turn each training micro-batch into an `Experience` by key; the
+    benchmark batch, after the keys the host's forward pass adds, must carry every key it reads
+    (a missing `returns` failed every FSDP2 case of a GPU run)."""
+    from skyrl_train.workers.worker_utils import BatchIterator
+
+    from skyrl_megatron.testing.host_trainer import training_input
+
+    bench = _bench_module()
+    shape = bench.BatchShape(rows=4, prompt_tokens=8, min_response=2, max_response=16)
+    data = training_input(bench.rl_batch(shape, vocab_size=100, pad_token_id=0), shape.max_response)
+    # what `RayPPOTrainer.fwd_logprobs_values_reward` adds without a critic or a reference model
+    data["action_log_probs"] = torch.zeros(shape.rows, shape.max_response)
+    data["base_action_log_probs"] = None
+    data["values"] = None
+    experiences = list(BatchIterator(data, sample_batch_size=2))
+    assert len(experiences) == 2
+    assert torch.equal(experiences[0].returns, data["advantages"][:2])
+    assert experiences[1].sequences.shape == (2, shape.prompt_tokens + shape.max_response)
+
+
+def _gpu_idle_module():
+    spec = importlib.util.spec_from_file_location("gpu_idle", ROOT / "bench" / "gpu_idle.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_idle"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_idle_gaps_are_attributed_to_the_host_operation_running_then():
+    gpu_idle = _gpu_idle_module()
+    HostOp = gpu_idle.HostOp
+    kernels = [(0, 10), (5, 20), (100, 110), (120, 130)]  # gaps: 20-100 (long), 110-120 (short)
+    host = [
+        HostOp("outer", 0, 200, thread=1),
+        HostOp("aten::nonzero", 30, 90, thread=1, frame="skyrl_megatron/compute/packing.py(9): pack"),
+        HostOp("aten::mm", 95, 99, thread=2),  # ends before the gap's middle (60)
+    ]
+    marked = [HostOp("skyrl_megatron.schedule", 0, 200, thread=1), HostOp("skyrl_megatron.loss", 100, 125, thread=1)]
+    report = gpu_idle.idle_report(kernels, host, marked, min_gap_us=50)
+    assert (report.span_us, report.busy_us, report.idle_us) == (130, 40, 90)
+    assert (report.small_gaps, report.small_gaps_us) == (1, 10)
+    key = "aten::nonzero @ skyrl_megatron/compute/packing.py(9): pack  [in skyrl_megatron.schedule]"
+    assert dict(report.attributed) == {key: [80, 1]}
+    assert report.ranges["skyrl_megatron.schedule"] == [200, 40, 1]
+    assert report.ranges["skyrl_megatron.loss"] == [25, 15, 1]  # 100-110 and 120-125
+    text = report.render()
+    assert "kernels busy 0.0 ms (31%)" in text and key in text
+
+
+def test_first_frame_is_ours_megatrons_or_the_hosts():
+    gpu_idle = _gpu_idle_module()
+    stack = ["torch/nn/modules/module.py(1): _call_impl", "/x/site-packages/megatron/core/models/gpt/gpt_model.py(5): forward"]
+    assert gpu_idle.first_frame(stack) == "megatron/core/models/gpt/gpt_model.py(5): forward"
+    assert gpu_idle.first_frame(["torch/a.py(1): f"]) == ""
+
+
+def test_host_fsdp2_baseline_loads_hf_sdpa_where_it_would_pick_eager(tmp_path):
+    """The host's HFModelWrapper picks flash_attention_2 or eager; the benchmark's FSDP2 baseline
+    is HF SDPA (eager's [heads, L, L] scores ran out of memory on the GPU)."""
+    from skyrl_megatron import host
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    host.activate()  # the host's model wrapper imports flash_attn's padding helpers (host compat fixes)
+    from skyrl_train.model_wrapper import HFModelWrapper
+
+    bench = _bench_module()
+    make_tiny_hf_model("qwen3", tmp_path, seed=0)
+    with bench.hf_sdpa_for_eager():
+        wrapped = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
+    assert wrapped.model.config._attn_implementation == "sdpa"
+    unpatched = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
+    assert unpatched.model.config._attn_implementation == "eager"

@@ -39,6 +39,9 @@ from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import current_runtime
 
+# Named ranges for `torch.profiler` (and tools that read its trace): where a step's time goes.
+_mark = torch.profiler.record_function
+
 # keys of the host's training batch that the policy objective reads, all [B, A]
 RESPONSE_KEYS = ("loss_mask", "action_log_probs", "base_action_log_probs", "advantages", "rollout_logprobs")
 
@@ -268,21 +271,24 @@ class ModelRunner:
         """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere."""
         for chunk in self.chunks:
             chunk.eval()
-        micro_batches, shape = self._micro_batches(sequences, attention_mask, batching)
-        outputs = forward_only(
-            self.chunks,
-            micro_batches,
-            self._forward_fn(temperature, with_entropy),
-            lambda output, mb: (mb.rows, self._response_values(output.float(), mb, response_length)),
-            seq_length=shape[1],
-            micro_batch_size=shape[0],
-        )
+        with _mark("skyrl_megatron.prepare_micro_batches"):
+            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching)
+        with _mark("skyrl_megatron.schedule"):
+            outputs = forward_only(
+                self.chunks,
+                micro_batches,
+                self._forward_fn(temperature, with_entropy),
+                lambda output, mb: (mb.rows, self._response_values(output.float(), mb, response_length)),
+                seq_length=shape[1],
+                micro_batch_size=shape[0],
+            )
         if not outputs:
             return None
-        width = 2 if with_entropy else 1
-        result = torch.zeros(sequences.shape[0], response_length, width, dtype=torch.float32)
-        for rows, values in outputs:
-            result[rows] = values.cpu()
+        with _mark("skyrl_megatron.collect"):
+            width = 2 if with_entropy else 1
+            result = torch.zeros(sequences.shape[0], response_length, width, dtype=torch.float32)
+            for rows, values in outputs:
+                result[rows] = values.cpu()
         return result if with_entropy else result.squeeze(-1)
 
     def train_mini_batch(
@@ -307,7 +313,8 @@ class ModelRunner:
             self.optimizer.zero_grad()
         response_length = response["loss_mask"].shape[1]
         totals = MiniBatchTotals.of(response["loss_mask"], dp_group, device=self.device)
-        micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response)
+        with _mark("skyrl_megatron.prepare_micro_batches"):
+            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response)
         with_entropy = True  # the host always reports policy_entropy
         # Megatron divides each micro-batch loss by their number and averages gradients over DP;
         # our losses are already shares of the whole mini-batch, so undo both.
@@ -315,24 +322,27 @@ class ModelRunner:
         scale = len(micro_batches) * dp_size
 
         def loss_fn(output, mb: _MicroBatch):
-            values = self._response_values(output.float(), mb, response_length)
-            log_probs, entropy = values[..., 0], values[..., 1]
-            if mb.rows.numel() == 0:
-                # an empty micro-batch (padding the count across ranks) contributes nothing
-                zero = output.sum() * 0.0
-                return zero, {}
-            loss, metrics = objective(log_probs, entropy, mb.response, totals)
-            return loss * scale, metrics
+            with _mark("skyrl_megatron.loss"):
+                values = self._response_values(output.float(), mb, response_length)
+                log_probs, entropy = values[..., 0], values[..., 1]
+                if mb.rows.numel() == 0:
+                    # an empty micro-batch (padding the count across ranks) contributes nothing
+                    zero = output.sum() * 0.0
+                    return zero, {}
+                loss, metrics = objective(log_probs, entropy, mb.response, totals)
+                return loss * scale, metrics
 
-        per_micro_batch = forward_backward(
-            self.chunks,
-            micro_batches,
-            self._forward_fn(temperature, with_entropy),
-            loss_fn,
-            seq_length=shape[1],
-            micro_batch_size=shape[0],
-        )
-        return _sum_metrics(per_micro_batch, dp_group, self.device)
+        with _mark("skyrl_megatron.schedule"):
+            per_micro_batch = forward_backward(
+                self.chunks,
+                micro_batches,
+                self._forward_fn(temperature, with_entropy),
+                loss_fn,
+                seq_length=shape[1],
+                micro_batch_size=shape[0],
+            )
+        with _mark("skyrl_megatron.metrics"):
+            return _sum_metrics(per_micro_batch, dp_group, self.device)
 
 
 def _params_on(params, device):

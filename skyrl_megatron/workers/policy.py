@@ -88,7 +88,8 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                     temperature=temperature,
                     dp_group=ps.get_data_parallel_group(),
                 )
-                step = optimizer_step(self.optimizer, self.scheduler)
+                with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
+                    step = optimizer_step(self.optimizer, self.scheduler)
                 metrics.update(self.router_metrics.summary())  # collective: every rank
                 steps += 1
                 self.skipped_steps += int(step.skipped)
