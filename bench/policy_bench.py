@@ -201,8 +201,34 @@ class Settings:
     profile_backends: tuple[str, ...] = ("megatron", "fsdp2")
 
 
+ENV_PREFIX = "env:"  # a variant entry "env:NAME=VALUE" sets an environment variable for the case
+
+
 def host_overrides(case: Case, s: Settings) -> list[str]:
-    return _base_overrides(case, s) + s.variants.get(case.variant, [])
+    extra = [o for o in s.variants.get(case.variant, []) if not o.startswith(ENV_PREFIX)]
+    return _base_overrides(case, s) + extra
+
+
+def case_environment(case: Case, s: Settings) -> dict[str, str]:
+    """The variant's environment variables (e.g. `env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`)."""
+    pairs = (o[len(ENV_PREFIX):].partition("=") for o in s.variants.get(case.variant, []) if o.startswith(ENV_PREFIX))
+    return {name: value for name, _, value in pairs}
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Set `values` in this process's environment while active; each case starts its own Ray, whose
+    workers inherit it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _base_overrides(case: Case, s: Settings) -> list[str]:
@@ -407,7 +433,8 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
     from skyrl_megatron.testing.host_trainer import host_trainer, training_input
 
     cfg = compose(case, s)
-    host.initialize_ray(cfg, log_to_driver=False)
+    with environment(case_environment(case, s)):
+        host.initialize_ray(cfg, log_to_driver=False)
     try:
         trainer = host_trainer(cfg, tokenizer, total_training_steps=100)
         started = time.perf_counter()

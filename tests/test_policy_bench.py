@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -246,3 +247,18 @@ def test_host_fsdp2_baseline_loads_hf_sdpa_where_it_would_pick_eager(tmp_path):
     assert wrapped.model.config._attn_implementation == "sdpa"
     unpatched = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
     assert unpatched.model.config._attn_implementation == "eager"
+
+
+def test_a_variant_can_set_environment_variables_for_its_case(tmp_path, monkeypatch):
+    bench = _bench_module()
+    variants = {"seg": ["env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "+trainer.seed=7"]}
+    settings = bench.Settings(str(tmp_path), bench.BatchShape(), str(tmp_path), cpu=True, token_budget=4096,
+                              fsdp_micro_rows=2, recompute=False, steps=1, warmup=1, variants=variants)
+    case, plain = bench.Case.parse("megatron:world1@seg", variants), bench.Case.parse("megatron:world1", variants)
+    assert bench.host_overrides(case, settings) == bench.host_overrides(plain, settings) + ["+trainer.seed=7"]
+    assert bench.case_environment(case, settings) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert bench.case_environment(plain, settings) == {}
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with bench.environment(bench.case_environment(case, settings)):
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
