@@ -88,3 +88,46 @@ def test_megatron_uses_it_after_build_models_install():
 
     rope.install()
     assert rope_utils._apply_rotary_pos_emb_thd is rope.apply_thd_rope
+
+
+@pytest.mark.parametrize("cp, rank, interleaved", [(1, 0, False), (2, 1, False), (1, 0, True)])
+def test_bitwise_equal_to_megatrons_in_bf16(cp, rank, interleaved):
+    """The same arithmetic in the same order: bf16 results and gradients are identical, not close."""
+    megatron_thd = _megatron_thd()
+    group = _Group(cp, rank)
+    t, cu, freqs = _inputs([8, 4, 12, 16], cp, heads=4, dim=32, seed=3)
+    ours_t = t.detach().to(torch.bfloat16).requires_grad_(True)
+    theirs_t = ours_t.detach().clone().requires_grad_(True)
+    ours = rope.apply_thd_rope(ours_t, cu, freqs.float(), rotary_interleaved=interleaved, cp_group=group)
+    theirs = megatron_thd(theirs_t, cu, freqs.float(), rotary_interleaved=interleaved, cp_group=group)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    upstream = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    (ours * upstream).sum().backward()
+    (theirs * upstream).sum().backward()
+    assert torch.equal(ours_t.grad, theirs_t.grad)
+
+
+def test_partial_rotary_keeps_the_unrotated_part():
+    megatron_thd = _megatron_thd()
+    t, cu, freqs = _inputs([5, 9], 1, dim=16)
+    half_table = freqs[..., :8].contiguous()  # RoPE over the first 8 of 16 channels
+    ours = rope.apply_thd_rope(t, cu, half_table, cp_group=_Group(1, 0))
+    torch.testing.assert_close(ours, megatron_thd(t, cu, half_table, cp_group=_Group(1, 0)), rtol=0, atol=1e-12)
+    assert torch.equal(ours[..., 8:], t[..., 8:])
+
+
+def test_rotation_tables_are_computed_once_per_micro_batch():
+    """Query and key of every layer share one micro-batch's cos/sin rows; new boundaries (the next
+    micro-batch) compute them again."""
+    rope._TABLES.clear()
+    t, cu, freqs = _inputs([6, 10], 1)
+    group = _Group(1, 0)
+
+    def cos_calls(boundaries) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            rope.apply_thd_rope(t, boundaries, freqs, cp_group=group)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::cos")
+
+    assert cos_calls(cu) == 1
+    assert cos_calls(cu) == 0  # the next layer, or the key after the query
+    assert cos_calls(cu.clone()) == 1  # the next micro-batch

@@ -59,25 +59,73 @@ def apply_thd_rope(
     `freqs` is either the table of positions [max_seqlen, 1, 1, dim] (each sequence starts at 0)
     or, when it has one row per packed token of the global batch, positions for the whole batch
     (each sequence reads from its own offset), as Megatron distinguishes them.
+
+    The rotation is Megatron's own arithmetic (`_apply_rotary_pos_emb_bshd`), bitwise, with two
+    kernels fewer per call: the cos/sin rows come from `_TABLES` (computed once per micro-batch,
+    not for query and key of every layer), and there is no concatenation with an empty
+    pass-through part when RoPE covers the whole head.
     """
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half
 
     if multi_latent_attention is not None:
         mla_rotary_interleaved = multi_latent_attention
     if cp_group is None:
         raise ValueError("cp_group must be provided for THD format RoPE")
-    cp_size = cp_group.size()
-    positions, sequence = thd_positions(cu_seqlens, t.shape[0], cp_size, cp_group.rank())
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    if mla_rotary_interleaved or freqs.shape[-1] != t.shape[-1]:
+        # partial or MLA-interleaved rotary: Megatron's function on this rank's frequency rows
+        rows = frequency_rows(freqs, cu_seqlens, t.shape[0], cp_size, cp_rank)
+        return _apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1),
+            rows,
+            rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved,
+            mscale=mscale,
+        ).squeeze(1)
+    cos, sin = _TABLES.get(freqs, cu_seqlens, t.shape[0], cp_size, cp_rank, t.dtype, mscale)
+    t = t.unsqueeze(1)  # [tokens, 1, heads, dim]: the layout Megatron's rotate-half indexes
+    return ((t * cos) + (_rotate_half(t, rotary_interleaved) * sin)).squeeze(1)
+
+
+def frequency_rows(freqs: Tensor, cu_seqlens: Tensor, local_tokens: int, cp_size: int, cp_rank: int) -> Tensor:
+    """The frequency row [local_tokens, 1, 1, dim] of each of this rank's packed tokens."""
+    positions, sequence = thd_positions(cu_seqlens, local_tokens, cp_size, cp_rank)
     # the packed tokens of all CP ranks are the global total: no host read of cu_seqlens[-1]
-    if freqs.dim() >= 1 and freqs.size(0) == t.shape[0] * cp_size:
+    if freqs.dim() >= 1 and freqs.size(0) == local_tokens * cp_size:
         positions = positions + cu_seqlens[sequence]
-    return _apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1),
-        freqs[positions],
-        rotary_interleaved=rotary_interleaved,
-        mla_rotary_interleaved=mla_rotary_interleaved,
-        mscale=mscale,
-    ).squeeze(1)
+    return freqs[positions]
+
+
+class _RotationTables:
+    """cos and sin rows of the packed tokens of the micro-batch being run.
+
+    Every attention layer rotates query and key of the same tokens by the same rows, so they are
+    computed at the first call of a micro-batch and reused until the inputs change. The inputs are
+    recognised by identity: Megatron passes the same frequency table and boundary tensors to
+    every layer, and a new micro-batch brings new boundary tensors. The last entry is held
+    (a few MB), so an identity cannot be reused by another tensor while it is cached.
+    """
+
+    def __init__(self):
+        self._inputs: tuple | None = None
+        self._tables: tuple[Tensor, Tensor] | None = None
+
+    def get(self, freqs, cu_seqlens, local_tokens, cp_size, cp_rank, dtype, mscale) -> tuple[Tensor, Tensor]:
+        inputs = self._inputs
+        settings = (local_tokens, cp_size, cp_rank, dtype, mscale)
+        if inputs is not None and inputs[0] is freqs and inputs[1] is cu_seqlens and inputs[2:] == settings:
+            return self._tables
+        rows = frequency_rows(freqs, cu_seqlens, local_tokens, cp_size, cp_rank)
+        # exactly Megatron's expressions, so the rotation is bitwise the same
+        self._tables = ((torch.cos(rows) * mscale).to(dtype), (torch.sin(rows) * mscale).to(dtype))
+        self._inputs = (freqs, cu_seqlens, *settings)
+        return self._tables
+
+    def clear(self) -> None:
+        self._inputs = self._tables = None
+
+
+_TABLES = _RotationTables()
 
 
 def install() -> None:
