@@ -82,6 +82,15 @@ def _loss_and_grads(rank, world_size, hf_dir: str) -> dict:
             "grads": {n: p.main_grad.clone() for n, p in built.chunks[0].named_parameters()},
             "fused": (config.gradient_accumulation_fusion, layer.mlp.linear_fc1.gradient_accumulation_fusion),
         }
+    # without DDP there is no main_grad to accumulate into: plain weight gradients in .grad
+    initialize_model_parallel(parallel)
+    bare = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32")).chunks[0]
+    logits = bare(batch["sequences"][:2], torch.arange(batch["sequences"].shape[1]).unsqueeze(0), None)
+    logits.float().square().mean().backward()
+    results["without_ddp"] = {
+        "fused": get_model_config(bare).gradient_accumulation_fusion,
+        "grads": all(p.grad is not None for p in bare.parameters()),
+    }
     return results
 
 
@@ -92,6 +101,7 @@ def test_fused_accumulation_keeps_loss_and_gradients(tmp_path):
     unfused, fused = results["unfused"], results["fused"]
     assert unfused["fused"] == (False, False)
     assert fused["fused"] == (True, True)  # on by default where the GEMMs are available
+    assert results["without_ddp"] == {"fused": False, "grads": True}
     assert fused["loss"] == unfused["loss"]
     assert fused["grads"].keys() == unfused["grads"].keys()
     for name, grad in unfused["grads"].items():

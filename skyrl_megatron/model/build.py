@@ -141,6 +141,10 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         # implements only through TE and refuses at config time without it, on GPU too.
         settings["moe_permute_fusion"] = False
     settings.update(spec.transformer_overrides)
+    if not spec.wrap_with_ddp:
+        # fused weight-gradient GEMMs accumulate into DDP's `main_grad` buffers; without DDP there
+        # are none, and weight gradients go to `.grad` as usual
+        settings["gradient_accumulation_fusion"] = False
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.transformer_layer_spec = layer_spec_for(provider, runtime)
