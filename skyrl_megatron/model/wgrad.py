@@ -12,8 +12,9 @@ Engine has its own), which our dependency set does not ship. PyTorch's matmul ca
 result from bf16 inputs (`torch.addmm(..., out_dtype=torch.float32)`, CUDA), so this module
 provides the extension's two functions in PyTorch and `install()` offers them to Megatron-Core
 under the extension's name, unless the real extension is present. Megatron-Bridge's providers
-then enable `gradient_accumulation_fusion` by default, as they do where APEX is installed;
-`transformer_config_kwargs.gradient_accumulation_fusion: false` turns it off.
+then enable `gradient_accumulation_fusion` by default, as they do where APEX is installed, for
+models wrapped in Megatron's DDP (`build.make_provider` turns it off for the others, which have no
+`main_grad`); `transformer_config_kwargs.gradient_accumulation_fusion: false` turns it off.
 """
 
 from __future__ import annotations
