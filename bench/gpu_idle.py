@@ -154,13 +154,12 @@ def _busy_within(busy, starts, lo: float, hi: float) -> float:
 
 
 def first_frame(stack: list[str]) -> str:
+    """The first stack entry in our code, Megatron or the host, from its package directory on."""
     for entry in stack or ():
-        if any(marker in entry for marker in FRAME_MARKERS):
-            # keep the path from the package directory on
-            for marker in FRAME_MARKERS:
-                at = entry.find(marker)
-                if at >= 0:
-                    return entry[at:]
+        for marker in FRAME_MARKERS:
+            at = entry.find(marker)
+            if at >= 0:
+                return entry[at:]
     return ""
 
 

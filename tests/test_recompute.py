@@ -15,44 +15,21 @@ SETTINGS = {
 }
 
 
-def _objective(log_probs, entropy, batch, totals):
-    loss = -(log_probs * batch["advantages"] * batch["loss_mask"]).sum() / totals.tokens
-    return loss, {"loss": loss.detach().double()}
-
-
 def _loss_and_grads(rank, world_size, hf_dir: str) -> dict:
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
-    from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.parallel import init_distributed
+    from skyrl_megatron.testing.policy_steps import train_one_mini_batch
     from skyrl_megatron.testing.rl_batches import make_rl_batch
 
     init_distributed("cpu")
-    parallel = ParallelConfig()
     batch = make_rl_batch(4, 6, 6, seed=5)
     results = {}
     for name, overrides in SETTINGS.items():
-        initialize_model_parallel(parallel)
-        spec = ModelSpec(
-            hf_dir,
-            parallel=parallel,
-            dtype="fp32",
-            wrap_with_ddp=True,
-            transformer_overrides=overrides,
-            ddp_config={"use_distributed_optimizer": False},
+        built, metrics = train_one_mini_batch(
+            hf_dir, batch, transformer_overrides=overrides, ddp_config={"use_distributed_optimizer": False}
         )
-        built = build_model(spec)
         config = get_model_config(built.chunks[0])
-        config.finalize_model_grads_func = finalize_model_grads
-        metrics = ModelRunner(built.chunks, parallel).train_mini_batch(
-            batch["sequences"],
-            batch["attention_mask"],
-            {"loss_mask": batch["loss_mask"], "advantages": batch["advantages"]},
-            _objective,
-            MicroBatching(micro_batch_size=2),
-        )
         grads = torch.cat([p.main_grad.flatten() for p in built.chunks[0].parameters()])
         results[name] = {"loss": metrics["loss"], "grads": grads, "granularity": config.recompute_granularity}
     return results

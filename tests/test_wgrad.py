@@ -42,40 +42,23 @@ def test_install_offers_the_extension_to_megatron():
     assert wgrad.install()  # idempotent
 
 
-def _objective(log_probs, entropy, batch, totals):
-    loss = -(log_probs * batch["advantages"] * batch["loss_mask"]).sum() / totals.tokens
-    return loss, {"loss": loss.detach().double()}
-
-
 def _loss_and_grads(rank, world_size, hf_dir: str) -> dict:
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.testing.policy_steps import train_one_mini_batch
     from skyrl_megatron.testing.rl_batches import make_rl_batch
 
     init_distributed("cpu")
-    parallel = ParallelConfig()
     batch = make_rl_batch(6, 6, 6, seed=5)
     results = {}
     for name, overrides in {"unfused": {"gradient_accumulation_fusion": False}, "fused": {}}.items():
-        initialize_model_parallel(parallel)
-        spec = ModelSpec(
-            hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, transformer_overrides=overrides,
+        built, metrics = train_one_mini_batch(  # three micro-batches of 2 rows accumulate
+            hf_dir, batch, transformer_overrides=overrides,
             ddp_config={"use_distributed_optimizer": False, "grad_reduce_in_fp32": True},
         )
-        built = build_model(spec)
         config = get_model_config(built.chunks[0])
-        config.finalize_model_grads_func = finalize_model_grads
-        metrics = ModelRunner(built.chunks, parallel).train_mini_batch(
-            batch["sequences"],
-            batch["attention_mask"],
-            {"loss_mask": batch["loss_mask"], "advantages": batch["advantages"]},
-            _objective,
-            MicroBatching(micro_batch_size=2),  # three micro-batches accumulate
-        )
         layer = built.chunks[0].module.decoder.layers[0]
         results[name] = {
             "loss": metrics["loss"],
@@ -83,6 +66,7 @@ def _loss_and_grads(rank, world_size, hf_dir: str) -> dict:
             "fused": (config.gradient_accumulation_fusion, layer.mlp.linear_fc1.gradient_accumulation_fusion),
         }
     # without DDP there is no main_grad to accumulate into: plain weight gradients in .grad
+    parallel = ParallelConfig()
     initialize_model_parallel(parallel)
     bare = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32")).chunks[0]
     logits = bare(batch["sequences"][:2], torch.arange(batch["sequences"].shape[1]).unsqueeze(0), None)

@@ -107,3 +107,45 @@ def policy_steps(
     if inspect is not None:
         inspected.append(inspect(built.chunks))
     return {"history": history, "initial_logprobs": old, "rows": (share.start, share.stop), "inspected": inspected}
+
+
+def policy_gradient_objective(log_probs, entropy, batch, totals):
+    """The plainest policy objective: -(logprob x advantage) over the mini-batch's response tokens."""
+    loss = -(log_probs * batch["advantages"] * batch["loss_mask"]).sum() / totals.tokens
+    return loss, {"loss": loss.detach().double()}
+
+
+def train_one_mini_batch(
+    hf_dir: str,
+    batch: dict[str, torch.Tensor],
+    *,
+    transformer_overrides: dict[str, Any],
+    ddp_config: dict[str, Any],
+    micro_batch_size: int = 2,
+) -> tuple[Any, dict[str, float]]:
+    """Build the model at world 1 (fp32, Megatron DDP) and run one mini-batch of `batch` forward and
+    backward with `policy_gradient_objective`, gradients finalised into DDP's `main_grad`.
+    Returns the built model and the step's metrics. Call on a rank with the CPU runtime started."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
+
+    parallel = ParallelConfig()
+    initialize_model_parallel(parallel)
+    spec = ModelSpec(
+        hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True,
+        transformer_overrides=transformer_overrides, ddp_config=ddp_config,
+    )
+    built = build_model(spec)
+    get_model_config(built.chunks[0]).finalize_model_grads_func = finalize_model_grads
+    metrics = ModelRunner(built.chunks, parallel).train_mini_batch(
+        batch["sequences"],
+        batch["attention_mask"],
+        {"loss_mask": batch["loss_mask"], "advantages": batch["advantages"]},
+        policy_gradient_objective,
+        MicroBatching(micro_batch_size=micro_batch_size),
+    )
+    return built, metrics
