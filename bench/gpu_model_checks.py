@@ -79,6 +79,7 @@ def logprob_parity(workdir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.fusions import FUSED_KERNELS
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
@@ -101,16 +102,21 @@ def logprob_parity(workdir: str) -> dict:
 
     parallel = ParallelConfig()
     initialize_model_parallel(parallel)
-    built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="bf16"))
-    runner = ModelRunner(built.chunks, parallel)
     loss_mask = batch["loss_mask"].bool()
     out = {}
-    for name, batching in (("padded", MicroBatching(micro_batch_size=4)), ("packed", MicroBatching(max_tokens=4096))):
-        ours = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response, batching).cpu()
-        diff = (ours - hf.cpu())[loss_mask].abs()
-        out[name] = {"mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(), "tokens": int(loss_mask.sum())}
-    del built, runner
-    torch.cuda.empty_cache()
+    # the default generated kernels (megatron_config.fused_kernels) and PyTorch's eager ones
+    for kernels_name, kernels in (("fused", FUSED_KERNELS), ("eager", ())):
+        built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="bf16", fused_kernels=kernels))
+        runner = ModelRunner(built.chunks, parallel)
+        batchings = (("padded", MicroBatching(micro_batch_size=4)), ("packed", MicroBatching(max_tokens=4096)))
+        for name, batching in batchings:
+            ours = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response, batching).cpu()
+            diff = (ours - hf.cpu())[loss_mask].abs()
+            out[f"{name} ({kernels_name}: {', '.join(built.fused_kernels) or 'none'})"] = {
+                "mean_abs_diff": diff.mean().item(), "max_abs_diff": diff.max().item(), "tokens": int(loss_mask.sum())
+            }
+        del built, runner
+        torch.cuda.empty_cache()
     return out
 
 

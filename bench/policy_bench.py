@@ -337,7 +337,8 @@ class _Measured:
             from skyrl_megatron.model.bridge_import import have_transformer_engine
 
             te = have_transformer_engine() and torch.cuda.is_available()
-            return {"transformer_engine": te, "attention": "TE" if te else "ours (SDPA / varlen)", **threads}
+            attention = "TE" if te else "ours (SDPA / varlen)"
+            return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels), **threads}
         config = getattr(getattr(model, "model", model), "config", None)
         return {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"), **threads}
 
@@ -557,6 +558,8 @@ def markdown_section(report: dict) -> str:
     ]
     for r in report["cases"]:
         path = r["path"]["attention"] + (", TE" if r["path"]["transformer_engine"] else "")
+        if "fused_kernels" in r["path"]:
+            path += ", fused: " + (" ".join(r["path"]["fused_kernels"]) or "none")
         for phase, p in r["phases"].items():
             mfu = "-" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"
             worker = f"{p['median_worker_seconds']:.2f}" if "median_worker_seconds" in p else "-"

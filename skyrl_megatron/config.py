@@ -66,6 +66,11 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # Typed config
 # ----------------------------------------------------------------------------------------------
 
+# generated kernels for the TE-free layers (skyrl_megatron/model/fusions.py), and those on by
+# default: the generated RMSNorm was slower than PyTorch's on an H200 (docs/perf_notes.md, session 7)
+FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "swiglu")
+DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "swiglu")
+
 
 @dataclass
 class LoraSettings:
@@ -169,6 +174,7 @@ class MegatronWorkerConfig:
     checkpoint_cache_dir: str | None = None
     force_reconvert: bool = False
     empty_cuda_cache: bool = True
+    fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
     ddp_config: dict[str, Any] = field(default_factory=dict)
     optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -433,12 +439,24 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     problems += mc.moe_config.problems(f"{prefix}.moe_config")
     if shape is None or shape.num_experts:  # a dense model ignores moe_config
         problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
+    problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
 
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
     return problems
+
+
+def _fused_kernel_problems(key: str, names) -> list[Problem]:
+    allowed = ", ".join(FUSED_KERNELS)
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        return [Problem(key, f"must be a list of kernel names, got {names!r}", f"list some of {allowed}, or [] for eager kernels")]
+    return [
+        Problem(key, f"unknown kernel {name!r}", _did_you_mean(name, FUSED_KERNELS) + f" (known: {allowed})")
+        for name in names
+        if name not in FUSED_KERNELS
+    ]
 
 
 def _moe_backend_problems(prefix: str, settings: MoeSettings) -> list[Problem]:

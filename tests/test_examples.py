@@ -148,7 +148,10 @@ def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_p
     assert plan.micro_batch_tokens == mc.max_tokens_per_microbatch
     assert plan.recompute == (mc.transformer_config_kwargs.recompute_granularity or "none")
     assert plan.no_sequence_parallel != mc.sequence_parallel
-    assert plan.swiglu_fusion == bool(mc.transformer_config_kwargs.get("bias_activation_fusion"))
+    swiglu_fused = mc.transformer_config_kwargs.get("bias_activation_fusion")
+    if swiglu_fused is None:
+        swiglu_fused = "swiglu" in mc.fused_kernels
+    assert plan.unfused_swiglu != swiglu_fused
     assert plan.lora_rank == cfg.trainer.policy.model.lora.rank
     assert plan.no_grad_reduce_in_fp32 != mc.ddp_config.grad_reduce_in_fp32
     assert plan.no_distributed_optimizer != mc.ddp_config.use_distributed_optimizer

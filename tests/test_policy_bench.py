@@ -71,7 +71,9 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
 
     text = markdown.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
-    assert "| megatron:tp2 | ours (SDPA / varlen) | train |" in text
+    # the path column names the kernels that ran: on CPU every fusion is off
+    assert "| megatron:tp2 | ours (SDPA / varlen), fused: none | train |" in text
+    assert case["path"]["fused_kernels"] == []
     assert "| in worker, s |" in text
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

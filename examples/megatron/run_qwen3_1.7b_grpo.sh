@@ -12,17 +12,17 @@
 #   model       Qwen3-1.7B (qwen3): 1.72B parameters
 #               28 layers, hidden 2048, 16/8 q/kv heads, vocab 151936
 #   layout      8 GPUs (1 x 8): TP 1, PP 1, CP 1, DP 8
-#   training    8192 tokens per micro-batch (packed), recompute none, unfused SwiGLU, full fine-tune
+#   training    8192 tokens per micro-batch (packed), recompute none, fused SwiGLU, full fine-tune
 #               bf16 params, fp32 grads, fp32 main params + Adam (distributed)
 #
 #   per GPU
 #     params          3.20 GiB  1.72B parameters, bf16
 #     grads           6.41 GiB  main_grad buffers of the trainable parameters
 #     optimizer       2.40 GiB  fp32 main params + Adam m, v; dense / 8 (DP x CP)
-#     activations    17.95 GiB  saved for backward: 28 layers x 1 micro-batch in flight
+#     activations    15.33 GiB  saved for backward: 28 layers x 1 micro-batch in flight
 #     transient       2.52 GiB  largest backward transient: logprob head
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
-#     total          35.49 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
+#     total          32.86 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-1.7B}

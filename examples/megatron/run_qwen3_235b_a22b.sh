@@ -19,7 +19,7 @@
 #   model       Qwen3-235B-A22B (qwen3_moe): 235.09B parameters, 22.19B active per token
 #               94 layers (94 MoE: 128 experts, 8 per token), hidden 4096, 64/4 q/kv heads, vocab 151936
 #   layout      64 GPUs (8 x 8): TP 4 + SP, PP 1, CP 1, DP 16 | experts: EP 64, ETP 1, expert-DP 1
-#   training    8192 tokens per micro-batch (packed), recompute full, unfused SwiGLU, full fine-tune
+#   training    8192 tokens per micro-batch (packed), recompute full, fused SwiGLU, full fine-tune
 #               bf16 params, fp32 grads, fp32 main params + Adam (distributed)
 #
 #   per GPU

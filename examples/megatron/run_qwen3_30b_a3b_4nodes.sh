@@ -15,7 +15,7 @@
 #   model       Qwen3-30B-A3B (qwen3_moe): 30.53B parameters, 3.35B active per token
 #               48 layers (48 MoE: 128 experts, 8 per token), hidden 2048, 32/4 q/kv heads, vocab 151936
 #   layout      32 GPUs (4 x 8): TP 2 + SP, PP 1, CP 1, DP 16 | experts: EP 8, ETP 1, expert-DP 4
-#   training    16384 tokens per micro-batch (packed), recompute full, unfused SwiGLU, full fine-tune
+#   training    16384 tokens per micro-batch (packed), recompute full, fused SwiGLU, full fine-tune
 #               bf16 params, fp32 grads, fp32 main params + Adam (distributed)
 #
 #   per GPU

@@ -24,6 +24,7 @@ import torch
 
 from skyrl_megatron.config import MoeSettings
 from skyrl_megatron.model.bridge_import import have_transformer_engine, import_bridge
+from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
 from skyrl_megatron.model import rope, wgrad
@@ -54,6 +55,11 @@ class ModelSpec:
     cache: ConversionCacheSettings | None = None  # None: convert through the bridge on every build
     lora: LoraSpec | None = None  # None: every parameter trains; else only LoRA adapters on a frozen base
     moe: MoeSettings = field(default_factory=MoeSettings)  # routing/dispatch of MoE models; ignored for dense
+    # generated kernels for the TE-free layers on GPU (model/fusions.py); ignored on CPU
+    fused_kernels: tuple[str, ...] = DEFAULT_FUSED_KERNELS
+
+    def fused(self, kernel: str, runtime: Runtime) -> bool:
+        return kernel in self.fused_kernels and not runtime.is_cpu
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,6 +88,19 @@ class BuiltModel:
     @property
     def config(self):
         return self.provider
+
+    @property
+    def fused_kernels(self) -> tuple[str, ...]:
+        """The generated kernels this model runs with (`model/fusions.py`), as built."""
+        from skyrl_megatron.model.norm import FusedRMSNorm
+
+        modules = [module for chunk in self.chunks for module in chunk.modules()]
+        present = {
+            "rms_norm": any(isinstance(module, FusedRMSNorm) for module in modules),
+            "rope": rope.is_fused() and self.provider.position_embedding_type in ("rope", "yarn"),
+            "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
+        }
+        return tuple(name for name, used in present.items() if used)
 
 
 def _hf_model_type(hf_path: str) -> str:
@@ -132,6 +151,9 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     # MoE routing and dispatch (model/moe.py; {} for a dense model). The load-balancing loss is off
     # by default: in RL it pulls the router away from the policy and makes the update depend on
     # padding and micro-batch composition. transformer_config_kwargs, applied below, still win.
+    if _is_swiglu(provider):
+        # Megatron's own SwiGLU fusion (torch.compile'd, TE or not); transformer_config_kwargs win
+        settings["bias_activation_fusion"] = spec.fused("swiglu", runtime)
     settings.update(moe_transformer_settings(provider, spec.moe, spec.transformer_overrides))
     if spec.moe.freeze_router and getattr(provider, "num_moe_experts", None):
         provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
@@ -147,9 +169,13 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         settings["gradient_accumulation_fusion"] = False
     for key, value in settings.items():
         setattr(provider, key, value)
-    provider.transformer_layer_spec = layer_spec_for(provider, runtime)
+    provider.transformer_layer_spec = layer_spec_for(provider, runtime, fused_norms=spec.fused("rms_norm", runtime))
     provider.finalize()
     return provider
+
+
+def _is_swiglu(provider) -> bool:
+    return bool(provider.gated_linear_unit) and provider.activation_func is torch.nn.functional.silu
 
 
 def _instantiate(
@@ -201,7 +227,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     Collective over the default process group when `spec.cache` is set (rank 0 decides, all load or save).
     """
     runtime = runtime or current_runtime()
-    rope.install()
+    rope.install(fused=spec.fused("rope", runtime))
     wgrad.install()  # before the bridge's provider reads whether wgrad fusion is available
     bridge = load_bridge(spec.hf_path)
     if spec.cache is not None and spec.load_weights:
@@ -214,9 +240,11 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     else:
         reason = "no cache configured" if spec.load_weights else "random initialisation"
         provider, chunks, report = _build_uncached(spec, bridge, runtime, reason=reason)
+    built = BuiltModel(chunks=chunks, bridge=bridge, provider=provider, load_report=report, lora=spec.lora)
     if torch.distributed.get_rank() == 0:
         logger.info("model weights: %s", report.summary())
-    return BuiltModel(chunks=chunks, bridge=bridge, provider=provider, load_report=report, lora=spec.lora)
+        logger.info("fused kernels: %s", ", ".join(built.fused_kernels) or "none (eager PyTorch kernels)")
+    return built
 
 
 def _build_uncached(spec: ModelSpec, bridge, runtime: Runtime, reason: str) -> tuple[Any, list, LoadReport]:

@@ -10,10 +10,11 @@ once per process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 from skyrl_megatron.model.bridge_import import have_transformer_engine
-from skyrl_megatron.model.norm import TorchNorm
+from skyrl_megatron.model.norm import FusedTorchNorm, TorchNorm
 from skyrl_megatron.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def _with_core_attention(layer, core_attention):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=self_attention))
 
 
-def local_block_spec(config, vp_stage: int | None = None):
+def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False):
     """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -70,14 +71,18 @@ def local_block_spec(config, vp_stage: int | None = None):
         qk_layernorm=config.qk_layernorm,
         normalization=config.normalization,
     )
-    layer = _replace_modules(layer, WrappedTorchNorm, TorchNorm)
+    norm = FusedTorchNorm if fused_norms else TorchNorm
+    layer = _replace_modules(layer, WrappedTorchNorm, norm)
     layer = _with_core_attention(layer, CoreAttention)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
-def layer_spec_for(provider, runtime: Runtime):
-    """The spec (or spec factory) to set as `provider.transformer_layer_spec`."""
+def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False):
+    """The spec (or spec factory) to set as `provider.transformer_layer_spec`.
+
+    `fused_norms`: RMSNorm as a generated kernel in the local spec (TE brings its own).
+    """
     if have_transformer_engine() and not runtime.is_cpu:
         from megatron.bridge.models.gpt_provider import transformer_engine_layer_spec
 
@@ -86,7 +91,7 @@ def layer_spec_for(provider, runtime: Runtime):
     from skyrl_megatron.model.attention import describe_core_attention
 
     _report(
-        "local (Megatron-Core layers, torch norms; TE not installed); "
+        f"local (Megatron-Core layers, {'fused' if fused_norms else 'torch'} norms; TE not installed); "
         f"core attention: {describe_core_attention(runtime)}"
     )
-    return local_block_spec
+    return functools.partial(local_block_spec, fused_norms=fused_norms)

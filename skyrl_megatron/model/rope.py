@@ -18,7 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from skyrl_megatron.model.fusions import compile_kernel
+
 _MEGATRON_THD = None  # Megatron's own function, kept for comparison in tests
+_FUSED = False  # rotate with the generated kernel (`install(fused=True)`)
 
 
 def thd_positions(cu_seqlens: Tensor, local_tokens: int, cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor]:
@@ -60,10 +63,11 @@ def apply_thd_rope(
     or, when it has one row per packed token of the global batch, positions for the whole batch
     (each sequence reads from its own offset), as Megatron distinguishes them.
 
-    The rotation is Megatron's own arithmetic (`_apply_rotary_pos_emb_bshd`), bitwise, with two
-    kernels fewer per call: the cos/sin rows come from `_TABLES` (computed once per micro-batch,
-    not for query and key of every layer), and there is no concatenation with an empty
-    pass-through part when RoPE covers the whole head.
+    The eager rotation is Megatron's own arithmetic (`_apply_rotary_pos_emb_bshd`), bitwise, with
+    two kernels fewer per call: the cos/sin rows come from `_TABLES` (computed once per
+    micro-batch, not for query and key of every layer), and there is no concatenation with an
+    empty pass-through part when RoPE covers the whole head. The fused rotation (`install(fused=
+    True)`) does the same arithmetic in fp32 in one kernel per direction.
     """
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half
 
@@ -83,8 +87,28 @@ def apply_thd_rope(
             mscale=mscale,
         ).squeeze(1)
     cos, sin = _TABLES.get(freqs, cu_seqlens, t.shape[0], cp_size, cp_rank, t.dtype, mscale)
+    if _FUSED and not rotary_interleaved:
+        return fused_rotate_half_rope(t, cos.squeeze(1), sin.squeeze(1))
     t = t.unsqueeze(1)  # [tokens, 1, heads, dim]: the layout Megatron's rotate-half indexes
     return ((t * cos) + (_rotate_half(t, rotary_interleaved) * sin)).squeeze(1)
+
+
+def rotate_half_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """t [tokens, heads, dim] rotated by cos/sin [tokens, 1, dim] (rotate-half layout), in fp32."""
+    first, second = torch.chunk(t.float(), 2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (t.float() * cos.float() + rotated * sin.float()).to(t.dtype)
+
+
+_compiled_rotation = None
+
+
+def fused_rotate_half_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`rotate_half_rope` as one generated kernel per direction (`model/fusions.py`)."""
+    global _compiled_rotation
+    if _compiled_rotation is None:
+        _compiled_rotation = compile_kernel(rotate_half_rope)
+    return _compiled_rotation(t, cos, sin)
 
 
 def frequency_rows(freqs: Tensor, cu_seqlens: Tensor, local_tokens: int, cp_size: int, cp_rank: int) -> Tensor:
@@ -128,11 +152,20 @@ class _RotationTables:
 _TABLES = _RotationTables()
 
 
-def install() -> None:
-    """Route Megatron-Core's unfused THD RoPE to `apply_thd_rope` (idempotent, once per process)."""
-    global _MEGATRON_THD
+def is_fused() -> bool:
+    return _FUSED
+
+
+def install(fused: bool = False) -> None:
+    """Route Megatron-Core's unfused THD RoPE to `apply_thd_rope` (idempotent).
+
+    `fused`: rotate with the generated kernel. It applies to every model of the process; the
+    workers build one model each.
+    """
+    global _MEGATRON_THD, _FUSED
     from megatron.core.models.common.embeddings import rope_utils
 
+    _FUSED = fused
     if rope_utils._apply_rotary_pos_emb_thd is not apply_thd_rope:
         _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
         rope_utils._apply_rotary_pos_emb_thd = apply_thd_rope

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute-modules", default="core_attn", help="with --recompute selective: comma-separated Megatron recompute_modules"
     )
     training.add_argument(
-        "--swiglu-fusion", action="store_true", help="fused bias-SwiGLU (transformer_config_kwargs.bias_activation_fusion=true)"
+        "--unfused-swiglu",
+        action="store_true",
+        help="eager SwiGLU (swiglu not in megatron_config.fused_kernels, or bias_activation_fusion=false)",
     )
     training.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     training.add_argument(
@@ -81,7 +83,7 @@ def _run(args: argparse.Namespace) -> str:
         micro_batch_tokens=args.micro_batch_tokens,
         recompute=args.recompute,
         recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
-        swiglu_fusion=args.swiglu_fusion,
+        swiglu_fusion=not args.unfused_swiglu,
     )
     training = TrainingSetup(
         lora_rank=args.lora_rank,

@@ -54,9 +54,9 @@ class BatchPlan:
     micro_batch_tokens: int  # packed tokens per micro-batch (megatron_config.max_tokens_per_microbatch)
     recompute: str = "none"  # none | selective | full (full: uniform, one layer per checkpoint)
     recompute_modules: tuple[str, ...] = ("core_attn",)  # with selective, as Megatron's recompute_modules
-    # Megatron's fused bias-SwiGLU (TransformerConfig.bias_activation_fusion, off by default): the
-    # unfused silu(a) * b keeps silu(a), one more [tokens, ffn] tensor per layer.
-    swiglu_fusion: bool = False
+    # Megatron's fused SwiGLU (on by default: megatron_config.fused_kernels): the unfused
+    # silu(a) * b keeps silu(a), one more [tokens, ffn] tensor per layer.
+    swiglu_fusion: bool = True
     logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
 
 

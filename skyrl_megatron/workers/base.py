@@ -80,6 +80,7 @@ class MegatronWorkerMixin:
             ddp_config=dict(m.ddp_config),
             cache=ConversionCacheSettings(root=m.checkpoint_cache_dir, force_reconvert=m.force_reconvert),
             moe=m.moe_config,
+            fused_kernels=tuple(m.fused_kernels),
             # only a trained role gets adapters; the reference model is the frozen base
             lora=LoraSpec.from_host_config(self.cfg, self.role) if self.trains else None,
         )
