@@ -115,6 +115,10 @@ def test_fused_kernels_are_validated_by_name(compose):
     assert "trainer.policy.megatron_config.fused_kernels" in message
     assert "'ropee'" in message and "did you mean 'rope'" in message
 
+    cfg = compose("trainer.policy.megatron_config.fused_kernels=rope")
+    with pytest.raises(ConfigError, match=r"fused_kernels.*must be a list of kernel names"):
+        validate_config(cfg, run_host_checks=False)
+
 
 @pytest.mark.parametrize("kernels", [("rms_norm", "rope", "swiglu"), ()])
 def test_gpu_provider_uses_the_fused_kernels_it_is_given(qwen3_dir, kernels, monkeypatch):

@@ -24,8 +24,8 @@ import torch
 
 from skyrl_megatron.config import MoeSettings
 from skyrl_megatron.model.bridge_import import have_transformer_engine, import_bridge
-from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
+from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
 from skyrl_megatron.model import rope, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
@@ -148,12 +148,12 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    # MoE routing and dispatch (model/moe.py; {} for a dense model). The load-balancing loss is off
-    # by default: in RL it pulls the router away from the policy and makes the update depend on
-    # padding and micro-batch composition. transformer_config_kwargs, applied below, still win.
     if _is_swiglu(provider):
         # Megatron's own SwiGLU fusion (torch.compile'd, TE or not); transformer_config_kwargs win
         settings["bias_activation_fusion"] = spec.fused("swiglu", runtime)
+    # MoE routing and dispatch (model/moe.py; {} for a dense model). The load-balancing loss is off
+    # by default: in RL it pulls the router away from the policy and makes the update depend on
+    # padding and micro-batch composition. transformer_config_kwargs, applied below, still win.
     settings.update(moe_transformer_settings(provider, spec.moe, spec.transformer_overrides))
     if spec.moe.freeze_router and getattr(provider, "num_moe_experts", None):
         provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
