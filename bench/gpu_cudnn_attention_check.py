@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
+
+from gpu_fusion_check import device_ms, run_with_grads  # same directory
 
 HEADS, GROUPS, HEAD_DIM = 32, 8, 128
 
@@ -78,28 +79,6 @@ def reference(q, k, v, lengths, scale):
     return torch.cat(outputs)
 
 
-def run(fn, q, k, v, cu, max_len, scale, grad):
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*leaves, cu, max_len, scale)
-    out.backward(grad)
-    return out.detach(), [leaf.grad for leaf in leaves]
-
-
-def device_ms(fn, q, k, v, cu, max_len, scale, grad, repeats: int = 20) -> float:
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    for _ in range(3):
-        fn(*leaves, cu, max_len, scale).backward(grad)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*leaves, cu, max_len, scale).backward(grad)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def check(tokens: int, seed: int, groups: int) -> dict:
     torch.manual_seed(seed)
     lengths = packed_lengths(tokens, seed)
@@ -116,11 +95,11 @@ def check(tokens: int, seed: int, groups: int) -> dict:
     result = {"sequences": len(lengths), "max_len": max_len, "kv_heads": groups}
     for name, fn in (("flash", flash), ("cudnn", cudnn)):
         try:
-            out, grads = run(fn, q, k, v, cu, max_len, scale, grad)
+            out, grads = run_with_grads(fn, [q, k, v], [cu, max_len, scale], grad)
             result[name] = {
                 "max_error": (out.float() - truth.detach()).abs().max().item(),
                 "max_grad_error": max((g.float() - l.grad).abs().max().item() for g, l in zip(grads, leaves)),
-                "fwd_bwd_ms": device_ms(fn, q, k, v, cu, max_len, scale, grad),
+                "fwd_bwd_ms": device_ms(fn, [q, k, v], [cu, max_len, scale], grad),
             }
         except Exception as error:  # a backend that refuses these inputs is a finding, not a crash
             result[name] = {"error": f"{type(error).__name__}: {error}"[:500]}

@@ -72,7 +72,8 @@ def _cases(device):
     }
 
 
-def _run(fn, inputs, constants, grad):
+def run_with_grads(fn, inputs, constants, grad):
+    """fn(*inputs, *constants) and the gradients of `inputs` for `grad`."""
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     out = fn(*leaves, *constants)
     out.backward(grad)
@@ -87,7 +88,8 @@ def _max_error(result, reference):
     return {"value": errors[0], "grad": max(errors[1:])}
 
 
-def _device_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
+def device_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
+    """Median device time of forward + backward (CUDA events, after 3 warm-up calls)."""
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     for _ in range(3):
         fn(*leaves, *constants).backward(grad)
@@ -109,12 +111,12 @@ def check(device: str = "cuda") -> dict:
         out = eager(*inputs, *constants)
         grad = torch.randn_like(out)
         # fp64 reference: the eager chain on fp64 copies (Megatron's SwiGLU is fp64-capable too)
-        reference = _run(eager, [x.double() for x in inputs], [c.double() for c in constants], grad.double())
+        reference = run_with_grads(eager, [x.double() for x in inputs], [c.double() for c in constants], grad.double())
         report[name] = {
-            "eager_error": _max_error(_run(eager, inputs, constants, grad), reference),
-            "fused_error": _max_error(_run(fused, inputs, constants, grad), reference),
-            "eager_ms": _device_ms(eager, inputs, constants, grad),
-            "fused_ms": _device_ms(fused, inputs, constants, grad),
+            "eager_error": _max_error(run_with_grads(eager, inputs, constants, grad), reference),
+            "fused_error": _max_error(run_with_grads(fused, inputs, constants, grad), reference),
+            "eager_ms": device_ms(eager, inputs, constants, grad),
+            "fused_ms": device_ms(fused, inputs, constants, grad),
         }
         print(name, json.dumps(report[name]), flush=True)
     return report

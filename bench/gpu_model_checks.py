@@ -104,7 +104,7 @@ def logprob_parity(workdir: str) -> dict:
     initialize_model_parallel(parallel)
     loss_mask = batch["loss_mask"].bool()
     out = {}
-    # the default generated kernels (megatron_config.fused_kernels) and PyTorch's eager ones
+    # every generated kernel of megatron_config.fused_kernels, and PyTorch's eager ones
     for kernels_name, kernels in (("fused", FUSED_KERNELS), ("eager", ())):
         built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="bf16", fused_kernels=kernels))
         runner = ModelRunner(built.chunks, parallel)

@@ -25,23 +25,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (normed * weight.float()).to(x.dtype)
 
 
-_compiled_rms_norm = None
-
-
-def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    global _compiled_rms_norm
-    if _compiled_rms_norm is None:
-        _compiled_rms_norm = compile_kernel(rms_norm)
-    return _compiled_rms_norm(x, weight, eps)
+fused_rms_norm = compile_kernel(rms_norm)  # compiled at its first call
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
     """`torch.nn.RMSNorm` (same parameters and state dict) computed by the generated kernel.
 
-    The kernel always sees contiguous rows [N, hidden]: the block's norms get [T, 1, hidden], the
-    query/key norms [T, 1, heads, head_dim] and the key a strided view of the QKV projection, and
-    each rank and stride pattern would otherwise be compiled (and counted against Dynamo's
-    recompile limit) separately.
+    The kernel always sees contiguous rows [N, hidden]. The block's norms get [T, 1, hidden], the
+    query/key norms [T, 1, heads, head_dim] and the key a strided view of the QKV projection;
+    passed as they are, each rank and stride pattern would be one more compiled variant, counted
+    against Dynamo's recompile limit.
     """
 
     def forward(self, x: Tensor) -> Tensor:

@@ -95,20 +95,14 @@ def apply_thd_rope(
 
 def rotate_half_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """t [tokens, heads, dim] rotated by cos/sin [tokens, 1, dim] (rotate-half layout), in fp32."""
-    first, second = torch.chunk(t.float(), 2, dim=-1)
+    t32 = t.float()
+    first, second = torch.chunk(t32, 2, dim=-1)
     rotated = torch.cat((-second, first), dim=-1)
-    return (t.float() * cos.float() + rotated * sin.float()).to(t.dtype)
+    return (t32 * cos.float() + rotated * sin.float()).to(t.dtype)
 
 
-_compiled_rotation = None
-
-
-def fused_rotate_half_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`rotate_half_rope` as one generated kernel per direction (`model/fusions.py`)."""
-    global _compiled_rotation
-    if _compiled_rotation is None:
-        _compiled_rotation = compile_kernel(rotate_half_rope)
-    return _compiled_rotation(t, cos, sin)
+# one generated kernel per direction (`model/fusions.py`), compiled at its first call
+fused_rotate_half_rope = compile_kernel(rotate_half_rope)
 
 
 def frequency_rows(freqs: Tensor, cu_seqlens: Tensor, local_tokens: int, cp_size: int, cp_rank: int) -> Tensor:
