@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,77 +35,130 @@ def packed_lengths(total: int, seed: int) -> list[int]:
     return lengths
 
 
-def flash(q, k, v, cu, max_len, scale):
+def flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
 
 
 class CudnnRagged(torch.autograd.Function):
+    """The two aten ops behind SDPA's cuDNN backend, called with cumulative sequence lengths."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        # returns (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
         result = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale
+            q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False, scale=scale
         )
         out, lse, seed, offset = result[0], result[1], result[6], result[7]
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+        # schema order: grad, q, k, v, out, lse, seed, offset, bias, cu_q, cu_k, max_q, max_k, dropout, causal
+        # (torch 2.11's own disabled cuDNN branch of varlen_attn passes them in another order)
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, seed, offset,
+            grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True,
             scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def cudnn(q, k, v, cu, max_len, scale):
-    return CudnnRagged.apply(q, k, v, cu, max_len, scale)
+def cudnn(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return CudnnRagged.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
-def reference(q, k, v, lengths, scale):
-    """Per-sequence causal SDPA in fp32: the ground truth for both."""
-    outputs, start = [], 0
-    for length in lengths:
-        rows = slice(start, start + length)
+def reference(q, k, v, q_lengths, k_lengths, scale):
+    """Per-segment causal attention in fp32, bottom-right aligned (a segment's queries are the last
+    positions of its keys): the ground truth for both kernels."""
+    outputs, q_start, k_start = [], 0, 0
+    for q_len, k_len in zip(q_lengths, k_lengths):
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
         out = F.scaled_dot_product_attention(
-            q[rows].float().transpose(0, 1), k[rows].float().transpose(0, 1), v[rows].float().transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=True,
+            *(x.float().transpose(0, 1) for x in (q[q_start : q_start + q_len], k[k_start : k_start + k_len],
+                                                    v[k_start : k_start + k_len])),
+            attn_mask=mask, scale=scale, enable_gqa=True,
         )
         outputs.append(out.transpose(0, 1))
-        start += length
+        q_start, k_start = q_start + q_len, k_start + k_len
     return torch.cat(outputs)
 
 
-def check(tokens: int, seed: int, groups: int) -> dict:
+def cumulative(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+KERNELS = {
+    "flash": lambda q, k, v, cu_q, cu_k, max_q, max_k, budget, scale: flash(q, k, v, cu_q, cu_k, max_q, max_k, scale),
+    "cudnn": lambda q, k, v, cu_q, cu_k, max_q, max_k, budget, scale: cudnn(q, k, v, cu_q, cu_k, max_q, max_k, scale),
+    # the same with the maximum length fixed at the token budget: one cuDNN graph for every micro-batch?
+    "cudnn_fixed_max": lambda q, k, v, cu_q, cu_k, max_q, max_k, budget, scale: cudnn(
+        q, k, v, cu_q, cu_k, budget, budget, scale
+    ),
+}
+
+
+def check(tokens: int, seed: int, groups: int, query_fraction: int = 1) -> dict:
+    """One packed micro-batch; query_fraction 2 keeps each segment's last half of queries (the
+    shape of our context-parallel segments, where alignment matters)."""
     torch.manual_seed(seed)
-    lengths = packed_lengths(tokens, seed)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    max_len, scale = max(lengths), 1.0 / math.sqrt(HEAD_DIM)
-    q = torch.randn(tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k_lengths = packed_lengths(tokens, seed)
+    q_lengths = [max(1, length // query_fraction) for length in k_lengths]
+    cu_q, cu_k = cumulative(q_lengths), cumulative(k_lengths)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    q = torch.randn(sum(q_lengths), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, groups, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(tokens, groups, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(q)
     # fp32 reference gradients through autograd on fp32 copies
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    truth = reference(*leaves, lengths, scale)
+    truth = reference(*leaves, q_lengths, k_lengths, scale)
     truth.backward(grad.float())
-    result = {"sequences": len(lengths), "max_len": max_len, "kv_heads": groups}
-    for name, fn in (("flash", flash), ("cudnn", cudnn)):
+    constants = [cu_q, cu_k, max(q_lengths), max(k_lengths), tokens, scale]
+    result = {"sequences": len(k_lengths), "max_len": max(k_lengths), "kv_heads": groups,
+              "query_fraction": query_fraction}
+    for name, fn in KERNELS.items():
         try:
-            out, grads = run_with_grads(fn, [q, k, v], [cu, max_len, scale], grad)
+            out, grads = run_with_grads(fn, [q, k, v], constants, grad)
             result[name] = {
                 "max_error": (out.float() - truth.detach()).abs().max().item(),
                 "max_grad_error": max((g.float() - l.grad).abs().max().item() for g, l in zip(grads, leaves)),
-                "fwd_bwd_ms": device_ms(fn, [q, k, v], [cu, max_len, scale], grad),
+                "fwd_bwd_ms": device_ms(fn, [q, k, v], constants, grad),
             }
         except Exception as error:  # a backend that refuses these inputs is a finding, not a crash
             result[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
         print(name, json.dumps(result[name]), flush=True)
     return result
+
+
+def first_call_ms(tokens: int, seeds: range) -> dict:
+    """Wall time of the first forward + backward on micro-batches of new shapes (new sequence
+    lengths and counts, as every RL step brings): cuDNN builds an execution graph per new shape,
+    FA2 has nothing to build. The second call on the same shape is the warm time."""
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    report = {}
+    for name, fn in KERNELS.items():
+        times = []
+        for seed in seeds:
+            lengths = packed_lengths(tokens - 8 * seed, seed)  # a different total as well
+            total, cu = sum(lengths), cumulative(lengths)
+            leaves = [torch.randn(total, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                      for h in (HEADS, GROUPS, GROUPS)]
+            grad = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            pair = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                fn(*leaves, cu, cu, max(lengths), max(lengths), tokens, scale).backward(grad)
+                torch.cuda.synchronize()
+                pair.append(round((time.perf_counter() - begin) * 1e3, 2))
+            times.append({"sequences": len(lengths), "first_ms": pair[0], "second_ms": pair[1]})
+        report[name] = times
+        print("first call", name, json.dumps(times), flush=True)
+    return report
 
 
 def main() -> None:
@@ -117,7 +171,9 @@ def main() -> None:
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
         "cases": [check(args.tokens, seed, groups) for seed in (0, 1) for groups in (GROUPS, HEADS)],
+        "segment_cases": [check(args.tokens, 2, GROUPS, query_fraction=2)],
     }
+    report["first_call"] = first_call_ms(args.tokens, range(10, 16))
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
 

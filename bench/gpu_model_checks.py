@@ -107,7 +107,7 @@ def logprob_parity(workdir: str) -> dict:
     # every generated kernel of megatron_config.fused_kernels, and PyTorch's eager ones
     for kernels_name, kernels in (("fused", FUSED_KERNELS), ("eager", ())):
         built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="bf16", fused_kernels=kernels))
-        runner = ModelRunner(built.chunks, parallel)
+        runner = ModelRunner(built.chunks, parallel, fused_logprobs=built.fused_logprobs)
         batchings = (("padded", MicroBatching(micro_batch_size=4)), ("packed", MicroBatching(max_tokens=4096)))
         for name, batching in batchings:
             ours = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response, batching).cpu()

@@ -66,10 +66,11 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # Typed config
 # ----------------------------------------------------------------------------------------------
 
-# generated kernels for the TE-free layers (skyrl_megatron/model/fusions.py), and those on by
-# default: the generated RMSNorm was slower than PyTorch's on an H200 (docs/perf_notes.md, session 7)
-FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "swiglu")
-DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "swiglu")
+# generated kernels for the TE-free layers and the logprob head (skyrl_megatron/model/fusions.py),
+# and those on by default: the generated RMSNorm was slower than PyTorch's on an H200
+# (docs/perf_notes.md, session 7)
+FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "swiglu", "logprobs")
+DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "swiglu", "logprobs")
 
 
 @dataclass

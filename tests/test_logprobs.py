@@ -75,11 +75,17 @@ def _grads(fn, hidden, weight):
 # ---- world 1 -----------------------------------------------------------------------------------------
 
 
+# `fused`: the generated kernels (torch.compile; on CPU Inductor emits C++), meant for GPU, held to
+# the same yardstick as the eager chunks
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+
+
+@FUSED
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_values_match_materialised_log_softmax(temperature):
+def test_values_match_materialised_log_softmax(temperature, fused):
     hidden, weight, labels, mask, _ = _problem()
     result = vocab_parallel_logprobs(
-        hidden, weight, labels, mask=mask, temperature=temperature, with_entropy=True, chunk_tokens=5
+        hidden, weight, labels, mask=mask, temperature=temperature, with_entropy=True, chunk_tokens=5, fused=fused
     )
     ref_logprobs, ref_entropy = _reference(hidden, weight, labels, temperature=temperature, mask=mask)
     assert result.logprobs.shape == labels.shape and result.logprobs.dtype == torch.float32
@@ -97,14 +103,15 @@ def test_without_entropy_and_mask():
     assert (result.logprobs - ref_logprobs).abs().max().item() <= VALUE_ATOL
 
 
+@FUSED
 @pytest.mark.parametrize("outputs", ["logprobs+entropy", "logprobs", "entropy"])
-def test_gradients_match_autograd_through_materialised_path(outputs):
+def test_gradients_match_autograd_through_materialised_path(outputs, fused):
     hidden, weight, labels, mask, loss_weights = _problem(seed=2)
     loss_weights = loss_weights * torch.tensor([outputs != "entropy", outputs != "logprobs"]).view(2, 1, 1)
 
     def chunked(h, w):
         result = vocab_parallel_logprobs(
-            h, w, labels, mask=mask, temperature=0.8, with_entropy=outputs != "logprobs", chunk_tokens=7
+            h, w, labels, mask=mask, temperature=0.8, with_entropy=outputs != "logprobs", chunk_tokens=7, fused=fused
         )
         entropy = result.entropy if result.entropy is not None else torch.zeros_like(result.logprobs)
         return _loss(result.logprobs, entropy, loss_weights)
@@ -140,17 +147,20 @@ def test_chunk_size_does_not_change_results():
         assert _relative_error(grad_weight, one_chunk_grad_weight) <= GRAD_RTOL
 
 
-def test_bf16_matches_the_bf16_materialised_path():
+@FUSED
+def test_bf16_matches_the_bf16_materialised_path(fused):
     """bf16 weights: same bf16 projection, fp32 statistics; grads come back in bf16."""
     hidden, weight, labels, mask, loss_weights = _problem(seed=4, dtype=torch.bfloat16)
-    result = vocab_parallel_logprobs(hidden, weight, labels, mask=mask, with_entropy=True, chunk_tokens=5)
+    result = vocab_parallel_logprobs(
+        hidden, weight, labels, mask=mask, with_entropy=True, chunk_tokens=5, fused=fused
+    )
     ref_logprobs, ref_entropy = _reference(hidden, weight, labels, mask=mask)
     assert result.logprobs.dtype == torch.float32
     assert (result.logprobs - ref_logprobs).abs().max().item() <= VALUE_ATOL
     assert (result.entropy - ref_entropy).abs().max().item() <= VALUE_ATOL
 
     def chunked(h, w):
-        out = vocab_parallel_logprobs(h, w, labels, mask=mask, with_entropy=True, chunk_tokens=5)
+        out = vocab_parallel_logprobs(h, w, labels, mask=mask, with_entropy=True, chunk_tokens=5, fused=fused)
         return _loss(out.logprobs, out.entropy, loss_weights)
 
     def materialised(h, w):
@@ -160,6 +170,29 @@ def test_bf16_matches_the_bf16_materialised_path():
         assert actual.dtype == torch.bfloat16
         # one bf16 rounding of the grads (per chunk for the weight): bf16's relative precision is 2^-8
         assert _relative_error(actual, expected) <= 1e-2
+
+
+def test_fused_kernels_compile_once_for_every_chunk_and_micro_batch_size():
+    """Chunks and micro-batches differ in token count; a recompile per count would cost seconds
+    per step on GPU (and past Dynamo's recompile limit the kernels would run eagerly)."""
+    torch._dynamo.reset()
+
+    def step(tokens: int, with_entropy: bool, temperature: float):
+        gen = torch.Generator().manual_seed(tokens)
+        h = torch.randn(tokens, HIDDEN, generator=gen).requires_grad_()
+        w = torch.randn(VOCAB, HIDDEN, generator=gen).requires_grad_()
+        labels = torch.randint(0, VOCAB, (tokens,), generator=gen)
+        out = vocab_parallel_logprobs(h, w, labels, temperature=temperature, with_entropy=with_entropy,
+                                      chunk_tokens=6, fused=True)
+        (out.logprobs.sum() + (out.entropy.sum() if with_entropy else 0)).backward()
+
+    for with_entropy in (True, False):
+        # chunks of 6 and 1 tokens: Dynamo specialises a size of 1 (one more graph, once per process)
+        step(7, with_entropy, 1.0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for tokens in (4, 17, 31):
+            for with_entropy in (True, False):
+                step(tokens, with_entropy, 0.6)
 
 
 def test_chunk_tokens_follow_the_byte_budget():
@@ -172,7 +205,8 @@ def test_chunk_tokens_follow_the_byte_budget():
 
 
 def _tensor_parallel_rank(rank, world_size):
-    """Values and grads of this rank's shards, with and without sequence parallelism (one spawn)."""
+    """Values and grads of this rank's shards, with and without sequence parallelism, eager and
+    with the generated kernels (one spawn)."""
     from skyrl_megatron.parallel import init_distributed
 
     init_distributed("cpu")  # Megatron's TP mappings allocate on "cuda"; the CPU runtime redirects that
@@ -180,7 +214,7 @@ def _tensor_parallel_rank(rank, world_size):
     vocab_shard = slice(rank * VOCAB // world_size, (rank + 1) * VOCAB // world_size)
     seq_shard = slice(rank * SEQ // world_size, (rank + 1) * SEQ // world_size)
     results = {}
-    for sequence_parallel in (False, True):
+    for sequence_parallel, fused in ((False, False), (True, False), (False, True)):
         local_hidden = (hidden[seq_shard] if sequence_parallel else hidden).clone().requires_grad_()
         local_weight = weight[vocab_shard].clone().requires_grad_()
         result = vocab_parallel_logprobs(
@@ -193,9 +227,10 @@ def _tensor_parallel_rank(rank, world_size):
             tp_group=dist.group.WORLD,
             sequence_parallel=sequence_parallel,
             chunk_tokens=5,
+            fused=fused,
         )
         _loss(result.logprobs, result.entropy, loss_weights).backward()
-        results[sequence_parallel] = {
+        results[sequence_parallel, fused] = {
             "logprobs": result.logprobs,
             "entropy": result.entropy,
             "grad_hidden": local_hidden.grad,
@@ -208,6 +243,8 @@ def _tensor_parallel_rank(rank, world_size):
 
 @pytest.mark.slow
 def test_tensor_parallel_with_and_without_sequence_parallel_matches_world_one():
+    """The fused path's shards sum against their own max and are rescaled to the global one: its
+    TP2 case checks that combination against world 1."""
     hidden, weight, labels, mask, loss_weights = _problem(seed=5)
     hidden.requires_grad_()
     weight.requires_grad_()
@@ -215,14 +252,15 @@ def test_tensor_parallel_with_and_without_sequence_parallel_matches_world_one():
     _loss(expected.logprobs, expected.entropy, loss_weights).backward()
 
     for by_layout in run_on_ranks(_tensor_parallel_rank, 2, timeout=120):
-        for sequence_parallel, rank in by_layout.items():
+        for (sequence_parallel, fused), rank in by_layout.items():
             expected_grad_hidden = hidden.grad[rank["seq_shard"]]
             expected_grad_weight = weight.grad[rank["vocab_shard"]]
-            assert (rank["logprobs"] - expected.logprobs).abs().max().item() <= VALUE_ATOL, sequence_parallel
-            assert (rank["entropy"] - expected.entropy).abs().max().item() <= VALUE_ATOL, sequence_parallel
+            layout = f"sequence_parallel={sequence_parallel} fused={fused}"
+            assert (rank["logprobs"] - expected.logprobs).abs().max().item() <= VALUE_ATOL, layout
+            assert (rank["entropy"] - expected.entropy).abs().max().item() <= VALUE_ATOL, layout
             assert rank["grad_hidden"].shape == expected_grad_hidden.shape
-            assert _relative_error(rank["grad_hidden"], expected_grad_hidden) <= GRAD_RTOL, sequence_parallel
-            assert _relative_error(rank["grad_weight"], expected_grad_weight) <= GRAD_RTOL, sequence_parallel
+            assert _relative_error(rank["grad_hidden"], expected_grad_hidden) <= GRAD_RTOL, layout
+            assert _relative_error(rank["grad_weight"], expected_grad_weight) <= GRAD_RTOL, layout
 
 
 # ---- inside a real Megatron model ----------------------------------------------------------------------

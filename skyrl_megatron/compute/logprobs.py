@@ -14,6 +14,10 @@ walked in chunks of tokens, so only one chunk of logits exists at a time:
 * precision: the projection runs in the weight's dtype (bf16 in production) and its output is
   cast to fp32 before the softmax, as Megatron's own cross entropy does, so the results equal
   the materialised path's.
+* fused (GPU, `fused_kernels: [logprobs]`): the softmax statistics and the logits' gradient are
+  each one generated kernel per chunk that reads the GEMM's bf16 logits once, in place of a
+  dozen fp32 passes over [tokens, V/TP] (cast, shift, exp, sums, scatter, cast back). Shards
+  combine by rescaling their partial sums to the global max, so the kernel needs no collective.
 
 Two entry points: :func:`vocab_parallel_logprobs` on tensors, and :class:`LogprobOutputProcessor`,
 a hook for ``GPTModel.forward(output_processor=...)`` that makes the model return
@@ -28,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from skyrl_megatron.model.fusions import compile_kernel
+from skyrl_megatron.model.wgrad import wgrad_gemm_accum_fp32
 
 DEFAULT_LOGITS_CHUNK_BYTES = 256 * 2**20
 _FP32_BYTES = 4
@@ -72,6 +79,7 @@ def vocab_parallel_logprobs(
     tp_group: ProcessGroup | None = None,
     sequence_parallel: bool = False,
     chunk_tokens: int | None = None,
+    fused: bool = False,
 ) -> TokenLogprobs:
     """log softmax(hidden @ weight.T / temperature)[label] per token, without the full logits.
 
@@ -80,7 +88,8 @@ def vocab_parallel_logprobs(
     `mask` have the shape of `hidden` without its last dimension, after the sequence-parallel
     gather when `sequence_parallel` is set (then `hidden` holds this rank's slice of the first
     dimension, as in a ColumnParallelLinear). Gradients flow to `hidden` and `weight` from both
-    outputs. `chunk_tokens` defaults to a 256 MiB fp32 logits chunk.
+    outputs. `chunk_tokens` defaults to a 256 MiB fp32 logits chunk. `fused` runs each chunk's
+    elementwise work as generated kernels (torch.compile; meant for GPU).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -100,7 +109,7 @@ def vocab_parallel_logprobs(
         flat_labels = flat_labels.index_select(0, kept)
 
     logprobs, entropy = _ChunkedVocabParallelLogprobs.apply(
-        flat_hidden, weight, flat_labels, temperature, with_entropy, chunk_tokens, tp_group
+        flat_hidden, weight, flat_labels, temperature, with_entropy, chunk_tokens, tp_group, fused
     )
     if mask is not None:
         logprobs = _scatter_kept(logprobs, kept, labels.numel())
@@ -123,6 +132,7 @@ class LogprobOutputProcessor:
     temperature: float = 1.0
     with_entropy: bool = False
     logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
+    fused: bool = False  # generated kernels for each chunk (GPU; `fused_kernels: [logprobs]`)
 
     def __call__(
         self,
@@ -150,6 +160,7 @@ class LogprobOutputProcessor:
             tp_group=output_layer.tp_group,
             sequence_parallel=output_layer.sequence_parallel,
             chunk_tokens=chunk_tokens_for(weight.shape[0], self.logits_chunk_bytes),
+            fused=self.fused,
         )
         return TokenLogprobs(
             logprobs=result.logprobs.t(),
@@ -206,15 +217,16 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, with_entropy, chunk_tokens, tp_group):
+    def forward(ctx, hidden, weight, labels, temperature, with_entropy, chunk_tokens, tp_group, fused):
         vocab_start = (tp_group.rank() if tp_group is not None else 0) * weight.shape[0]
         num_tokens = hidden.shape[0]
         logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         log_partition = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else None
+        forward_chunk = _fused_forward_chunk if fused else _forward_chunk
         for start in range(0, num_tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            _forward_chunk(
+            forward_chunk(
                 hidden[rows],
                 weight,
                 labels[rows],
@@ -229,6 +241,7 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, log_partition, entropy)
         ctx.temperature, ctx.chunk_tokens, ctx.vocab_start = temperature, chunk_tokens, vocab_start
+        ctx.fused = fused
         return logprobs, entropy
 
     @staticmethod
@@ -236,15 +249,16 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         hidden, weight, labels, log_partition, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return (None,) * 7
+            return (None,) * 8
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(log_partition)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulation across chunks, as into Megatron's main_grad; cast once at the end
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        backward_chunk = _fused_backward_chunk if ctx.fused else _backward_chunk
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            _backward_chunk(
+            backward_chunk(
                 hidden[rows],
                 weight,
                 labels[rows],
@@ -259,7 +273,7 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
             )
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _forward_chunk(
@@ -333,18 +347,113 @@ def _backward_chunk(
     grad_logits.scatter_add_(1, target.unsqueeze(1), torch.where(owned.unsqueeze(1), g_logprob, 0.0))
     if temperature != 1.0:
         grad_logits.div_(temperature)
-    grad_logits = grad_logits.to(weight.dtype)
+    _project_logit_grads(grad_logits.to(weight.dtype), hidden, weight, grad_hidden, grad_weight)
 
+
+def _project_logit_grads(
+    grad_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """The chunk's share of both input gradients from the logits' gradient (in the weight's dtype).
+
+    The weight's gradient accumulates in fp32 across chunks through the same GEMM as Megatron's
+    gradient-accumulation fusion (bf16 inputs, fp32 output on CUDA): adding a bf16 [V, h] product
+    into the fp32 buffer instead cost four weight-sized passes per chunk.
+    """
     if grad_hidden is not None:
         torch.mm(grad_logits, weight, out=grad_hidden)
     if grad_weight is not None:
-        _accumulate_matmul(grad_weight, grad_logits.t(), hidden)
+        wgrad_gemm_accum_fp32(hidden, grad_logits, grad_weight)
 
 
-def _accumulate_matmul(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """accumulator += a @ b; for low-precision inputs the product is formed in their dtype first
-    (CPU has no mixed-dtype addmm), which rounds once per chunk, not once per accumulation."""
-    if a.dtype == accumulator.dtype:
-        accumulator.addmm_(a, b)
-    else:
-        accumulator.add_(a @ b)
+# ---- generated kernels (fused_kernels: [logprobs]) -----------------------------------------------
+
+
+@compile_kernel
+def _shard_statistics(logits, target, owned, temperature: float, with_entropy: bool):
+    """One pass over a chunk's logits [n, V/TP] (any float dtype): this shard's max m, sum exp(z - m),
+    the label's logit (0 where another shard owns it) and, for the entropy, sum exp(z - m)(z - m)."""
+    z = logits.float() / temperature
+    shard_max = z.amax(dim=1)
+    shifted = z - shard_max.unsqueeze(1)
+    exp_shifted = shifted.exp()
+    target_logit = torch.where(owned, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+    weighted = (exp_shifted * shifted).sum(dim=1) if with_entropy else torch.zeros_like(shard_max)
+    return shard_max, exp_shifted.sum(dim=1), target_logit, weighted
+
+
+@compile_kernel
+def _logit_grads(logits, log_partition, g_logprob, target, owned, temperature: float, entropy, g_entropy):
+    """d loss / d logits of a chunk in the logits' dtype: g_logprob (1[v = label] - p_v), minus
+    g_entropy p_v (log p_v + H) when the entropy has a gradient."""
+    z = logits.float() / temperature
+    log_p = z - log_partition.unsqueeze(1)
+    coefficient = g_logprob.unsqueeze(1)
+    if entropy is not None:
+        coefficient = coefficient + (log_p + entropy.unsqueeze(1)) * g_entropy.unsqueeze(1)
+    columns = torch.arange(z.shape[1], device=z.device)
+    is_label = (columns.unsqueeze(0) == target.unsqueeze(1)) & owned.unsqueeze(1)
+    grad = torch.where(is_label, g_logprob.unsqueeze(1), 0.0) - log_p.exp() * coefficient
+    return (grad / temperature).to(logits.dtype)
+
+
+def _fused_forward_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    tp_group: ProcessGroup | None,
+    *,
+    logprobs: torch.Tensor,
+    log_partition: torch.Tensor,
+    entropy: torch.Tensor | None,
+) -> None:
+    """`_forward_chunk` with one generated kernel over the logits in the GEMM's dtype.
+
+    Each shard sums against its own max; rescaling by exp(m_r - M) to the global max M makes the
+    sums global: sum exp(z - M) = e s_r and sum exp(z - M)(z - M) = e (t_r + (m_r - M) s_r).
+    """
+    target, owned = _local_targets(labels, vocab_start, weight.shape[0])
+    shard_max, shard_sum, target_logit, shard_weighted = _shard_statistics(
+        hidden @ weight.t(), target, owned, temperature, entropy is not None
+    )
+    row_max = shard_max.clone()
+    _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
+    rescale = (shard_max - row_max).exp()
+    stats = [shard_sum * rescale, target_logit]
+    if entropy is not None:
+        stats.append((shard_weighted + (shard_max - row_max) * shard_sum) * rescale)
+    stats = torch.stack(stats, dim=1)
+    _all_reduce(stats, dist.ReduceOp.SUM, tp_group)
+
+    log_sum_exp_shifted = stats[:, 0].log()
+    log_partition.copy_(row_max + log_sum_exp_shifted)
+    logprobs.copy_(stats[:, 1] - log_partition)
+    if entropy is not None:
+        entropy.copy_(log_sum_exp_shifted - stats[:, 2] / stats[:, 0])
+
+
+def _fused_backward_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_start: int,
+    *,
+    log_partition: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """`_backward_chunk` with the logits' gradient as one generated kernel."""
+    target, owned = _local_targets(labels, vocab_start, weight.shape[0])
+    grad_logits = _logit_grads(
+        hidden @ weight.t(), log_partition, grad_logprobs, target, owned, temperature, entropy, grad_entropy
+    )
+    _project_logit_grads(grad_logits.to(weight.dtype), hidden, weight, grad_hidden, grad_weight)

@@ -94,11 +94,13 @@ class ModelRunner:
         *,
         pad_token_id: int = 0,
         logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES,
+        fused_logprobs: bool = False,
     ):
         self.chunks = chunks
         self.parallel = parallel
         self.pad_token_id = pad_token_id
         self.logits_chunk_bytes = logits_chunk_bytes
+        self.fused_logprobs = fused_logprobs  # the head's generated kernels (`BuiltModel.fused_logprobs`)
         self.optimizer = None
         self.router_metrics: RouterMetrics | None = None
         self.device = current_runtime().torch_device
@@ -220,7 +222,10 @@ class ModelRunner:
 
     def _forward_fn(self, temperature: float, with_entropy: bool) -> Callable:
         processor = LogprobOutputProcessor(
-            temperature=temperature, with_entropy=with_entropy, logits_chunk_bytes=self.logits_chunk_bytes
+            temperature=temperature,
+            with_entropy=with_entropy,
+            logits_chunk_bytes=self.logits_chunk_bytes,
+            fused=self.fused_logprobs,
         )
 
         def forward(model, mb: _MicroBatch):

@@ -84,6 +84,8 @@ class BuiltModel:
     provider: Any  # the finalised GPTModelProvider (a TransformerConfig)
     load_report: LoadReport  # cache hit or miss, conversion and load times
     lora: LoraSpec | None = None  # the adapters the chunks carry, if any
+    # the logprob head's generated kernels (compute/logprobs.py), for the runner that scores with it
+    fused_logprobs: bool = False
 
     @property
     def config(self):
@@ -99,6 +101,7 @@ class BuiltModel:
             "rms_norm": any(isinstance(module, FusedRMSNorm) for module in modules),
             "rope": rope.is_fused() and self.provider.position_embedding_type in ("rope", "yarn"),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
+            "logprobs": self.fused_logprobs,
         }
         return tuple(name for name, used in present.items() if used)
 
@@ -240,7 +243,14 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     else:
         reason = "no cache configured" if spec.load_weights else "random initialisation"
         provider, chunks, report = _build_uncached(spec, bridge, runtime, reason=reason)
-    built = BuiltModel(chunks=chunks, bridge=bridge, provider=provider, load_report=report, lora=spec.lora)
+    built = BuiltModel(
+        chunks=chunks,
+        bridge=bridge,
+        provider=provider,
+        load_report=report,
+        lora=spec.lora,
+        fused_logprobs=spec.fused("logprobs", runtime),
+    )
     if torch.distributed.get_rank() == 0:
         logger.info("model weights: %s", report.summary())
         logger.info("fused kernels: %s", ", ".join(built.fused_kernels) or "none (eager PyTorch kernels)")

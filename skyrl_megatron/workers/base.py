@@ -92,7 +92,10 @@ class MegatronWorkerMixin:
         self.built = build_model(self._model_spec(model_path))
         logger.info("skyrl-megatron %s: model ready in %.1f s", self.role, time.perf_counter() - started)
         self.runner = ModelRunner(
-            self.built.chunks, self.parallel_config, pad_token_id=getattr(self, "_pad_token_id", 0) or 0
+            self.built.chunks,
+            self.parallel_config,
+            pad_token_id=getattr(self, "_pad_token_id", 0) or 0,
+            fused_logprobs=self.built.fused_logprobs,
         )
         self.offloader = ModelOffloader(self.built.chunks)
         return self.built
