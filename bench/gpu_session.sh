@@ -17,10 +17,10 @@ VARIANTS=(
     --variant "b16k=$MC.max_tokens_per_microbatch=16384"
     --variant "eager=$MC.fused_kernels=[]"
     --variant "norm=$MC.fused_kernels=[rms_norm]"
-    --variant "all=$MC.fused_kernels=[rms_norm,rope,swiglu]"
+    --variant "all=$MC.fused_kernels=[rms_norm,rope,swiglu,logprobs]"
     --variant "rope=$MC.fused_kernels=[rope]"
     --variant "swiglu=$MC.fused_kernels=[swiglu]"
-    --variant "rs=$MC.fused_kernels=[rope,swiglu]"
+    --variant "rs=$MC.fused_kernels=[rope,swiglu]"  # session 7's default: no logprob-head kernels
     --variant "seg=env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 )
 DEFAULT_JOBS="0 Qwen3-1.7B fsdp2:world1,megatron:world1,megatron:world1@b16k profile
