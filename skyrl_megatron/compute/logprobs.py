@@ -27,6 +27,7 @@ a hook for ``GPTModel.forward(output_processor=...)`` that makes the model retur
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -196,12 +197,6 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, tp_group: ProcessGroup 
         dist.all_reduce(tensor, op=op, group=tp_group)
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """This shard's tempered logits of a chunk, fp32 [tokens, V/TP], in a buffer the caller owns."""
-    logits = (hidden @ weight.t()).float()
-    return logits.div_(temperature) if temperature != 1.0 else logits
-
-
 def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels as column indices into this shard (0 where another rank owns them), and ownership."""
     local = labels - vocab_start
@@ -223,10 +218,11 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         log_partition = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else None
-        forward_chunk = _fused_forward_chunk if fused else _forward_chunk
+        kernels = _GENERATED_KERNELS if fused else _EAGER_KERNELS
         for start in range(0, num_tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            forward_chunk(
+            _forward_chunk(
+                kernels,
                 hidden[rows],
                 weight,
                 labels[rows],
@@ -241,7 +237,7 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, log_partition, entropy)
         ctx.temperature, ctx.chunk_tokens, ctx.vocab_start = temperature, chunk_tokens, vocab_start
-        ctx.fused = fused
+        ctx.kernels = kernels
         return logprobs, entropy
 
     @staticmethod
@@ -255,10 +251,10 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulation across chunks, as into Megatron's main_grad; cast once at the end
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        backward_chunk = _fused_backward_chunk if ctx.fused else _backward_chunk
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
-            backward_chunk(
+            _backward_chunk(
+                ctx.kernels,
                 hidden[rows],
                 weight,
                 labels[rows],
@@ -277,6 +273,7 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
 
 
 def _forward_chunk(
+    kernels: _ChunkKernels,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -288,137 +285,15 @@ def _forward_chunk(
     log_partition: torch.Tensor,
     entropy: torch.Tensor | None,
 ) -> None:
-    """Fill one chunk's logprobs, log-partition (lse) and entropy; two collectives over TP."""
-    logits = _chunk_logits(hidden, weight, temperature)
-    target, owned = _local_targets(labels, vocab_start, weight.shape[0])
-    target_logit = torch.where(owned, logits.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+    """Fill one chunk's logprobs, log-partition (lse) and entropy; two collectives over TP.
 
-    row_max = logits.amax(dim=1)
-    _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
-    shifted = logits.sub_(row_max.unsqueeze(1))
-    # One SUM all-reduce for all per-token statistics: the partition sum, the label's logit
-    # (non-owners add 0) and, for the entropy, sum_v exp(z_v - max) * (z_v - max). Without the
-    # entropy the exponentials overwrite the logits: one chunk buffer instead of two.
-    if entropy is None:
-        stats = [shifted.exp_().sum(dim=1), target_logit]
-    else:
-        exp_shifted = shifted.exp()
-        stats = [exp_shifted.sum(dim=1), target_logit, shifted.mul_(exp_shifted).sum(dim=1)]
-    stats = torch.stack(stats, dim=1)
-    _all_reduce(stats, dist.ReduceOp.SUM, tp_group)
-
-    log_sum_exp_shifted = stats[:, 0].log()
-    log_partition.copy_(row_max + log_sum_exp_shifted)
-    logprobs.copy_(stats[:, 1] - log_partition)
-    if entropy is not None:
-        # H = lse - E_p[z] = log sum exp(z - max) - E_p[z - max]
-        entropy.copy_(log_sum_exp_shifted - stats[:, 2] / stats[:, 0])
-
-
-def _backward_chunk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    vocab_start: int,
-    *,
-    log_partition: torch.Tensor,
-    entropy: torch.Tensor | None,
-    grad_logprobs: torch.Tensor,
-    grad_entropy: torch.Tensor | None,
-    grad_hidden: torch.Tensor | None,
-    grad_weight: torch.Tensor | None,
-) -> None:
-    """Recompute one chunk's probabilities from the saved lse; write its hidden grad, add its weight grad.
-
-    No collective is needed: p_v = exp(z_v - lse) uses the global lse, and the hidden grad is this
-    shard's partial sum, which the region mapping in front of the Function reduces over TP.
-    """
-    g_logprob = grad_logprobs.unsqueeze(1)
-    log_probs = _chunk_logits(hidden, weight, temperature).sub_(log_partition.unsqueeze(1))
-    # d logprob / dz_v = 1[v = label] - p_v;  d entropy / dz_v = -p_v (z_v - E_p[z]) = -p_v (log p_v + H)
-    if grad_entropy is None:
-        grad_logits = log_probs.exp_().mul_(-g_logprob)
-    else:
-        probs = log_probs.exp()
-        coefficient = log_probs.add_(entropy.unsqueeze(1)).mul_(grad_entropy.unsqueeze(1)).add_(g_logprob)
-        grad_logits = probs.mul_(coefficient).neg_()
-    target, owned = _local_targets(labels, vocab_start, weight.shape[0])
-    grad_logits.scatter_add_(1, target.unsqueeze(1), torch.where(owned.unsqueeze(1), g_logprob, 0.0))
-    if temperature != 1.0:
-        grad_logits.div_(temperature)
-    _project_logit_grads(grad_logits.to(weight.dtype), hidden, weight, grad_hidden, grad_weight)
-
-
-def _project_logit_grads(
-    grad_logits: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    grad_hidden: torch.Tensor | None,
-    grad_weight: torch.Tensor | None,
-) -> None:
-    """The chunk's share of both input gradients from the logits' gradient (in the weight's dtype).
-
-    The weight's gradient accumulates in fp32 across chunks through the same GEMM as Megatron's
-    gradient-accumulation fusion (bf16 inputs, fp32 output on CUDA): adding a bf16 [V, h] product
-    into the fp32 buffer instead cost four weight-sized passes per chunk.
-    """
-    if grad_hidden is not None:
-        torch.mm(grad_logits, weight, out=grad_hidden)
-    if grad_weight is not None:
-        wgrad_gemm_accum_fp32(hidden, grad_logits, grad_weight)
-
-
-# ---- generated kernels (fused_kernels: [logprobs]) -----------------------------------------------
-
-
-@compile_kernel
-def _shard_statistics(logits, target, owned, temperature: float, with_entropy: bool):
-    """One pass over a chunk's logits [n, V/TP] (any float dtype): this shard's max m, sum exp(z - m),
-    the label's logit (0 where another shard owns it) and, for the entropy, sum exp(z - m)(z - m)."""
-    z = logits.float() / temperature
-    shard_max = z.amax(dim=1)
-    shifted = z - shard_max.unsqueeze(1)
-    exp_shifted = shifted.exp()
-    target_logit = torch.where(owned, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
-    weighted = (exp_shifted * shifted).sum(dim=1) if with_entropy else torch.zeros_like(shard_max)
-    return shard_max, exp_shifted.sum(dim=1), target_logit, weighted
-
-
-@compile_kernel
-def _logit_grads(logits, log_partition, g_logprob, target, owned, temperature: float, entropy, g_entropy):
-    """d loss / d logits of a chunk in the logits' dtype: g_logprob (1[v = label] - p_v), minus
-    g_entropy p_v (log p_v + H) when the entropy has a gradient."""
-    z = logits.float() / temperature
-    log_p = z - log_partition.unsqueeze(1)
-    coefficient = g_logprob.unsqueeze(1)
-    if entropy is not None:
-        coefficient = coefficient + (log_p + entropy.unsqueeze(1)) * g_entropy.unsqueeze(1)
-    columns = torch.arange(z.shape[1], device=z.device)
-    is_label = (columns.unsqueeze(0) == target.unsqueeze(1)) & owned.unsqueeze(1)
-    grad = torch.where(is_label, g_logprob.unsqueeze(1), 0.0) - log_p.exp() * coefficient
-    return (grad / temperature).to(logits.dtype)
-
-
-def _fused_forward_chunk(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    vocab_start: int,
-    tp_group: ProcessGroup | None,
-    *,
-    logprobs: torch.Tensor,
-    log_partition: torch.Tensor,
-    entropy: torch.Tensor | None,
-) -> None:
-    """`_forward_chunk` with one generated kernel over the logits in the GEMM's dtype.
-
-    Each shard sums against its own max; rescaling by exp(m_r - M) to the global max M makes the
-    sums global: sum exp(z - M) = e s_r and sum exp(z - M)(z - M) = e (t_r + (m_r - M) s_r).
+    Each shard's sums are taken against its own max m_r; rescaling by exp(m_r - M) to the global
+    max M makes them global: sum exp(z - M) = e s_r and sum exp(z - M)(z - M) = e (t_r + (m_r - M) s_r).
+    So the statistics kernel holds no collective, and all per-token sums (the partition sum, the
+    label's logit, where non-owners add 0, and the entropy's) travel in one SUM all-reduce.
     """
     target, owned = _local_targets(labels, vocab_start, weight.shape[0])
-    shard_max, shard_sum, target_logit, shard_weighted = _shard_statistics(
+    shard_max, shard_sum, target_logit, shard_weighted = kernels.statistics(
         hidden @ weight.t(), target, owned, temperature, entropy is not None
     )
     row_max = shard_max.clone()
@@ -434,10 +309,12 @@ def _fused_forward_chunk(
     log_partition.copy_(row_max + log_sum_exp_shifted)
     logprobs.copy_(stats[:, 1] - log_partition)
     if entropy is not None:
+        # H = lse - E_p[z] = log sum exp(z - max) - E_p[z - max]
         entropy.copy_(log_sum_exp_shifted - stats[:, 2] / stats[:, 0])
 
 
-def _fused_backward_chunk(
+def _backward_chunk(
+    kernels: _ChunkKernels,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -451,9 +328,97 @@ def _fused_backward_chunk(
     grad_hidden: torch.Tensor | None,
     grad_weight: torch.Tensor | None,
 ) -> None:
-    """`_backward_chunk` with the logits' gradient as one generated kernel."""
+    """Recompute one chunk's logits; write its hidden grad, add its weight grad.
+
+    No collective is needed: p_v = exp(z_v - lse) uses the global lse, and the hidden grad is this
+    shard's partial sum, which the region mapping in front of the Function reduces over TP. The
+    weight's gradient accumulates in fp32 across chunks through the same GEMM as Megatron's
+    gradient-accumulation fusion (bf16 inputs, fp32 output on CUDA): adding a bf16 [V, h] product
+    into the fp32 buffer instead cost four weight-sized passes per chunk.
+    """
     target, owned = _local_targets(labels, vocab_start, weight.shape[0])
-    grad_logits = _logit_grads(
+    grad_logits = kernels.logit_grads(
         hidden @ weight.t(), log_partition, grad_logprobs, target, owned, temperature, entropy, grad_entropy
-    )
-    _project_logit_grads(grad_logits.to(weight.dtype), hidden, weight, grad_hidden, grad_weight)
+    ).to(weight.dtype)
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden)
+    if grad_weight is not None:
+        wgrad_gemm_accum_fp32(hidden, grad_logits, grad_weight)
+
+
+# ---- the elementwise work of a chunk, eager or generated (fused_kernels: [logprobs]) ----------------
+#
+# Both read the chunk's logits [n, V/TP] as the GEMM wrote them (bf16 in production) and compute in
+# fp32. The eager chain reuses one fp32 copy in place (one chunk buffer, two with the entropy); the
+# generated kernels read the logits once per direction and write nothing [n, V]-sized but the
+# gradient.
+
+
+def _shard_statistics_eager(logits, target, owned, temperature: float, with_entropy: bool):
+    """This shard's max m, sum exp(z - m), the label's logit (0 where another shard owns it) and,
+    for the entropy, sum exp(z - m)(z - m), of the tempered logits z."""
+    z = logits.float()  # the GEMM's own buffer when fp32: this function may overwrite it
+    if temperature != 1.0:
+        z = z.div_(temperature)
+    target_logit = torch.where(owned, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+    shard_max = z.amax(dim=1)
+    shifted = z.sub_(shard_max.unsqueeze(1))
+    if not with_entropy:  # the exponentials overwrite the logits
+        return shard_max, shifted.exp_().sum(dim=1), target_logit, None
+    exp_shifted = shifted.exp()
+    return shard_max, exp_shifted.sum(dim=1), target_logit, shifted.mul_(exp_shifted).sum(dim=1)
+
+
+def _logit_grads_eager(logits, log_partition, g_logprob, target, owned, temperature: float, entropy, g_entropy):
+    """d loss / d z_v: g_logprob (1[v = label] - p_v) - g_entropy p_v (log p_v + H), in fp32.
+
+    (d logprob / dz_v = 1[v = label] - p_v;  d entropy / dz_v = -p_v (z_v - E_p[z]) = -p_v (log p_v + H))
+    """
+    z = logits.float()
+    if temperature != 1.0:
+        z = z.div_(temperature)
+    log_probs = z.sub_(log_partition.unsqueeze(1))
+    g = g_logprob.unsqueeze(1)
+    if entropy is None:
+        grad = log_probs.exp_().mul_(-g)
+    else:
+        probs = log_probs.exp()
+        coefficient = log_probs.add_(entropy.unsqueeze(1)).mul_(g_entropy.unsqueeze(1)).add_(g)
+        grad = probs.mul_(coefficient).neg_()
+    grad.scatter_add_(1, target.unsqueeze(1), torch.where(owned.unsqueeze(1), g, 0.0))
+    return grad.div_(temperature) if temperature != 1.0 else grad
+
+
+def _shard_statistics_generated(logits, target, owned, temperature: float, with_entropy: bool):
+    """`_shard_statistics_eager` as one reduction over the logits, without in-place updates."""
+    z = logits.float() / temperature
+    shard_max = z.amax(dim=1)
+    shifted = z - shard_max.unsqueeze(1)
+    exp_shifted = shifted.exp()
+    target_logit = torch.where(owned, z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0)
+    weighted = (exp_shifted * shifted).sum(dim=1) if with_entropy else None
+    return shard_max, exp_shifted.sum(dim=1), target_logit, weighted
+
+
+def _logit_grads_generated(logits, log_partition, g_logprob, target, owned, temperature: float, entropy, g_entropy):
+    """`_logit_grads_eager` as one elementwise kernel (the label's term by column comparison),
+    written in the logits' dtype."""
+    z = logits.float() / temperature
+    log_p = z - log_partition.unsqueeze(1)
+    coefficient = g_logprob.unsqueeze(1)
+    if entropy is not None:
+        coefficient = coefficient + (log_p + entropy.unsqueeze(1)) * g_entropy.unsqueeze(1)
+    columns = torch.arange(z.shape[1], device=z.device)
+    is_label = (columns.unsqueeze(0) == target.unsqueeze(1)) & owned.unsqueeze(1)
+    grad = torch.where(is_label, g_logprob.unsqueeze(1), 0.0) - log_p.exp() * coefficient
+    return (grad / temperature).to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class _ChunkKernels:
+    statistics: Callable
+    logit_grads: Callable
+
+
+_EAGER_KERNELS = _ChunkKernels(_shard_statistics_eager, _logit_grads_eager)
+_GENERATED_KERNELS = _ChunkKernels(compile_kernel(_shard_statistics_generated), compile_kernel(_logit_grads_generated))
