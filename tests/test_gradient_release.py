@@ -1,10 +1,10 @@
-"""The policy scores with Megatron DDP's gradient buffers released (`offload.gradient_buffers_released`).
+"""Megatron DDP's gradient buffers exist only while the model trains (`compute/gradient_buffers.py`).
 
 The buffers hold fp32 gradients, 4 bytes per trained parameter, that nothing reads between one
-step's optimizer update and the next step's backward. Checked on a real DDP model (CPU, world 1):
-scoring inside the block gives the same logprobs with the buffers' storage gone, the storage comes
-back under the same tensors (every `main_grad` view still points into it), and whatever the
-returned memory holds never reaches the next step's gradients.
+step's optimizer update and the next step's backward; the workers release them after training and
+before scoring. Checked on a real DDP model (CPU, world 1): scoring gives the same logprobs with the
+buffers' storage gone, training brings the storage back under the same tensors (every `main_grad`
+view still points into it), and whatever the returned memory holds never reaches the gradients.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ def _release_and_train(rank, world_size, hf_dir: str) -> dict:
     from skyrl_megatron.parallel import ParallelConfig, init_distributed
     from skyrl_megatron.testing.policy_steps import policy_gradient_objective, train_one_mini_batch
     from skyrl_megatron.testing.rl_batches import make_rl_batch
-    from skyrl_megatron.workers.offload import gradient_buffers_released
 
     init_distributed("cpu")
     batch = make_rl_batch(6, 6, 6, seed=5)
@@ -37,9 +36,11 @@ def _release_and_train(rank, world_size, hf_dir: str) -> dict:
 
     expected = score()
     sizes = [g.untyped_storage().nbytes() for g in grad_buffers]
-    with gradient_buffers_released(built.chunks):
-        during = [g.untyped_storage().nbytes() for g in grad_buffers]
-        released_logprobs = score()
+    freed = runner.gradients.release()
+    assert runner.gradients.release() == 0  # idempotent
+    during = [g.untyped_storage().nbytes() for g in grad_buffers]
+    released_logprobs = score()
+    runner.gradients.restore()  # what train_mini_batch does first; a second restore is a no-op
     after = [g.untyped_storage().nbytes() for g in grad_buffers]
     views_inside = all(
         p.main_grad.untyped_storage().data_ptr() == grad_buffers[0].untyped_storage().data_ptr()
@@ -56,6 +57,7 @@ def _release_and_train(rank, world_size, hf_dir: str) -> dict:
     )
     return {
         "sizes": sizes,
+        "freed": freed,
         "during": during,
         "after": after,
         "views_inside": views_inside,
@@ -66,10 +68,11 @@ def _release_and_train(rank, world_size, hf_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_scoring_runs_without_gradient_storage_and_training_is_unchanged(tmp_path):
+def test_scoring_runs_without_gradient_storage_and_training_brings_it_back_clean(tmp_path):
     make_tiny_hf_model("qwen3", tmp_path, seed=3)
     (result,) = run_on_ranks(_release_and_train, 1, str(tmp_path), timeout=600)
     assert len(result["sizes"]) == 1 and result["sizes"][0] > 0
+    assert result["freed"] == result["sizes"][0]
     assert result["during"] == [0]
     assert result["after"] == result["sizes"]
     assert result["views_inside"]

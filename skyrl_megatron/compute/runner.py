@@ -30,6 +30,7 @@ from skyrl_megatron.compute.batching import (
     pad_plan,
     plan_micro_batches,
 )
+from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
 from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
@@ -105,6 +106,8 @@ class ModelRunner:
         self.router_metrics: RouterMetrics | None = None
         self.device = current_runtime().torch_device
         self.equal_token_counts = dispatch_needs_equal_token_counts(chunks)
+        # DDP's gradient storage: the worker releases it outside training, training brings it back
+        self.gradients = GradientBuffers(chunks)
 
     def attach_optimizer(self, optimizer) -> None:
         """Wire the optimizer and Megatron's gradient hooks into the model config, as the schedules
@@ -311,6 +314,7 @@ class ModelRunner:
         ranks (each micro-batch's metrics are already its share of the mini-batch)."""
         from megatron.core import parallel_state as ps
 
+        self.gradients.restore()
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()

@@ -51,7 +51,6 @@ def policy_steps(
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch, perturb_logprobs
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
-    from skyrl_megatron.workers.offload import gradient_buffers_released
 
     init_distributed("cpu")
     parallel = ParallelConfig(**layout)
@@ -78,8 +77,8 @@ def policy_steps(
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
     batch = {k: v[share] for k, v in full.items()}
-    with gradient_buffers_released(built.chunks):  # as the worker scores
-        old = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
+    runner.gradients.release()  # as the worker scores: without gradient storage
+    old = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
     old_full = torch.zeros(rows, response_length)
     if old is not None:
         old_full[share] = old

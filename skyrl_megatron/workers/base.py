@@ -21,7 +21,7 @@ from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.cache import ConversionCacheSettings
 from skyrl_megatron.model.lora import LoraSpec
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
-from skyrl_megatron.workers.offload import ModelOffloader, gradient_buffers_released
+from skyrl_megatron.workers.offload import ModelOffloader
 from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -118,14 +118,14 @@ class MegatronWorkerMixin:
     def forward(self, data):
         """Logprobs of the response tokens at the sampling temperature: {"output": [B, A]}."""
         response_length = int(data.metadata["response_length"])
-        with gradient_buffers_released(self.built.chunks):
-            logprobs = self.runner.response_logprobs(
-                data["sequences"],
-                data["attention_mask"],
-                response_length,
-                self._batching(self.cfg.trainer.micro_forward_batch_size_per_gpu),
-                temperature=float(self.cfg.generator.sampling_params.temperature),
-            )
+        self.runner.gradients.release()  # scoring needs no gradients (the first score follows the build)
+        logprobs = self.runner.response_logprobs(
+            data["sequences"],
+            data["attention_mask"],
+            response_length,
+            self._batching(self.cfg.trainer.micro_forward_batch_size_per_gpu),
+            temperature=float(self.cfg.generator.sampling_params.temperature),
+        )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here
             logprobs = torch.zeros(data["sequences"].shape[0], response_length)
         return host.training_output({"output": logprobs.cpu()}, dict(data.metadata))

@@ -11,18 +11,18 @@ way. Each call reports the bytes moved and the seconds it took.
 The same code runs in the CPU runtime, where "device" memory is host memory: the copies and
 storage frees are real, which is what the tests check.
 
-`gradient_buffers_released` frees only the DDP gradient buffers, without a copy, while the policy
-scores: their contents (the last step's gradients) are never read again.
+Gradient buffers released between training steps (`compute/gradient_buffers.py`) have no storage
+to move; they are skipped here and come back when training starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from skyrl_megatron.compute.gradient_buffers import ddp_buffers
 
 
 @dataclass
@@ -58,47 +58,11 @@ class _ParkedTensor:
         self.tensor.copy_(self.host, non_blocking=True)
 
 
-def _ddp_buffers(chunk) -> list:
-    """A DDP wrapper's contiguous parameter/gradient buffers (dense and expert); none for a bare
-    module (the reference model), where `buffers` is nn.Module's method."""
-    return [
-        buffer
-        for name in ("buffers", "expert_parallel_buffers")
-        if isinstance(getattr(chunk, name, None), (list, tuple))
-        for buffer in getattr(chunk, name)
-    ]
-
-
-@contextlib.contextmanager
-def gradient_buffers_released(chunks) -> Iterator[None]:
-    """Run the block without the device storage of Megatron DDP's gradient buffers.
-
-    Between training steps they hold the last step's gradients, which nothing reads again: the next
-    `train_mini_batch` zeroes them before its first backward. Scoring (forward only) therefore runs
-    4 bytes per trained parameter lighter (fp32 gradients; 15 GiB at Qwen3-4B). On exit the storage
-    comes back uninitialised under the same tensors, so every parameter's `main_grad` view stays
-    valid. Buffers already offloaded (no storage) are left to the offloader.
-    """
-    released = [
-        (buffer.grad_data, buffer.grad_data.untyped_storage().nbytes())
-        for chunk in chunks
-        for buffer in _ddp_buffers(chunk)
-        if buffer.grad_data is not None and buffer.grad_data.untyped_storage().nbytes() > 0
-    ]
-    for grad_data, _ in released:
-        grad_data.untyped_storage().resize_(0)
-    try:
-        yield
-    finally:
-        for grad_data, nbytes in released:
-            grad_data.untyped_storage().resize_(nbytes)
-
-
 def _model_tensors(chunks) -> list[torch.Tensor]:
     """The tensors that own the model's storage: DDP buffers when wrapped, else each parameter."""
     tensors: list[torch.Tensor] = []
     for chunk in chunks:
-        for buffer in _ddp_buffers(chunk):
+        for buffer in ddp_buffers(chunk):
             tensors.append(buffer.param_data)
             if buffer.grad_data is not None:
                 tensors.append(buffer.grad_data)

@@ -97,6 +97,8 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                 metrics["policy_lr"] = step.lr if step.lr is not None else 0.0
                 for name, value in metrics.items():
                     history[name].append(value)
+        # the step is applied: until the next ppo_train the gradients are dead weight (4 B/param)
+        self.runner.gradients.release()
         status = {name: sum(values) / len(values) for name, values in history.items()}
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
