@@ -54,7 +54,3 @@ class GradientBuffers:
         for grad_data, nbytes in self._released:
             grad_data.untyped_storage().resize_(nbytes)
         self._released = []
-
-    @property
-    def released(self) -> bool:
-        return bool(self._released)
