@@ -67,7 +67,6 @@ class Runtime:
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
             persist_layer_norm=False,
-            moe_grouped_gemm=False,
             moe_permute_fusion=False,
             # Gloo runs a batch_isend_irecv as independent sends and receives; under the interleaved
             # (VPP) training schedule they then pair up with the wrong micro-batch's activations.

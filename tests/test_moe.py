@@ -181,7 +181,7 @@ def _router_and_expert_weights(chunks) -> dict:
     """Router weights and one expert's weight: (value, requires_grad, has a DDP grad buffer)."""
     picked = {}
     for name, param in chunks[0].named_parameters():
-        if ".router." in name or name.endswith("local_experts.0.linear_fc1.weight"):
+        if ".router." in name or name.endswith("experts.linear_fc1.weight0"):
             picked[name] = (param.detach().clone(), param.requires_grad, hasattr(param, "main_grad"))
     return picked
 

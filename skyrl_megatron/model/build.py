@@ -165,6 +165,10 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         # Bridge providers turn on fused MoE token permutation (Qwen3-MoE does), which Megatron-Core
         # implements only through TE and refuses at config time without it, on GPU too.
         settings["moe_permute_fusion"] = False
+    if spec.lora is not None and getattr(provider, "num_moe_experts", None):
+        # Megatron-Bridge's LoRA adapts TE's grouped linears or per-expert linears; without TE the
+        # experts stay per-expert modules (SequentialMLP) so their adapters attach
+        settings["moe_grouped_gemm"] = False
     settings.update(spec.transformer_overrides)
     if not spec.wrap_with_ddp:
         # fused weight-gradient GEMMs accumulate into DDP's `main_grad` buffers; without DDP there

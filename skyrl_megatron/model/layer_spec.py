@@ -54,8 +54,24 @@ def _with_core_attention(layer, core_attention):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=self_attention))
 
 
+def _with_grouped_experts(layer):
+    """A copy of an MoE TransformerLayer spec whose experts run as grouped GEMMs (model/experts.py)."""
+    import functools
+
+    from skyrl_megatron.model.experts import grouped_experts_builder
+
+    moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
+    submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_experts_builder())
+    mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": submodules})
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
 def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False):
-    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention."""
+    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention.
+
+    MoE layers with `moe_grouped_gemm` run their experts as grouped GEMMs (Megatron's local spec
+    would run them one by one, whatever the flag says).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
@@ -74,6 +90,8 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
     norm = FusedTorchNorm if fused_norms else TorchNorm
     layer = _replace_modules(layer, WrappedTorchNorm, norm)
     layer = _with_core_attention(layer, CoreAttention)
+    if config.num_moe_experts and config.moe_grouped_gemm:
+        layer = _with_grouped_experts(layer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
@@ -90,8 +108,11 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False):
         return transformer_engine_layer_spec
     from skyrl_megatron.model.attention import describe_core_attention
 
+    experts = ""
+    if getattr(provider, "num_moe_experts", None):
+        experts = "; experts: " + ("grouped GEMM" if provider.moe_grouped_gemm else "sequential")
     _report(
         f"local (Megatron-Core layers, {'fused' if fused_norms else 'torch'} norms; TE not installed); "
-        f"core attention: {describe_core_attention(runtime)}"
+        f"core attention: {describe_core_attention(runtime)}{experts}"
     )
     return functools.partial(local_block_spec, fused_norms=fused_norms)

@@ -1,0 +1,277 @@
+"""Grouped-GEMM MoE experts without Transformer Engine.
+
+Megatron-Core's local (TE-free) spec runs a layer's experts one after another (`SequentialMLP`: a
+host sync, a split and two small GEMMs per expert). Its `TEGroupedMLP` runs all local experts of a
+layer as two grouped GEMMs, but only its linear layers need TE: the module takes them from its spec
+(`GroupedMLPSubmodules.linear_fc1/linear_fc2`, any builder with the `GroupedLinearFc1Builder`
+signature) and its non-fused forward is plain PyTorch. This module supplies those two linears on
+PyTorch's grouped matrix multiplication (`torch._grouped_mm`: CUTLASS kernels on Hopper, a loop of
+matmuls on CPU), so `moe_grouped_gemm: true` (Megatron-Bridge's default for MoE checkpoints) gives
+grouped experts with or without TE, on GPU and in the CPU runtime alike.
+
+Parameters are named as TE's `GroupedLinear` names them (`weight0` ... `weight{E-1}`, each
+[out, in] of one local expert), so Megatron-Bridge's `linear_fc{1,2}.weight*` mappings, `TEGroupedMLP`'s
+checkpoint layout (interchangeable with `SequentialMLP`'s) and our exports apply unchanged.
+
+The expert weights are stacked into one [E, out, in] operand per GEMM; where they lie back to back
+in memory (as Megatron DDP's buffers place them, see `_GroupedLinear`) the stack is a view,
+otherwise a copy made in the forward and again in the backward, never kept alive in between. Weight
+gradients come out of one grouped GEMM and, under gradient-accumulation fusion, are added into
+DDP's fp32 `main_grad` buffers with one add per back-to-back run (one in all, as DDP lays them out).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+# torch._grouped_mm needs every operand's row stride to be a multiple of 16 bytes.
+_ALIGNMENT_BYTES = 16
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    return all(t.shape[-1] * t.element_size() % _ALIGNMENT_BYTES == 0 for t in tensors)
+
+
+def back_to_back_runs(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """Maximal [start, end) index runs of same-shaped tensors that lie back to back in one storage."""
+    runs, start = [], 0
+    for i in range(1, len(tensors) + 1):
+        if i < len(tensors):
+            prev, cur = tensors[i - 1], tensors[i]
+            if (
+                prev.is_contiguous()
+                and cur.is_contiguous()
+                and cur.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                and cur.storage_offset() == prev.storage_offset() + prev.numel()
+            ):
+                continue
+        runs.append((start, i))
+        start = i
+    return runs
+
+
+def _run_view(tensors: Sequence[Tensor]) -> Tensor:
+    """[n, rows, cols] view over back-to-back [rows, cols] tensors."""
+    first = tensors[0]
+    rows, cols = first.shape
+    return first.as_strided((len(tensors), rows, cols), (rows * cols, cols, 1), first.storage_offset())
+
+
+def stacked_weights(weights: Sequence[Tensor]) -> Tensor:
+    """[E, out, in] over the experts' [out, in] weights: a view where they lie back to back, else a copy."""
+    if back_to_back_runs(weights) == [(0, len(weights))]:
+        return _run_view(weights)
+    return torch.stack(list(weights))
+
+
+def _grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """torch._grouped_mm, or its definition as a loop of matmuls where the kernel's alignment rules fail.
+
+    2-D x 3-D: rows of `a` split by `offsets` (cumulative ends), group g times b[g].
+    2-D x 2-D: the shared inner dimension split by `offsets`, one [m, n] product per group.
+    """
+    if _aligned(a, b):
+        try:
+            return torch._grouped_mm(a, b, offs=offsets)
+        except RuntimeError:
+            if a.is_cuda:
+                raise
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """y = x_g @ W_g^T per expert g; the stacked weights are rebuilt in backward rather than saved."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, offsets: Tensor, fuse_wgrad: bool, *weights: Tensor) -> Tensor:
+        ctx.fuse_wgrad = fuse_wgrad
+        ctx.save_for_backward(x, offsets, *weights)
+        return _grouped_mm(x, stacked_weights(weights).transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        x, offsets, *weights = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = _grouped_mm(grad_output, stacked_weights(weights), offsets)
+        grad_weights: list[Tensor | None] = [None] * len(weights)
+        if any(ctx.needs_input_grad[3:]):
+            grad_weights = list(_weight_gradients(x, grad_output, offsets, weights, ctx.fuse_wgrad))
+        return grad_input, None, None, *grad_weights
+
+
+def _weight_gradients(x: Tensor, grad_output: Tensor, offsets: Tensor, weights: Sequence[Tensor], fuse: bool):
+    """Per-expert dW = dY_g^T X_g from one grouped GEMM; under fusion added into `main_grad` directly."""
+    fused = fuse and all(hasattr(w, "main_grad") for w in weights)
+    # torch._grouped_mm writes its inputs' dtype only (no fp32 output for bf16 inputs, torch 2.11)
+    grads = _grouped_mm(grad_output.t(), x, offsets)  # [E, out, in]
+    if not fused:
+        return grads.unbind(0)
+    main_grads = [w.main_grad for w in weights]
+    for start, end in back_to_back_runs(main_grads):  # one mixed-dtype add per run of DDP's buffer
+        _run_view(main_grads[start:end]).add_(grads[start:end])
+    # Megatron's DDP hook skips the add for a parameter marked this way; the returned gradient is
+    # a placeholder AccumulateGrad needs (one allocation for all experts, never read).
+    placeholder = torch.empty_like(grads, dtype=weights[0].dtype)
+    for w in weights:
+        if hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+    return placeholder.unbind(0)
+
+
+def grouped_linear(x: Tensor, tokens_per_expert: Sequence[int], weights: Sequence[Tensor], fuse_wgrad: bool = False) -> Tensor:
+    """Expert g's rows of `x` (consecutive, `tokens_per_expert[g]` of them) times weights[g]^T."""
+    ends = torch.tensor(list(tokens_per_expert), dtype=torch.int64).cumsum(0).to(torch.int32)
+    offsets = ends.to(x.device, non_blocking=True)
+    return _GroupedLinearFunction.apply(x, offsets, fuse_wgrad, *weights)
+
+
+class _GroupedLinear(torch.nn.Module):
+    """The local experts' weights of one linear layer of an MoE block, applied as one grouped GEMM.
+
+    Built through `TEGroupedMLP`'s `GroupedLinearFc1Builder` signature. Expert tensor parallelism
+    shards each expert's weight like Megatron's column/row parallel linears (`partition_dim`); the
+    token dispatcher does the communication, so the layer itself has none.
+    """
+
+    partition_dim: int  # 0: column parallel (fc1), 1: row parallel (fc2)
+    tensor_model_parallel = True  # read by Megatron-Bridge to split weights the right way
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        input_size: int,
+        output_size: int,
+        /,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection=None,
+        name: str | None = None,
+    ):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu, set_tensor_model_parallel_attributes
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+        if bias:
+            raise ValueError(
+                "grouped experts without Transformer Engine have no bias: set "
+                "transformer_config_kwargs.moe_grouped_gemm=false for expert layers with a bias"
+            )
+        assert is_expert, "grouped linears hold MoE experts only"
+        self.config = config
+        self.num_local_experts = num_local_experts
+        self.tp_group = pg_collection.expt_tp
+        self.ep_group = pg_collection.ep
+        self.dp_group = pg_collection.expt_dp
+        tp_size = self.tp_group.size()
+        if self.partition_dim == 0:
+            output_size //= tp_size
+        else:
+            input_size //= tp_size
+        self.in_features, self.out_features = input_size, output_size
+        # gradient_accumulation_fusion is only on where DDP gives parameters a main_grad (build.py)
+        self.fuse_wgrad = bool(config.gradient_accumulation_fusion)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        # Registered last to first: Megatron DDP lays its param and grad buffers out in reverse
+        # registration order, so the experts' weights and main_grads then run back to back in
+        # expert order and the grouped GEMM reads (and accumulates into) them without a copy.
+        for index in reversed(range(num_local_experts)):
+            weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+            if config.perform_initialization:
+                if config.use_cpu_initialization:
+                    set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init_method(weight)
+                else:
+                    _initialize_affine_weight_gpu(weight, init_method, self.partition_dim, is_expert=True)
+            else:
+                set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
+            weight.allreduce = False  # reduced over the expert-data-parallel group
+            self.register_parameter(f"weight{index}", weight)
+
+    def expert_weights(self) -> list[Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_local_experts)]
+
+    def forward(self, x: Tensor, tokens_per_expert: Sequence[int]) -> tuple[Tensor, None]:
+        return grouped_linear(x, tokens_per_expert, self.expert_weights(), self.fuse_wgrad), None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """One ShardedTensor per local expert under the global expert axis, as `SequentialMLP` lays them out."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        num_global = self.ep_group.size() * self.num_local_experts
+        first_global = self.ep_group.rank() * self.num_local_experts
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        out = {}
+        for index, weight in enumerate(self.expert_weights()):
+            global_index = first_global + index
+            if singleton:
+                offsets, expert_prefix = sharded_offsets, f"{global_index}.{prefix}"
+            else:
+                offsets = (*sharded_offsets, (len(sharded_offsets), global_index, num_global))
+                expert_prefix = prefix
+            local = make_sharded_tensors_for_checkpoint(
+                {f"{index}.weight": weight},
+                "",
+                {f"{index}.weight": self.partition_dim},
+                offsets,
+                tp_group=self.tp_group,
+                dp_cp_group=self.dp_group,
+            )
+            replace_prefix_for_sharding(local, f"{index}.", expert_prefix)
+            out[f"{prefix}weight{index}"] = local[f"{index}.weight"]
+        return out
+
+
+class ColumnGroupedLinear(_GroupedLinear):
+    """fc1 of every local expert (gate and up rows for SwiGLU), split over expert-TP by output rows."""
+
+    partition_dim = 0
+
+
+class RowGroupedLinear(_GroupedLinear):
+    """fc2 of every local expert, split over expert-TP by input columns."""
+
+    partition_dim = 1
+
+
+def grouped_experts_builder():
+    """The experts entry of a local MoE layer spec: Megatron's TEGroupedMLP over our grouped linears."""
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    _register_with_bridge()
+    import functools
+
+    return functools.partial(
+        TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=ColumnGroupedLinear, linear_fc2=RowGroupedLinear)
+    )
+
+
+def _register_with_bridge() -> None:
+    """Tell Megatron-Bridge's automatic mappings how our linears are split (it keys on class names)."""
+    try:
+        from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    except ImportError:  # the bridge is optional for building a model from a provider
+        return
+    AutoMapping.register_module_type(ColumnGroupedLinear.__name__, "column")
+    AutoMapping.register_module_type(RowGroupedLinear.__name__, "row")

@@ -1,0 +1,144 @@
+"""Grouped-GEMM experts (model/experts.py): the grouped linear against per-expert matmuls, the
+DDP gradient-accumulation contract, and a built MoE model with grouped experts against the same
+checkpoint built with Megatron's SequentialMLP. The layouts test (`test_model_layouts.py`) runs the
+grouped experts under EP2 and TP2 x EP2 against Hugging Face's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron.model.experts import back_to_back_runs, grouped_linear, stacked_weights
+from skyrl_megatron.testing import run_on_ranks
+
+TOKENS_PER_EXPERT = [3, 0, 5, 2]  # an expert with no tokens included
+
+
+def _problem(dtype=torch.float32, din=16, dout=24):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(TOKENS_PER_EXPERT), din, generator=g, dtype=dtype).requires_grad_()
+    weights = [torch.randn(dout, din, generator=g, dtype=dtype).requires_grad_() for _ in TOKENS_PER_EXPERT]
+    grad_out = torch.randn(sum(TOKENS_PER_EXPERT), dout, generator=g, dtype=dtype)
+    return x, weights, grad_out
+
+
+def _per_expert(x, weights):
+    return torch.cat([rows @ w.t() for rows, w in zip(x.split(TOKENS_PER_EXPERT), weights)])
+
+
+@pytest.mark.parametrize("din,dout", [(16, 24), (6, 10)])  # 16-byte aligned rows, and rows that are not
+def test_grouped_linear_equals_per_expert_matmuls(din, dout):
+    x, weights, grad_out = _problem(din=din, dout=dout)
+    out = grouped_linear(x, TOKENS_PER_EXPERT, weights)
+    expected = _per_expert(x, weights)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    got = torch.autograd.grad(out, [x, *weights], grad_out)
+    want = torch.autograd.grad(expected, [x, *weights], grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert torch.count_nonzero(got[2]) == 0  # the expert without tokens gets a zero gradient
+
+
+def test_fused_weight_gradients_accumulate_into_main_grad():
+    """Megatron DDP's contract: add into `main_grad`, mark `grad_added_to_main_grad`, return a placeholder."""
+    x, weights, grad_out = _problem()
+    want = torch.autograd.grad(_per_expert(x, weights), weights, grad_out)
+    for w in weights:
+        w.main_grad = torch.ones_like(w)
+        w.grad_added_to_main_grad = False
+    grouped_linear(x, TOKENS_PER_EXPERT, weights, fuse_wgrad=True).backward(grad_out)
+    for w, expected in zip(weights, want):
+        torch.testing.assert_close(w.main_grad, 1 + expected, rtol=0, atol=1e-5)
+        assert w.grad_added_to_main_grad
+
+
+def test_fused_weight_gradients_add_into_back_to_back_main_grads_per_run():
+    x, weights, grad_out = _problem()
+    want = torch.autograd.grad(_per_expert(x, weights), weights, grad_out)
+    buffer = torch.zeros(len(weights) * weights[0].numel() + 7)
+    for i, w in enumerate(weights):  # experts 0-1 back to back, a gap, then 2-3
+        start = i * w.numel() + (7 if i >= 2 else 0)
+        w.main_grad = buffer[start : start + w.numel()].view(w.shape)
+    assert back_to_back_runs([w.main_grad for w in weights]) == [(0, 2), (2, 4)]
+    grouped_linear(x, TOKENS_PER_EXPERT, weights, fuse_wgrad=True).backward(grad_out)
+    for w, expected in zip(weights, want):
+        torch.testing.assert_close(w.main_grad, expected, rtol=0, atol=1e-5)
+    assert torch.count_nonzero(buffer[2 * weights[0].numel() : 2 * weights[0].numel() + 7]) == 0
+
+
+def test_stacked_weights_is_a_view_when_the_experts_lie_back_to_back():
+    buffer = torch.arange(4 * 6, dtype=torch.float32)
+    back_to_back = [buffer[i * 6 : (i + 1) * 6].view(2, 3) for i in range(4)]
+    view = stacked_weights(back_to_back)
+    assert view.data_ptr() == buffer.data_ptr() and view.shape == (4, 2, 3)
+    torch.testing.assert_close(view, buffer.view(4, 2, 3))
+    scattered = [buffer[i * 6 : i * 6 + 6].view(2, 3) for i in (0, 2, 1, 3)]  # out of order: copied
+    copy = stacked_weights(scattered)
+    assert copy.data_ptr() != buffer.data_ptr()
+    torch.testing.assert_close(copy, torch.stack(scattered))
+
+
+def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool):
+    """World-1 fp32 logits, one backward's expert gradients and the experts' module types."""
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    parallel = ParallelConfig()
+    initialize_model_parallel(parallel)
+    spec = ModelSpec(
+        hf_dir,
+        parallel=parallel,
+        dtype="fp32",
+        wrap_with_ddp=True,
+        # as the policy runs by default: DDP then holds the parameters in its buffers too
+        ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True},
+        transformer_overrides={"moe_grouped_gemm": grouped},
+    )
+    built = build_model(spec)
+    model = built.chunks[0]
+    from skyrl_megatron.model.experts import ColumnGroupedLinear, RowGroupedLinear
+
+    grouped_linears = [m for m in model.modules() if isinstance(m, (ColumnGroupedLinear, RowGroupedLinear))]
+    # DDP's param and grad buffers hold each layer's experts back to back in expert order: the
+    # grouped GEMMs read the weights and accumulate the gradients without a copy
+    runs = {tuple(back_to_back_runs([w.main_grad for w in m.expert_weights()])) for m in grouped_linears}
+    runs |= {tuple(back_to_back_runs(m.expert_weights())) for m in grouped_linears}
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+    logits = model(tokens, torch.arange(12).unsqueeze(0).expand(2, -1), None)
+    logits.float().square().mean().backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+            grads[_expert_key(name)] = grad.detach().clone()
+    kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
+    exported = {k: v.clone() for k, v in built.bridge.export_hf_weights(built.chunks, cpu=True)}
+    return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs}
+
+
+def _expert_key(name: str) -> str:
+    """(layer, fc, expert) from either naming: `...experts.local_experts.3.linear_fc1.weight` or `...experts.linear_fc1.weight3`."""
+    layer = name.split("layers.")[1].split(".")[0]
+    fc = "fc1" if "linear_fc1" in name else "fc2"
+    expert = name.split("local_experts.")[1].split(".")[0] if "local_experts" in name else name.rsplit("weight", 1)[1]
+    return f"{layer}.{fc}.{expert}"
+
+
+@pytest.mark.slow
+def test_grouped_experts_equal_sequential_experts(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    make_tiny_hf_model("qwen3_moe", tmp_path, seed=11)
+    grouped = run_on_ranks(_moe_logits_and_grads, 1, str(tmp_path), True)[0]
+    sequential = run_on_ranks(_moe_logits_and_grads, 1, str(tmp_path), False)[0]
+    assert grouped["kinds"] == ["TEGroupedMLP"] and sequential["kinds"] == ["SequentialMLP"]
+    num_experts = 8
+    assert grouped["runs"] == {((0, num_experts),)} and sequential["runs"] == set()
+    torch.testing.assert_close(grouped["logits"], sequential["logits"], rtol=0, atol=1e-5)
+    assert grouped["grads"].keys() == sequential["grads"].keys() and grouped["grads"]
+    for key, grad in sequential["grads"].items():
+        torch.testing.assert_close(grouped["grads"][key], grad, rtol=0, atol=1e-6, msg=key)
+    assert grouped["export"].keys() == sequential["export"].keys()
+    for name, tensor in sequential["export"].items():
+        assert torch.equal(grouped["export"][name], tensor), name
