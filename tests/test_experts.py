@@ -1,6 +1,6 @@
 """Grouped-GEMM experts (model/experts.py): the grouped linear against per-expert matmuls, the
 DDP gradient-accumulation contract, and a built MoE model with grouped experts against the same
-checkpoint built with Megatron's SequentialMLP. The layouts test (`test_model_layouts.py`) runs the
+checkpoint built with Megatron's SequentialMLP (through a conversion-cache entry the sequential build wrote). The layouts test (`test_model_layouts.py`) runs the
 grouped experts under EP2 and TP2 x EP2 against Hugging Face's logits."""
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def test_stacked_weights_is_a_view_when_the_experts_lie_back_to_back():
     torch.testing.assert_close(copy, torch.stack(scattered))
 
 
-def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool):
+def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_root: str):
     """World-1 fp32 logits, one backward's expert gradients and the experts' module types."""
     from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.cache import ConversionCacheSettings
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -94,6 +95,7 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool):
         # as the policy runs by default: DDP then holds the parameters in its buffers too
         ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True},
         transformer_overrides={"moe_grouped_gemm": grouped},
+        cache=ConversionCacheSettings(root=cache_root),
     )
     built = build_model(spec)
     model = built.chunks[0]
@@ -114,7 +116,7 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool):
             grads[_expert_key(name)] = grad.detach().clone()
     kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
     exported = {k: v.clone() for k, v in built.bridge.export_hf_weights(built.chunks, cpu=True)}
-    return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs}
+    return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs, "cache_hit": built.load_report.hit}
 
 
 def _expert_key(name: str) -> str:
@@ -129,9 +131,13 @@ def _expert_key(name: str) -> str:
 def test_grouped_experts_equal_sequential_experts(tmp_path):
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    make_tiny_hf_model("qwen3_moe", tmp_path, seed=11)
-    grouped = run_on_ranks(_moe_logits_and_grads, 1, str(tmp_path), True)[0]
-    sequential = run_on_ranks(_moe_logits_and_grads, 1, str(tmp_path), False)[0]
+    hf_dir, cache_root = tmp_path / "hf", str(tmp_path / "cache")
+    make_tiny_hf_model("qwen3_moe", hf_dir, seed=11)
+    # the sequential build converts and writes the cache entry; the grouped build loads that entry:
+    # the two layouts' distributed checkpoints are interchangeable
+    sequential = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), False, cache_root)[0]
+    grouped = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), True, cache_root)[0]
+    assert (sequential["cache_hit"], grouped["cache_hit"]) == (False, True)
     assert grouped["kinds"] == ["TEGroupedMLP"] and sequential["kinds"] == ["SequentialMLP"]
     num_experts = 8
     assert grouped["runs"] == {((0, num_experts),)} and sequential["runs"] == set()
