@@ -1,7 +1,8 @@
 """Grouped-GEMM experts (model/experts.py): the grouped linear against per-expert matmuls, the
 DDP gradient-accumulation contract, and a built MoE model with grouped experts against the same
-checkpoint built with Megatron's SequentialMLP (through a conversion-cache entry the sequential build wrote). The layouts test (`test_model_layouts.py`) runs the
-grouped experts under EP2 and TP2 x EP2 against Hugging Face's logits."""
+checkpoint built with Megatron's SequentialMLP, loaded from the conversion-cache entry the
+sequential build wrote. The layouts test (`test_model_layouts.py`) runs the grouped experts under
+EP2 and TP2 x EP2 against Hugging Face's logits."""
 
 from __future__ import annotations
 
