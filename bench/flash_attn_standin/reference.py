@@ -11,6 +11,19 @@ from __future__ import annotations
 import torch
 
 
+def allowed(lq: int, lk: int, window_size=(-1, -1)) -> torch.Tensor:
+    """(lq, lk) bool: which keys each query sees, FlashAttention-2's rule (see the module doc)."""
+    position = torch.arange(lq).unsqueeze(1) + (lk - lq)
+    key = torch.arange(lk).unsqueeze(0)
+    left, right = window_size
+    mask = torch.ones(lq, lk, dtype=torch.bool)
+    if right >= 0:
+        mask &= key <= position + right
+    if left >= 0:
+        mask &= key >= position - left
+    return mask
+
+
 def segment_attention(q, k, v, scale=None, window_size=(-1, -1)):
     """q: (Lq, heads, dim); k, v: (Lk, kv_heads, dim). Returns out (Lq, heads, dim) in q's dtype and
     lse (heads, Lq) float32. Differentiable."""
@@ -20,16 +33,7 @@ def segment_attention(q, k, v, scale=None, window_size=(-1, -1)):
     kf, vf = kf.repeat_interleave(group, dim=0), vf.repeat_interleave(group, dim=0)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (qf @ kf.transpose(1, 2)) * scale
-    lq, lk = q.shape[0], k.shape[0]
-    position = torch.arange(lq).unsqueeze(1) + (lk - lq)
-    key = torch.arange(lk).unsqueeze(0)
-    left, right = window_size
-    allowed = torch.ones(lq, lk, dtype=torch.bool)
-    if right >= 0:
-        allowed &= key <= position + right
-    if left >= 0:
-        allowed &= key >= position - left
-    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    scores = scores.masked_fill(~allowed(q.shape[0], k.shape[0], window_size).to(scores.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ vf
     return out.transpose(0, 1).to(q.dtype), lse
