@@ -161,7 +161,8 @@ def check_transformers() -> None:
     models = {}
     for impl in ("flash_attention_2", "sdpa"):
         torch.manual_seed(3)  # the same weights
-        models[impl] = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.bfloat16).cuda().eval()
+        with torch.device("cuda"):
+            models[impl] = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.bfloat16).eval()
     models["flash_attention_2"].load_state_dict(models["sdpa"].state_dict())
     lengths = [300, 17, 1000, 64]
     ids = [torch.randint(0, 1024, (n,), device="cuda") for n in lengths]
