@@ -64,7 +64,10 @@ result["supports"] = process.keywords["supports_mapping"]
 # the host's imports on its sample-packing path
 from flash_attn.bert_padding import pad_input, unpad_input
 from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
-result["host_imports"] = [pad_input.__module__, cross_entropy_loss.__module__]
+import skyrl_train.model_wrapper as model_wrapper
+import skyrl_train.utils.torch_utils as torch_utils
+result["host_imports"] = [pad_input.__module__, cross_entropy_loss.__module__,
+                          model_wrapper.unpad_input is unpad_input, torch_utils.cross_entropy_loss is cross_entropy_loss]
 
 torch.manual_seed(0)
 heads, kv_heads, dim = 4, 2, 16
@@ -118,6 +121,29 @@ mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
 packed, indices, cu_seqlens, max_seqlen, used = unpad_input(x, mask)
 result["padding"] = {"roundtrip": bool(torch.equal(pad_input(packed, indices, 3, 6), x * mask.unsqueeze(-1))),
                      "cu_seqlens": cu_seqlens.tolist(), "max_seqlen": int(max_seqlen), "tokens": packed.shape[0]}
+# the host's own sample-packing path (HFModelWrapper: unpad, position ids, flash_attention_2, pad
+# back) against its padded path, same weights, bf16; logprobs by torch (Triton needs a GPU)
+from skyrl_megatron import host
+from skyrl_megatron.testing import make_tiny_hf_model
+host.activate()
+mfa.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["supported_devices"] = ((lambda: True, "cuda"),)  # CPU weights allowed
+torch_utils.FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE = False
+model_dir = make_tiny_hf_model("qwen3", sys.argv[3], seed=0)
+prompt, response = 6, 8
+mask = torch.zeros(3, prompt + response, dtype=torch.long)
+for row, (p, r) in enumerate([(6, 8), (3, 5), (4, 1)]):
+    mask[row, prompt - p : prompt + r] = 1
+sequences = torch.randint(1, 200, mask.shape).masked_fill(mask == 0, 0)
+logprobs = {}
+for packed in (True, False):
+    wrapper = model_wrapper.HFModelWrapper(str(model_dir), use_flash_attention_2=packed, bf16=True,
+                                           use_sample_packing=packed)
+    with torch.no_grad():
+        logprobs[packed] = wrapper(sequences, response, attention_mask=mask).float()
+    result.setdefault("host_attention", []).append(wrapper.model.config._attn_implementation)
+valid = mask[:, prompt:].bool()
+result["host_packed_vs_padded"] = float((logprobs[True] - logprobs[False])[valid].abs().max())
+result["host_logprob_scale"] = float(logprobs[False][valid].abs().max())
 print("RESULT " + json.dumps(result))
 """
 
@@ -125,8 +151,9 @@ print("RESULT " + json.dumps(result))
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     site = assemble.assemble(tmp_path_factory.mktemp("standin"))
-    run = subprocess.run([sys.executable, "-c", PROBE, str(site), str(STANDIN)], capture_output=True, text=True,
-                         timeout=300, cwd=site)
+    model_dir = tmp_path_factory.mktemp("tiny_qwen3")
+    run = subprocess.run([sys.executable, "-c", PROBE, str(site), str(STANDIN), str(model_dir)], capture_output=True,
+                         text=True, timeout=300, cwd=site)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stdout[-2000:] + run.stderr[-4000:]
     return site, json.loads(lines[0][len("RESULT "):])
@@ -140,7 +167,8 @@ def test_assembled_package_is_flash_attn_2_8_3_with_the_librarys_own_helpers(pro
     library = assemble.installed_library()
     for name in assemble.LIBRARY_FILES:  # carried unchanged
         assert (site / "flash_attn" / name).read_bytes() == (library / name).read_bytes()
-    assert result["host_imports"] == ["flash_attn.bert_padding", "flash_attn.ops.triton.cross_entropy"]
+    # the host's model wrapper unpads with them, and its logprobs take the Triton cross entropy
+    assert result["host_imports"] == ["flash_attn.bert_padding", "flash_attn.ops.triton.cross_entropy", True, True]
 
 
 def test_transformers_flash_attention_2_loads_the_standins_functions(probe):
@@ -163,6 +191,14 @@ def test_every_transformers_dispatch_branch_is_per_sequence_causal_gqa_attention
     assert diffs["packed"][0] < 2e-2 and diffs["packed"][1] < 5e-2
     assert diffs["padded"] < 2e-2
     assert diffs["single"][0] < 2e-2 and diffs["single"][1] < 5e-2
+
+
+def test_the_hosts_sample_packing_path_through_the_standin_equals_its_padded_path(probe):
+    _, result = probe
+    assert result["host_attention"] == ["flash_attention_2", "eager"]
+    # bf16 logprobs (up to ~6 in size) of a tiny model: 0.03 apart, where a causal mask dropped or
+    # sequences attending across the packed boundary put them 0.25-0.3 apart
+    assert result["host_packed_vs_padded"] < 0.1
 
 
 def test_flash_attns_padding_helpers_round_trip(probe):
