@@ -4,7 +4,8 @@ Its kernels (PyTorch's FlashAttention-2) need CUDA; bench/gpu_flash_attn_standin
 them on the GPU. Here: the assembled package is flash-attn 2.8.3 to transformers (its
 flash_attention_2 integration loads the stand-in's functions), transformers' three dispatch branches
 (packed position ids, padded batch, one unpadded sequence) give per-sequence causal attention with
-GQA, forward and backward, when the kernel is a reference; the host's imports resolve; flash-attn's
+GQA, forward and backward, when the kernel is a reference; the host's imports resolve, and its own
+sample-packing path through the stand-in gives the logprobs of its padded path; flash-attn's
 own padding helpers round-trip; unsupported arguments are refused clearly.
 """
 
