@@ -791,7 +791,9 @@ def flash_attn_for_fsdp2(choice: str, workdir: Path) -> tuple[str | None, str]:
     """Where fsdp2's workers find flash_attn: (a directory for the front of PYTHONPATH or None, what it is)."""
     import importlib.util
 
-    built = importlib.util.find_spec("flash_attn_2_cuda") is not None
+    placeholder = sys.modules.get("flash_attn_2_cuda")  # skyrl_megatron.host registers one without a file
+    built = (getattr(placeholder, "__file__", None) is not None if placeholder is not None
+             else importlib.util.find_spec("flash_attn_2_cuda") is not None)
     if choice == "installed" or (choice == "auto" and built):
         if not built:
             raise SystemExit("--fsdp-flash-attn installed: flash-attn's CUDA extension (flash_attn_2_cuda) is not "

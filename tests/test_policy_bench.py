@@ -373,3 +373,17 @@ def test_render_labels_which_fsdp2_is_which(tmp_path):
     old = {**report, "cases": cases[:2]}
     del old["fsdp_packed_rows"]  # an earlier report: its fsdp2 was the padded SDPA baseline
     assert bench.case_label(old, cases[1]) == "FSDP2 SDPA padded world1"
+
+
+def test_fsdp2_gets_the_standin_where_flash_attn_has_no_cuda_build(tmp_path, monkeypatch):
+    import types
+
+    bench = _bench_module()
+    with pytest.raises(SystemExit, match="flash_attn_2_cuda.* is not importable here; use --fsdp-flash-attn standin"):
+        bench.flash_attn_for_fsdp2("installed", tmp_path)
+    # the host's placeholder for the missing extension does not count as a build
+    monkeypatch.setitem(sys.modules, "flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
+    site, what = bench.flash_attn_for_fsdp2("auto", tmp_path)
+    assert what.startswith("stand-in") and Path(site) == tmp_path / "flash_attn_standin"
+    assert (Path(site) / "flash_attn" / "flash_attn_interface.py").is_file()
+    assert (Path(site) / "flash_attn-2.8.3.dist-info" / "METADATA").read_text().startswith("Metadata-Version")
