@@ -7,13 +7,22 @@
 #   call 1 (carry .whl .whl3):            bash bench/device_setup.sh 1
 #   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
 #
-# .whl:  megatron-core, megatron-bridge, transformers, tokenizers, omegaconf, hydra-core, antlr4
-# .whl2: skyrl-train and its small pure-Python needs (loguru, pydantic, fastapi, opentelemetry, ...)
+# The folders are ignored (.git/info/exclude: /.whl*/); `bash bench/fetch_wheels.sh` rebuilds them
+# on a fresh checkout with `pip download`, at the versions installed in the venv (about 57 and 50
+# MiB: with the working tree, each call stays under 64).
+# .whl:  megatron-core, megatron-bridge, transformers 5.12.1 and tokenizers 0.22 (the image has 5.17
+#        and 0.23; Megatron-Bridge 0.6.2 allows transformers <= 5.12.1), omegaconf, hydra-core, antlr4
+# .whl2: skyrl-train and the small pure-Python packages its imports and Ray's need (loguru, pydantic,
+#        fastapi, starlette, uvicorn, opentelemetry, jsonschema, ...)
 # .whl3, .whl4: the two halves of ray-2.51.1 (cp312 manylinux2014)
 # .whl5: annotated-types, sniffio
-# .whl6: botocore, datasets, multiprocess, torchdata, skyrl-gym (imported by the host trainer), and
-#        flash_attn's Python files (the host imports its padding helpers and Triton cross entropy;
-#        no CUDA extension, so its __init__ is replaced by a version line)
+# .whl6: botocore, jmespath, datasets, multiprocess, dill, torchdata, skyrl-gym (imported by the host
+#        trainer), and flash_attn_pkg: flash-attn 2.8.3's own pure-Python padding helpers and Triton
+#        cross entropy, unchanged (the host imports both). No CUDA extension: its __init__ here is a
+#        version line, and no distribution metadata, so transformers offers no flash_attention_2 to
+#        the megatron and fsdp2_sdpa cases. The fsdp2 case of bench/policy_bench.py assembles
+#        bench/flash_attn_standin (flash-attn's API on PyTorch's FlashAttention-2 kernels, plus these
+#        files) in its work directory and puts it first on that case's PYTHONPATH only.
 set -e
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
 case "$1" in

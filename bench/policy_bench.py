@@ -2,24 +2,33 @@
 
 Both sides run what the host trainer runs between two generation steps, through its own code: the
 host's `RayPPOTrainer.build_models` creates the policy actor group for the strategy
-(`trainer.strategy=megatron`: our workers; `trainer.strategy=fsdp2`: the host's FSDP2 workers with
-HF SDPA attention), then `fwd_logprobs_values_reward` scores the batch (the "forward" phase: the
+(`trainer.strategy=megatron`: our workers; `trainer.strategy=fsdp2`: the host's FSDP2 workers), then `fwd_logprobs_values_reward` scores the batch (the "forward" phase: the
 policy's logprobs of the responses) and `train_critic_and_policy` runs `ppo_train` on it (the
 "train" phase: forward, backward and the optimizer step, one mini-batch). Each case gets a fresh Ray.
 
 The batch is RL-shaped: `--rows` sequences, prompts of 3/4 to all of `--prompt-tokens` (left
 padded), responses drawn log-uniformly between `--min-response` and `--max-response` tokens (a
 long tail: the median is the geometric mean of the bounds, a few rows are near the maximum).
-Weights are random, saved once as an HF checkpoint of the published shape.
+Weights are random, saved once as an HF checkpoint of the published shape (`--layers N` keeps the
+first N layers: MoE widths at a depth that fits, e.g. Qwen3-30B-A3B with 8 layers).
+
+Backends (see BACKENDS): `megatron` (ours); `fsdp2`, the host's FSDP2 workers as a tuned user runs
+them: flash_attention_2 with sample packing (the host unpads each micro-batch's rows into one
+sequence and runs FlashAttention-2's varlen kernels; logprobs through flash-attn's Triton cross
+entropy), no activation checkpointing; `fsdp2_sdpa`, the host's defaults where flash-attn is
+missing: HF SDPA on padded micro-batches. Where flash-attn has no CUDA build for the installed torch
+(the lent GPUs), the `fsdp2` case runs with bench/flash_attn_standin (flash-attn's API on
+PyTorch's own FlashAttention-2 kernels) first on its workers' PYTHONPATH.
 
 Reported per case and phase: median seconds over `--steps` steps after `--warmup` (excluded);
 tokens/s/GPU over the real (unpadded) tokens; MFU against the bf16 matmul peak measured on this GPU
-at start (model FLOPs: 2 x matmul parameters per token plus causal attention, times 3 for training;
-recompute not counted); peak memory allocated per GPU during the phase. Which path ran is recorded
+at start, and against the datasheet's dense bf16 peak (model FLOPs: 2 x matmul parameters per token,
+active experts only, plus causal attention, times 3 for training; recompute not counted); peak memory allocated per GPU during the phase. Which path ran is recorded
 (Transformer Engine or our TE-free spec; FSDP2's attention implementation).
 
     python bench/policy_bench.py --model Qwen3-1.7B --cases megatron:world1,fsdp2:world1
-    python bench/policy_bench.py --model Qwen3-4B --gpus 2 --cases megatron:dp2,megatron:tp2,fsdp2:dp2
+    python bench/policy_bench.py --model Qwen3-4B --cases megatron:dp2,megatron:tp2,fsdp2:dp2,fsdp2_sdpa:dp2
+    python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:tp2ep2,fsdp2:dp2
     python bench/policy_bench.py --smoke     # CPU, tiny shapes: our side only (FSDP2 needs CUDA)
 
 `--markdown FILE` writes (or replaces) this run's section in FILE (docs/benchmarks.md), and `--chart`
@@ -162,12 +171,33 @@ LAYOUTS = {
     "tp2": (2, ["trainer.policy.megatron_config.tensor_model_parallel_size=2"]),
     "tp2dp2": (4, ["trainer.policy.megatron_config.tensor_model_parallel_size=2"]),
     "pp2": (2, ["trainer.policy.megatron_config.pipeline_model_parallel_size=2"]),
+    # MoE: experts over 2 GPUs; attention data-parallel (ep2) or tensor-parallel (tp2ep2: experts
+    # unsplit by TP, expert_tensor_parallel_size=1, so ETP x EP = 2 GPUs)
+    "ep2": (2, ["trainer.policy.megatron_config.expert_model_parallel_size=2"]),
+    "tp2ep2": (2, ["trainer.policy.megatron_config.tensor_model_parallel_size=2",
+                   "trainer.policy.megatron_config.expert_model_parallel_size=2",
+                   "trainer.policy.megatron_config.expert_tensor_parallel_size=1"]),
+    "ep4": (4, ["trainer.policy.megatron_config.expert_model_parallel_size=4"]),
 }
+
+BACKENDS = {
+    "megatron": "ours (Megatron-Core workers)",
+    "fsdp2": "the host's FSDP2 at its best: flash_attention_2, sample packing, no activation checkpointing",
+    "fsdp2_sdpa": "host defaults without flash-attn: HF SDPA on padded micro-batches",
+}
+FSDP_BACKENDS = ("fsdp2", "fsdp2_sdpa")
+FSDP_SHORT = {"fsdp2": "FSDP2 at its best", "fsdp2_sdpa": "host defaults without flash-attn"}
+# Dense bf16 peak of the datasheet (SXM parts), the MFU denominator issue 18 publishes against
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def datasheet_peak_tflops(device_name: str) -> float | None:
+    return next((peak for part, peak in DATASHEET_BF16_TFLOPS.items() if part in device_name), None)
 
 
 @dataclass(frozen=True)
 class Case:
-    backend: str  # megatron | fsdp2
+    backend: str  # a key of BACKENDS
     layout: str
     variant: str = ""  # a --variant name: extra host overrides for this case (one change to measure)
 
@@ -177,11 +207,11 @@ class Case:
         if variant and variant not in (variants or {}):
             raise SystemExit(f"--cases: variant {variant!r} is not defined; add --variant {variant}='key=value;...'")
         backend, _, layout = text.partition(":")
-        if backend not in ("megatron", "fsdp2"):
-            raise SystemExit(f"--cases: backend {backend!r} is not megatron or fsdp2 (e.g. megatron:tp2)")
+        if backend not in BACKENDS:
+            raise SystemExit(f"--cases: backend {backend!r} is not one of {', '.join(BACKENDS)} (e.g. megatron:tp2)")
         if layout not in LAYOUTS:
             raise SystemExit(f"--cases: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-        if backend == "fsdp2" and LAYOUTS[layout][1]:
+        if backend in FSDP_BACKENDS and LAYOUTS[layout][1]:
             raise SystemExit(f"--cases: the host's FSDP2 path has no {layout}; use world1, dp2 or dp4")
         return cls(backend, layout, variant)
 
@@ -201,13 +231,15 @@ class Settings:
     workdir: str
     cpu: bool
     token_budget: int  # ours: packed micro-batches of at most this many tokens
-    fsdp_micro_rows: int  # the host's: padded micro-batches of this many rows
+    fsdp_micro_rows: int  # fsdp2_sdpa: padded micro-batches of this many rows
     recompute: bool
     steps: int
     warmup: int
     variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     profile_dir: str | None = None  # profile one extra step per case and write its tables here
     profile_backends: tuple[str, ...] = ("megatron", "fsdp2")
+    fsdp_packed_rows: int = 8  # fsdp2: rows per micro-batch, packed into one sequence by the host
+    flash_attn_site: str | None = None  # fsdp2: put first on its workers' PYTHONPATH (the stand-in)
 
 
 ENV_PREFIX = "env:"  # a variant entry "env:NAME=VALUE" sets an environment variable for the case
@@ -219,9 +251,14 @@ def host_overrides(case: Case, s: Settings) -> list[str]:
 
 
 def case_environment(case: Case, s: Settings) -> dict[str, str]:
-    """The variant's environment variables (e.g. `env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`)."""
+    """The variant's environment variables (e.g. `env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`),
+    and for `fsdp2` the flash_attn stand-in first on PYTHONPATH (its Ray workers inherit it)."""
     pairs = (o[len(ENV_PREFIX):].partition("=") for o in s.variants.get(case.variant, []) if o.startswith(ENV_PREFIX))
-    return {name: value for name, _, value in pairs}
+    values = {name: value for name, _, value in pairs}
+    if case.backend == "fsdp2" and s.flash_attn_site:
+        rest = values.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        values["PYTHONPATH"] = os.pathsep.join(p for p in (s.flash_attn_site, rest) if p)
+    return values
 
 
 @contextlib.contextmanager
@@ -260,7 +297,17 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
         "trainer.policy.optimizer_config.lr=1e-6",
         "trainer.bf16=" + ("false" if s.cpu else "true"),
     ]
+    rows_per_gpu = s.batch.rows // gpus
     if case.backend == "fsdp2":
+        rows = min(s.fsdp_packed_rows, rows_per_gpu)
+        return common + [
+            "trainer.strategy=fsdp2",
+            "trainer.flash_attn=true",  # FlashAttention-2 varlen kernels
+            "trainer.use_sample_packing=true",  # each micro-batch's rows unpadded into one sequence
+            f"trainer.micro_train_batch_size_per_gpu={rows}",
+            f"trainer.micro_forward_batch_size_per_gpu={rows}",
+        ]
+    if case.backend == "fsdp2_sdpa":
         return common + [
             "trainer.strategy=fsdp2",
             "trainer.flash_attn=false",  # HF SDPA
@@ -349,7 +396,18 @@ class _Measured:
             attention = "TE" if te else "ours (SDPA / varlen)"
             return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels), **threads}
         config = getattr(getattr(model, "model", model), "config", None)
-        return {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"), **threads}
+        path = {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"),
+                "sample_packing": bool(getattr(model, "use_sample_packing", False)), **threads}
+        if getattr(config, "_experts_implementation", None):  # MoE: transformers' experts kernel
+            path["experts"] = config._experts_implementation
+        interface = sys.modules.get("flash_attn.flash_attn_interface")
+        if path["attention"] == "flash_attention_2" and interface is not None:
+            path["flash_attn"] = ("stand-in: torch FA2 varlen" if hasattr(interface, "UnsupportedByStandIn")
+                                  else f"flash-attn {sys.modules['flash_attn'].__version__}")
+        torch_utils = sys.modules.get("skyrl_train.utils.torch_utils")
+        triton_ce = getattr(torch_utils, "FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+        path["logprobs"] = "flash-attn Triton cross entropy" if triton_ce else "torch"
+        return path
 
     def bench_profile_start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -390,9 +448,9 @@ class _Measured:
 @contextlib.contextmanager
 def hf_sdpa_for_eager():
     """While active, the host's `HFModelWrapper` loads its model with HF SDPA attention where it
-    would pick eager. The host offers flash_attention_2 (not installable on the lent GPUs: no CUDA
-    build for their PyTorch) or eager, which materialises [heads, L, L] fp32 scores per layer and
-    runs out of memory on 4k-token rows. SDPA is the baseline issue 6 names."""
+    would pick eager (`fsdp2_sdpa`, trainer.flash_attn=false). The host offers flash_attention_2 or
+    eager, which materialises [heads, L, L] fp32 scores per layer and runs out of memory on 4k-token
+    rows. SDPA is the baseline issue 6 names; flash_attention_2 (`fsdp2`) passes through."""
     from skyrl_train import model_wrapper
 
     original = model_wrapper.AutoModelForCausalLM
@@ -503,6 +561,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
 
     tokens = int(batch["attention_mask"].sum())
     flops = forward_flops(arch, batch["attention_mask"])
+    datasheet = datasheet_peak_tflops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
     result = {"case": case.name, "backend": case.backend, "layout": case.layout, "variant": case.variant,
               "gpus": case.gpus, "path": path,
               "init_seconds": init_seconds, "tokens": tokens, "profile": profile, "phases": {}}
@@ -516,6 +575,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             "median_worker_seconds": statistics.median(in_worker[phase]),
             "tokens_per_s_per_gpu": tokens / median / case.gpus,
             "mfu": None if peak_tflops is None else phase_flops / median / case.gpus / (peak_tflops * 1e12),
+            "mfu_datasheet": None if datasheet is None else phase_flops / median / case.gpus / (datasheet * 1e12),
             "peak_gib": peaks[phase],
         }
     return result
@@ -526,7 +586,22 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
 # ----------------------------------------------------------------------------------------------
 
 
-def write_checkpoint(model: str, out_dir: Path, cpu: bool) -> Path:
+def model_config(model: str, layers: int | None = None):
+    """The HF config of a shape in MODEL_CONFIGS; with `layers`, its first `layers` layers (the
+    published widths at a depth that fits). Built from the edited JSON, so that derived per-layer
+    fields (layer_types) follow the new depth."""
+    from transformers import AutoConfig
+
+    data = json.loads((MODEL_CONFIGS / f"{model}.json").read_text())
+    if layers is not None:
+        data["num_hidden_layers"] = layers
+        data.pop("layer_types", None)
+        if data.get("max_window_layers") is not None:
+            data["max_window_layers"] = min(data["max_window_layers"], layers)
+    return AutoConfig.for_model(**data)
+
+
+def write_checkpoint(model: str, out_dir: Path, cpu: bool, layers: int | None = None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from skyrl_megatron.testing import make_tiny_hf_model
@@ -534,7 +609,7 @@ def write_checkpoint(model: str, out_dir: Path, cpu: bool) -> Path:
 
     if model == SMOKE_MODEL:
         return Path(make_tiny_hf_model("qwen3", out_dir, seed=0))
-    config = AutoConfig.from_pretrained(MODEL_CONFIGS / f"{model}.json")
+    config = model_config(model, layers)
     torch.manual_seed(0)
     with torch.device("cpu" if cpu else "cuda"):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -556,33 +631,81 @@ def markdown_section(report: dict) -> str:
         f"Batch: {b['rows']} sequences, prompts {b['prompt_tokens'] * 3 // 4}-{b['prompt_tokens']} tokens, responses "
         f"log-uniform {b['min_response']}-{b['max_response']} ({report['tokens']} real tokens, "
         f"{b['rows'] * (b['prompt_tokens'] + b['max_response'])} padded). bf16 peak measured: "
-        f"{report['peak_tflops']:.0f} TFLOP/s. Recompute: {'on' if report['recompute'] else 'off'}. "
+        f"{report['peak_tflops']:.0f} TFLOP/s"
+        + (f" (datasheet dense bf16: {report['datasheet_tflops']:.0f})" if report.get("datasheet_tflops") else "")
+        + f". Recompute: {'on' if report['recompute'] else 'off'}. "
         f"Median of {report['steps']} steps after {report['warmup']} warm-up.",
-        *([f"Micro-batches: ours packed, at most {report['token_budget']} tokens each; FSDP2 padded, "
-           f"{report['fsdp_micro_rows']} rows each."] if "token_budget" in report else []),
+        *micro_batch_lines(report),
         *(f"Variant `{name}`: `{'; '.join(overrides)}`." for name, overrides in report["variants"].items()),
         "",
-        "| case | path | phase | s | in worker, s | tokens/s/GPU | MFU | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | path | phase | s | in worker, s | tokens/s/GPU | MFU | MFU (datasheet) | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["cases"]:
-        path = r["path"]["attention"] + (", TE" if r["path"]["transformer_engine"] else "")
-        if "fused_kernels" in r["path"]:
-            path += ", fused: " + (" ".join(r["path"]["fused_kernels"]) or "none")
         for phase, p in r["phases"].items():
             mfu = "-" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"
+            datasheet = "-" if p.get("mfu_datasheet") is None else f"{100 * p['mfu_datasheet']:.1f}%"
             worker = f"{p['median_worker_seconds']:.2f}" if "median_worker_seconds" in p else "-"
-            lines.append(f"| {r['case']} | {path} | {phase} | {p['median_seconds']:.2f} | {worker} | "
-                         f"{p['tokens_per_s_per_gpu']:,.0f} | {mfu} | {p['peak_gib']:.1f} |")
+            lines.append(f"| {r['case']} | {path_cell(r['path'])} | {phase} | {p['median_seconds']:.2f} | {worker} | "
+                         f"{p['tokens_per_s_per_gpu']:,.0f} | {mfu} | {datasheet} | {p['peak_gib']:.1f} |")
     for name, error in report.get("failed", {}).items():
-        lines.append(f"| {name} | - | failed: {_error_line(error)} | - | - | - | - | - |")
+        lines.append(f"| {name} | - | failed: {_error_line(error)} | - | - | - | - | - | - |")
     ratios = speedups(report["cases"])
     if ratios:
         lines += ["", "Against FSDP2 on the same GPUs (tokens/s ratio; memory ratio, lower is better):", ""]
         for (ours, theirs), phase_ratio in ratios.items():
             cells = ", ".join(f"{phase} {speed:.2f}x speed, {memory:.2f}x memory" for phase, (speed, memory) in phase_ratio.items())
-            lines.append(f"- {ours} vs {theirs}: {cells}")
+            label = f" ({FSDP_SHORT[theirs.partition(':')[0]]})" if is_current(report) else ""
+            lines.append(f"- {ours} vs {theirs}{label}: {cells}")
     return "\n".join(lines) + "\n"
+
+
+def is_current(report: dict) -> bool:
+    """Reports from before the `fsdp2` / `fsdp2_sdpa` split called the padded SDPA baseline `fsdp2`."""
+    return "fsdp_packed_rows" in report
+
+
+def micro_batch_lines(report: dict) -> list[str]:
+    if "token_budget" not in report:
+        return []
+    if not is_current(report):
+        return [f"Micro-batches: ours packed, at most {report['token_budget']} tokens each; FSDP2 padded, "
+                f"{report['fsdp_micro_rows']} rows each."]
+    packed = report.get("fsdp_packed_tokens", {})
+    backends = {r["backend"] for r in report["cases"]} | {name.partition(":")[0] for name in report.get("failed", {})}
+    backends |= {name.partition(":")[0] for name in report.get("composed_only", [])}
+    described = {
+        "megatron": f"`megatron`: {BACKENDS['megatron']}, packed micro-batches of at most {report['token_budget']} tokens.",
+        "fsdp2": f"`fsdp2`: {BACKENDS['fsdp2']}; {report['fsdp_packed_rows']} rows per micro-batch packed into one "
+                 f"sequence ({packed.get('mean', 0):,.0f} tokens on average, {packed.get('max', 0):,} at most)"
+                 + (f"; flash_attn: {report['fsdp_flash_attn']}" if report.get("fsdp_flash_attn") else "") + ".",
+        "fsdp2_sdpa": f"`fsdp2_sdpa`: {BACKENDS['fsdp2_sdpa']}, {report['fsdp_micro_rows']} rows each.",
+    }
+    return [" ".join(text for name, text in described.items() if name in backends)]
+
+
+def path_cell(path: dict) -> str:
+    """What ran, compactly: attention kernel, TE, fusions (ours); packing, flash-attn build, experts, logprobs (FSDP2)."""
+    cell = path["attention"] + (", TE" if path["transformer_engine"] else "")
+    if "fused_kernels" in path:
+        cell += ", fused: " + (" ".join(path["fused_kernels"]) or "none")
+    if "sample_packing" in path:
+        cell += ", packed" if path["sample_packing"] else ", padded"
+    if "flash_attn" in path:
+        cell += f" ({path['flash_attn']})"
+    if "experts" in path:
+        cell += f", experts: {path['experts']}"
+    if path.get("logprobs", "").startswith("flash-attn"):
+        cell += ", Triton CE"
+    return cell
+
+
+def case_label(report: dict, r: dict) -> str:
+    """Chart label: which FSDP2 configuration, not only the backend key."""
+    names = {"megatron": "ours", "fsdp2": "FSDP2 best (FA2 packed)", "fsdp2_sdpa": "FSDP2 SDPA padded"}
+    if not is_current(report) and r["backend"] == "fsdp2":
+        names["fsdp2"] = names["fsdp2_sdpa"]
+    return f"{names.get(r['backend'], r['backend'])} {r['layout']}" + (f"@{r['variant']}" if r["variant"] else "")
 
 
 def _error_line(error: str) -> str:
@@ -594,10 +717,11 @@ def _error_line(error: str) -> str:
 
 
 def speedups(cases: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
-    fsdp = {r["gpus"]: r for r in cases if r["backend"] == "fsdp2" and not r["variant"]}
+    """Each of our cases against each FSDP2 backend's plain case on as many GPUs."""
+    fsdp = {(r["backend"], r["gpus"]): r for r in cases if r["backend"] in FSDP_BACKENDS and not r["variant"]}
     ratios = {}
-    for r in cases:
-        theirs = fsdp.get(r["gpus"]) if r["backend"] == "megatron" else None
+    for r, backend in ((r, b) for r in cases if r["backend"] == "megatron" for b in FSDP_BACKENDS):
+        theirs = fsdp.get((backend, r["gpus"]))
         if theirs is None:
             continue
         ratios[(r["case"], theirs["case"])] = {
@@ -634,7 +758,8 @@ def plot(report: dict, out_file: Path) -> None:
     for i, phase in enumerate(phases):
         values = [r["phases"][phase]["tokens_per_s_per_gpu"] for r in cases]
         ax.bar([x + i * width for x in range(len(cases))], values, width, label=phase)
-    ax.set_xticks([x + width * (len(phases) - 1) / 2 for x in range(len(cases))], [r["case"] for r in cases], rotation=15)
+    ax.set_xticks([x + width * (len(phases) - 1) / 2 for x in range(len(cases))], [case_label(report, r) for r in cases],
+                  rotation=15, ha="right")
     ax.set_ylabel("tokens/s per GPU")
     ax.set_title(f"{report['model']} on {report['device']} ({report['date']})")
     ax.legend()
@@ -644,6 +769,43 @@ def plot(report: dict, out_file: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def token_budget_rows(attention_mask: torch.Tensor, token_budget: int) -> int:
+    """fsdp2's default rows per packed micro-batch: the divisor of the batch's rows (the host
+    accumulates gradients over rows / micro rows micro-batches) whose mean packed size is nearest,
+    by ratio, to our token budget."""
+    rows = attention_mask.shape[0]
+    target = token_budget / (float(attention_mask.sum()) / rows)
+    divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+    return min(divisors, key=lambda d: (abs(math.log(d / target)), d))
+
+
+def packed_micro_batch_tokens(attention_mask: torch.Tensor, rows: int) -> dict[str, float]:
+    """Tokens per fsdp2 micro-batch at world 1: the host chunks the batch by `rows` in order."""
+    sizes = [int(chunk.sum()) for chunk in attention_mask.split(rows)]
+    return {"mean": statistics.mean(sizes), "max": max(sizes), "count": len(sizes)}
+
+
+def flash_attn_for_fsdp2(choice: str, workdir: Path) -> tuple[str | None, str]:
+    """Where fsdp2's workers find flash_attn: (a directory for the front of PYTHONPATH or None, what it is)."""
+    import importlib.util
+
+    placeholder = sys.modules.get("flash_attn_2_cuda")  # skyrl_megatron.host registers one without a file
+    built = (getattr(placeholder, "__file__", None) is not None if placeholder is not None
+             else importlib.util.find_spec("flash_attn_2_cuda") is not None)
+    if choice == "installed" or (choice == "auto" and built):
+        if not built:
+            raise SystemExit("--fsdp-flash-attn installed: flash-attn's CUDA extension (flash_attn_2_cuda) is not "
+                             "importable here; use --fsdp-flash-attn standin")
+        import flash_attn
+
+        return None, f"flash-attn {flash_attn.__version__} (CUDA build)"
+    spec = importlib.util.spec_from_file_location("flash_attn_standin_assemble", ROOT / "bench" / "flash_attn_standin" / "assemble.py")
+    assemble = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(assemble)
+    site = assemble.assemble(workdir / "flash_attn_standin")
+    return str(site), "stand-in (bench/flash_attn_standin: PyTorch's FlashAttention-2 kernels, flash-attn's Triton cross entropy)"
 
 
 def publish(report: dict, markdown: Path | None, chart: Path | None) -> None:
@@ -658,8 +820,9 @@ def publish(report: dict, markdown: Path | None, chart: Path | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen3-1.7B", help="a shape in examples/megatron/model_configs")
-    parser.add_argument("--cases", help="backend:layout, comma-separated (default: megatron:world1,fsdp2:world1; "
-                        "with --smoke: megatron:tp2,fsdp2:world1)")
+    parser.add_argument("--cases", help="backend:layout, comma-separated; backends: " + ", ".join(BACKENDS) +
+                        " (default: megatron:world1,fsdp2:world1,fsdp2_sdpa:world1; with --smoke: megatron:tp2 and "
+                        "the two FSDP2 cases, composed only)")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--min-response", type=int, default=64)
@@ -667,7 +830,19 @@ def main(argv: list[str] | None = None) -> int:
     # 8192 by default: about the positions of one FSDP2 micro-batch (2 rows x 4352), so both sides
     # hold a similar activation footprint; Qwen3-4B at 16k does not fit one H200 without recompute
     parser.add_argument("--token-budget", type=int, default=8192, help="ours: tokens per packed micro-batch")
-    parser.add_argument("--fsdp-micro-rows", type=int, default=2, help="the host's FSDP2: rows per micro-batch")
+    parser.add_argument("--fsdp-micro-rows", type=int, default=2, help="fsdp2_sdpa: padded rows per micro-batch")
+    # fsdp2 packs each micro-batch's rows into one sequence; the host cuts micro-batches by rows, not
+    # tokens. By default: the rows whose packed micro-batch holds on average as many tokens as our
+    # --token-budget (8 rows of this batch's ~1.1k mean, ~8.6k tokens), so both sides run about as
+    # many micro-batches of a similar activation footprint. On the 4B at world1 larger micro-batches
+    # leave less headroom (no activation checkpointing, 16 B/param of FSDP2 state, a [tokens,
+    # 151936] logits tensor): try --fsdp-packed-rows 16 where it fits and keep the faster.
+    parser.add_argument("--fsdp-packed-rows", type=int,
+                        help="fsdp2: rows per packed micro-batch (default: token-budget equivalent, see above)")
+    parser.add_argument("--fsdp-flash-attn", choices=("auto", "standin", "installed"), default="auto",
+                        help="fsdp2's flash_attn: the installed CUDA build, or bench/flash_attn_standin (PyTorch's "
+                             "FA2 kernels); auto: the build where its CUDA extension imports, else the stand-in")
+    parser.add_argument("--layers", type=int, help="keep the model's first N layers (e.g. MoE widths that fit)")
     parser.add_argument("--recompute", action="store_true", help="activation recompute on both sides")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME='KEY=VALUE;...'",
                         help="named extra host overrides, used as backend:layout@NAME in --cases")
@@ -693,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.variant:
         name, _, overrides = text.partition("=")
         variants[name] = [o for o in overrides.split(";") if o]
-    default_cases = "megatron:tp2,fsdp2:world1" if args.smoke else "megatron:world1,fsdp2:world1"
+    default_cases = "megatron:tp2,fsdp2:world1,fsdp2_sdpa:world1" if args.smoke else "megatron:world1,fsdp2:world1,fsdp2_sdpa:world1"
     cases = [Case.parse(text, variants) for text in (args.cases or default_cases).split(",")]
     cpu = args.smoke or not torch.cuda.is_available()
     if cpu and not args.smoke:
@@ -721,13 +896,20 @@ def main(argv: list[str] | None = None) -> int:
     logger.add(sys.stderr, level=os.environ.get("LOG_LEVEL", "WARNING"))
 
     workdir = Path(tempfile.mkdtemp(prefix="policy_bench_"))
-    model_dir = write_checkpoint(model, workdir / "model", cpu)
+    model_dir = write_checkpoint(model, workdir / "model", cpu, None if args.smoke else args.layers)
+    if args.layers and not args.smoke:
+        model = f"{model} ({args.layers} layers)"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     arch = ModelArch.from_hf_config(json.loads((model_dir / "config.json").read_text()), name=model)
     batch = rl_batch(batch_shape, arch.vocab_size, tokenizer.pad_token_id)
+    packed_rows = args.fsdp_packed_rows or token_budget_rows(batch["attention_mask"], args.token_budget)
+    flash_attn_site, flash_attn_used = None, None
+    if not cpu and any(case.backend == "fsdp2" for case in cases):
+        flash_attn_site, flash_attn_used = flash_attn_for_fsdp2(args.fsdp_flash_attn, workdir)
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
                         args.recompute, args.steps, args.warmup, variants,
-                        str(args.profile) if args.profile else None, tuple(args.profile_backends.split(",")))
+                        str(args.profile) if args.profile else None, tuple(args.profile_backends.split(",")),
+                        packed_rows, flash_attn_site)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     peak_tflops = measured_bf16_peak_tflops()
@@ -741,9 +923,14 @@ def main(argv: list[str] | None = None) -> int:
         "batch": dataclasses.asdict(batch_shape),
         "tokens": int(batch["attention_mask"].sum()),
         "peak_tflops": peak_tflops or float("nan"),
+        "datasheet_tflops": datasheet_peak_tflops(torch.cuda.get_device_name(0)) if not cpu else None,
         "recompute": args.recompute,
         "token_budget": args.token_budget,
         "fsdp_micro_rows": args.fsdp_micro_rows,
+        "fsdp_packed_rows": packed_rows,
+        "fsdp_packed_tokens": packed_micro_batch_tokens(batch["attention_mask"], packed_rows),
+        "fsdp_flash_attn": flash_attn_used,
+        "layers": args.layers,
         "variants": variants,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -753,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed": {},
     }
     for case in cases:
-        if cpu and case.backend == "fsdp2":
+        if cpu and case.backend in FSDP_BACKENDS:
             compose(case, settings)  # the host's FSDP2 workers need CUDA; the config must still hold
             report["composed_only"].append(case.name)
             print(f"{case.name}: config composed and validated; not run (the host's FSDP2 workers need CUDA)")

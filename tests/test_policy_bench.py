@@ -2,8 +2,9 @@
 
 The smoke run is the harness's real code path on tiny shapes: the host trainer builds our policy
 group at TP=2 through Ray, scores and trains the long-tailed batch, and the report, the markdown
-section and the chart are written. The host's FSDP2 workers need CUDA; on CPU their case is
-composed and validated only, and the report says so. No timing is asserted.
+section and the chart are written. The host's FSDP2 workers need CUDA; on CPU their cases (at its
+best, and the padded SDPA defaults) are composed and validated only, and the report says so. No
+timing is asserted.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
 
     report = json.loads(out.read_text())
-    assert report["composed_only"] == ["fsdp2:world1"]
+    assert report["composed_only"] == ["fsdp2:world1", "fsdp2_sdpa:world1"]
+    assert report["fsdp_packed_rows"] == 8 and report["fsdp_flash_attn"] is None  # nothing assembled on CPU
     (case,) = report["cases"]
     assert (case["case"], case["gpus"]) == ("megatron:tp2", 2)
     path = case["path"]
@@ -128,10 +130,12 @@ def test_bad_cases_are_refused_with_the_fix():
     bench = _bench_module()
     with pytest.raises(SystemExit, match="layout 'tp3' is not one of"):
         bench.Case.parse("megatron:tp3")
-    with pytest.raises(SystemExit, match="backend 'deepspeed' is not megatron or fsdp2"):
+    with pytest.raises(SystemExit, match="backend 'deepspeed' is not one of megatron, fsdp2, fsdp2_sdpa"):
         bench.Case.parse("deepspeed:world1")
     with pytest.raises(SystemExit, match="FSDP2 path has no tp2; use world1, dp2 or dp4"):
         bench.Case.parse("fsdp2:tp2")
+    with pytest.raises(SystemExit, match="FSDP2 path has no ep2; use world1, dp2 or dp4"):
+        bench.Case.parse("fsdp2_sdpa:ep2")
     with pytest.raises(SystemExit, match="variant 'fused' is not defined; add --variant fused="):
         bench.Case.parse("megatron:world1@fused")
 
@@ -264,3 +268,122 @@ def test_a_variant_can_set_environment_variables_for_its_case(tmp_path, monkeypa
     with bench.environment(bench.case_environment(case, settings)):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def _settings(bench, model_dir, **kwargs):
+    return bench.Settings(str(model_dir), bench.BatchShape(), str(model_dir), cpu=True, token_budget=8192,
+                          fsdp_micro_rows=2, recompute=False, steps=1, warmup=1, **kwargs)
+
+
+def test_fsdp2_at_its_best_packs_with_flash_attention_and_the_padded_baseline_stays(tmp_path, monkeypatch):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    bench = _bench_module()
+    make_tiny_hf_model("qwen3", tmp_path, seed=0)
+    settings = _settings(bench, tmp_path, fsdp_packed_rows=8, flash_attn_site="/standin")
+    best, padded = bench.Case.parse("fsdp2:dp2"), bench.Case.parse("fsdp2_sdpa:dp2")
+    cfg = bench.compose(best, settings)  # the host's and our validation accept it
+    assert (cfg.trainer.strategy, cfg.trainer.flash_attn, cfg.trainer.use_sample_packing) == ("fsdp2", True, True)
+    assert cfg.trainer.micro_train_batch_size_per_gpu == cfg.trainer.micro_forward_batch_size_per_gpu == 8
+    assert cfg.trainer.gradient_checkpointing is False
+    cfg = bench.compose(padded, settings)
+    assert (cfg.trainer.flash_attn, cfg.trainer.use_sample_packing, cfg.trainer.micro_train_batch_size_per_gpu) == (False, False, 2)
+    # rows never exceed the rows each GPU holds (dp2: 32 of the default 64)
+    assert "trainer.micro_train_batch_size_per_gpu=32" in bench.host_overrides(bench.Case.parse("fsdp2:dp2"),
+                                                                                _settings(bench, tmp_path, fsdp_packed_rows=64))
+    # the stand-in goes first on PYTHONPATH for fsdp2 only
+    monkeypatch.setenv("PYTHONPATH", "/a:/b")
+    assert bench.case_environment(best, settings) == {"PYTHONPATH": "/standin:/a:/b"}
+    assert bench.case_environment(padded, settings) == {}
+    assert bench.case_environment(bench.Case.parse("megatron:world1"), settings) == {}
+
+
+def test_fsdp2_rows_default_to_our_token_budget_on_average():
+    bench = _bench_module()
+    shape = bench.BatchShape()
+    mask = bench.rl_batch(shape, vocab_size=1000, pad_token_id=0)["attention_mask"]
+    mean_row = float(mask.sum()) / shape.rows  # ~1.1k tokens
+    rows = bench.token_budget_rows(mask, 8192)
+    assert rows == 8 and shape.rows % rows == 0
+    assert abs(rows * mean_row - 8192) < abs(16 * mean_row - 8192) and abs(rows * mean_row - 8192) < abs(4 * mean_row - 8192)
+    packed = bench.packed_micro_batch_tokens(mask, rows)
+    assert packed["count"] == 8 and packed["mean"] == pytest.approx(float(mask.sum()) / 8)
+    assert packed["max"] == max(int(c.sum()) for c in mask.split(8))
+
+
+def test_flops_of_a_moe_model_count_active_experts_and_the_router():
+    from skyrl_megatron.planner.arch import ModelArch
+
+    bench = _bench_module()
+    config = bench.model_config("Qwen3-30B-A3B", layers=2)
+    assert (config.num_hidden_layers, config.num_experts, config.num_experts_per_tok) == (2, 128, 8)
+    arch = ModelArch.from_hf_config(config.to_dict())
+    mask = torch.ones(1, 6, dtype=torch.long)
+    h, layers, heads, kv, d, expert_ffn, experts, top_k, vocab = 2048, 2, 32, 4, 128, 768, 128, 8, 151936
+    per_token = layers * (h * heads * d * 2 + h * kv * d * 2 + top_k * 3 * h * expert_ffn + h * experts) + vocab * h
+    expected = 2 * per_token * 6 + 2 * layers * heads * d * 6**2
+    assert bench.forward_flops(arch, mask) == pytest.approx(expected, rel=1e-12)
+
+
+def test_moe_layouts_compose_for_our_workers(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    bench = _bench_module()
+    make_tiny_hf_model("qwen3_moe", tmp_path, seed=0)
+    settings = _settings(bench, tmp_path)
+    mc = bench.compose(bench.Case.parse("megatron:ep2"), settings).trainer.policy.megatron_config
+    assert (mc.tensor_model_parallel_size, mc.expert_model_parallel_size) == (1, 2)
+    mc = bench.compose(bench.Case.parse("megatron:tp2ep2"), settings).trainer.policy.megatron_config
+    assert (mc.tensor_model_parallel_size, mc.expert_model_parallel_size, mc.expert_tensor_parallel_size) == (2, 2, 1)
+    assert bench.Case.parse("megatron:tp2ep2").gpus == 2
+
+
+def test_render_labels_which_fsdp2_is_which(tmp_path):
+    bench = _bench_module()
+    phase = {"seconds": [1.0], "median_seconds": 1.0, "tokens_per_s_per_gpu": 100.0, "mfu": 0.2, "mfu_datasheet": 0.16,
+             "peak_gib": 10.0}
+    fsdp_path = {"transformer_engine": False, "sample_packing": True, "logprobs": "flash-attn Triton cross entropy"}
+    cases = [
+        {"case": "megatron:world1", "backend": "megatron", "layout": "world1", "variant": "", "gpus": 1,
+         "path": {"transformer_engine": False, "attention": "ours (SDPA / varlen)", "fused_kernels": ["rope"]},
+         "phases": {"forward": {**phase, "tokens_per_s_per_gpu": 300.0}}},
+        {"case": "fsdp2:world1", "backend": "fsdp2", "layout": "world1", "variant": "", "gpus": 1,
+         "path": {**fsdp_path, "attention": "flash_attention_2", "flash_attn": "stand-in: torch FA2 varlen", "experts": "grouped_mm"},
+         "phases": {"forward": {**phase, "tokens_per_s_per_gpu": 200.0}}},
+        {"case": "fsdp2_sdpa:world1", "backend": "fsdp2_sdpa", "layout": "world1", "variant": "", "gpus": 1,
+         "path": {**fsdp_path, "attention": "sdpa", "sample_packing": False}, "phases": {"forward": phase}},
+    ]
+    report = {"model": "Qwen3-30B-A3B (8 layers)", "device": "NVIDIA H200", "max_gpus": 1, "date": "2026-11-24", "command": "c",
+              "batch": {"rows": 64, "prompt_tokens": 256, "min_response": 64, "max_response": 4096}, "tokens": 1000,
+              "peak_tflops": 780.0, "datasheet_tflops": 989.0, "recompute": False, "token_budget": 8192, "fsdp_micro_rows": 2,
+              "fsdp_packed_rows": 8, "fsdp_packed_tokens": {"mean": 8646.5, "max": 15000, "count": 8},
+              "fsdp_flash_attn": "stand-in (x)", "variants": {}, "steps": 1, "warmup": 1, "cases": cases,
+              "composed_only": [], "failed": {}}
+    text = bench.markdown_section(report)
+    assert "`fsdp2`: the host's FSDP2 at its best: flash_attention_2, sample packing, no activation checkpointing; " \
+           "8 rows per micro-batch packed into one sequence (8,646 tokens on average, 15,000 at most); flash_attn: stand-in (x)." in text
+    assert "`fsdp2_sdpa`: host defaults without flash-attn: HF SDPA on padded micro-batches, 2 rows each." in text
+    assert "| fsdp2:world1 | flash_attention_2, packed (stand-in: torch FA2 varlen), experts: grouped_mm, Triton CE | forward |" in text
+    assert "| fsdp2_sdpa:world1 | sdpa, padded, Triton CE | forward | 1.00 | - | 100 | 20.0% | 16.0% | 10.0 |" in text
+    assert "(datasheet dense bf16: 989)" in text
+    assert "- megatron:world1 vs fsdp2:world1 (FSDP2 at its best): forward 1.50x speed" in text
+    assert "- megatron:world1 vs fsdp2_sdpa:world1 (host defaults without flash-attn): forward 3.00x speed" in text
+    assert [bench.case_label(report, r) for r in cases] == ["ours world1", "FSDP2 best (FA2 packed) world1",
+                                                            "FSDP2 SDPA padded world1"]
+    old = {**report, "cases": cases[:2]}
+    del old["fsdp_packed_rows"]  # an earlier report: its fsdp2 was the padded SDPA baseline
+    assert bench.case_label(old, cases[1]) == "FSDP2 SDPA padded world1"
+
+
+def test_fsdp2_gets_the_standin_where_flash_attn_has_no_cuda_build(tmp_path, monkeypatch):
+    import types
+
+    bench = _bench_module()
+    with pytest.raises(SystemExit, match="flash_attn_2_cuda.* is not importable here; use --fsdp-flash-attn standin"):
+        bench.flash_attn_for_fsdp2("installed", tmp_path)
+    # the host's placeholder for the missing extension does not count as a build
+    monkeypatch.setitem(sys.modules, "flash_attn_2_cuda", types.ModuleType("flash_attn_2_cuda"))
+    site, what = bench.flash_attn_for_fsdp2("auto", tmp_path)
+    assert what.startswith("stand-in") and Path(site) == tmp_path / "flash_attn_standin"
+    assert (Path(site) / "flash_attn" / "flash_attn_interface.py").is_file()
+    assert (Path(site) / "flash_attn-2.8.3.dist-info" / "METADATA").read_text().startswith("Metadata-Version")

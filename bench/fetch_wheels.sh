@@ -1,0 +1,74 @@
+#!/bin/bash
+# Rebuild the ignored wheel folders .whl ... .whl6 that bench/device_setup.sh installs on a lent GPU
+# machine (see its header for what goes in which device call). Run in the repository root of a
+# checkout whose .git/info/exclude ignores `/.whl*/`:
+#
+#   bash bench/fetch_wheels.sh            # versions read from the venv ($VENV, default /work/main/.venv)
+#
+# Versions are those installed in $VENV, so the GPU machine runs what CI runs here. Not carried:
+# what the machines' image already has (torch 2.11+cu130, peft, numpy, pandas, pyarrow, triton,
+# aiohttp, protobuf, ...: .library/device/KINDS.md). transformers IS carried: the image has 5.17,
+# Megatron-Bridge 0.6.2 allows at most 5.12.1, and 5.12.1 needs tokenizers < 0.23 (the image has
+# 0.23.2). Each device call carries at most 64 MiB: Ray's wheel (71 MB) travels in two halves.
+set -euo pipefail
+VENV=${VENV:-/work/main/.venv}
+PY="$VENV/bin/python"
+version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+pinned() { for name in "$@"; do echo "$name==$(version "$name")"; done; }
+
+PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+download() {  # download DIR SPEC...: binary wheels for the machine (CPython 3.12, x86-64 Linux), no deps
+    local dir=$1; shift
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${PLATFORMS[@]}" -d "$dir" "$@"
+}
+
+rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6
+mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6
+
+# .whl (call 1): the training stack
+download .whl $(pinned megatron-core megatron-bridge transformers tokenizers omegaconf hydra-core)
+# antlr4's 4.9.3 (the only version hydra-core 1.3.2 takes) is published as an sdist only
+"$PY" -m pip download -q --no-deps --no-binary :all: -d .whl "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
+
+# .whl3 + .whl4: Ray in two halves, joined on the machine by device_setup.sh 2
+tmp=$(mktemp -d)
+download "$tmp" "ray==$(version ray)"
+ray_wheel="ray-$(version ray)-cp312-cp312-manylinux2014_x86_64.whl"  # the name device_setup.sh 2 joins into
+test -f "$tmp/$ray_wheel" || { echo "fetch_wheels: expected $ray_wheel, got $(ls "$tmp")" >&2; exit 1; }
+(cd "$tmp" && split -b 38M "$ray_wheel" raypart_)
+mv "$tmp/raypart_aa" .whl3/
+mv "$tmp/raypart_ab" .whl4/
+test ! -e "$tmp/raypart_ac" || { echo "fetch_wheels: Ray's wheel split in more than two parts" >&2; exit 1; }
+
+# .whl2 (call 2): the host and the small pure-Python packages its imports (and Ray's) need
+download .whl2 $(pinned skyrl-train loguru pydantic pydantic_core typing-inspection fastapi starlette uvicorn \
+    opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
+    opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-http \
+    opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos \
+    jsonschema jsonschema-specifications referencing rpds-py)
+# .whl5 (call 2)
+download .whl5 $(pinned annotated-types sniffio)
+# .whl6 (call 2): imported by the host trainer's modules
+download .whl6 $(pinned botocore jmespath datasets multiprocess dill torchdata skyrl-gym)
+
+# .whl6/flash_attn_pkg: flash-attn 2.8.3's own pure-Python files, unchanged, from its sdist: the
+# padding helpers (the host imports them) and the Triton cross entropy (the host's logprobs). No
+# CUDA extension: device_setup.sh puts a version line in place of its __init__, and
+# bench/flash_attn_standin/ adds attention functions on torch's FlashAttention-2 kernels.
+FA_VERSION=$(version flash_attn)
+# (pip prepares its metadata by running its setup.py: in the venv, which has torch, with no CUDA build)
+FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+    -d "$tmp" "flash-attn==$FA_VERSION"
+tar -xzf "$tmp"/flash_attn-"$FA_VERSION".tar.gz -C "$tmp"
+src="$tmp/flash_attn-$FA_VERSION/flash_attn"
+for file in bert_padding.py ops/__init__.py ops/triton/__init__.py ops/triton/cross_entropy.py; do
+    mkdir -p ".whl6/flash_attn_pkg/$(dirname "$file")"
+    cp "$src/$file" ".whl6/flash_attn_pkg/$file"
+done
+rm -rf "$tmp"
+
+echo "fetch_wheels: MiB per device call (limit 64, the working tree included):"
+echo "  call 1 (.whl .whl3):             $(du -cm .whl .whl3 | tail -1 | cut -f1)"
+echo "  call 2 (.whl2 .whl4 .whl5 .whl6): $(du -cm .whl2 .whl4 .whl5 .whl6 | tail -1 | cut -f1)"
