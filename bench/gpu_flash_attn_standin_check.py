@@ -22,6 +22,7 @@ line per check and exits 1 if any fails.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -162,7 +163,12 @@ def check_transformers() -> None:
     for impl in ("flash_attention_2", "sdpa"):
         torch.manual_seed(3)  # the same weights
         with torch.device("cuda"):
-            models[impl] = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.bfloat16).eval()
+            # a config of its own: from_config records the attention implementation on the config
+            # it is given, so a shared one would leave both models on the last one chosen
+            models[impl] = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=impl, dtype=torch.bfloat16
+            ).eval()
+    assert models["flash_attention_2"].config._attn_implementation == "flash_attention_2"
     models["flash_attention_2"].load_state_dict(models["sdpa"].state_dict())
     lengths = [300, 17, 1000, 64]
     ids = [torch.randint(0, 1024, (n,), device="cuda") for n in lengths]
@@ -176,8 +182,17 @@ def check_transformers() -> None:
             padded_ids[r, : row.numel()], mask[r, : row.numel()] = row, 1
         padded = models["sdpa"](padded_ids, attention_mask=mask).logits
         separate = torch.cat([models["sdpa"](row.unsqueeze(0)).logits[0] for row in ids])
+        separate_fa2 = [models["flash_attention_2"](row.unsqueeze(0)).logits[0] for row in ids]
     unpadded = torch.cat([padded[r, :n] for r, n in enumerate(lengths)])
     baseline = max_diff(unpadded, separate)  # sdpa padded vs sdpa one row at a time: bf16 noise of the model
+    # where a packed difference comes from: each row alone through flash_attention_2 (flash_attn_func),
+    # and each packed segment against its row alone
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for r, n in enumerate(lengths):
+        alone = separate_fa2[r]
+        print(f"INFO row {r} ({n} tokens): fa2 alone vs sdpa alone {max_diff(alone, separate[bounds[r]:bounds[r + 1]]):.3e}; "
+              f"packed segment vs fa2 alone {max_diff(packed[bounds[r]:bounds[r + 1]], alone):.3e}; "
+              f"logit scale {float(alone.abs().max()):.2f}", flush=True)
     record("transformers packed flash_attention_2 vs padded sdpa logits", max_diff(packed, unpadded), baseline,
            limit=2 * baseline + 2e-2)
 

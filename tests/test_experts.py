@@ -116,6 +116,11 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
             grad = param.main_grad if hasattr(param, "main_grad") else param.grad
             grads[_expert_key(name)] = grad.detach().clone()
     kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from skyrl_megatron.model import token_sort
+
+    assert token_dispatcher.sort_chunks_by_idxs is token_sort.sort_chunks_by_idxs  # installed by the build
     exported = {k: v.clone() for k, v in built.bridge.export_hf_weights(built.chunks, cpu=True)}
     return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs, "cache_hit": built.load_report.hit}
 
@@ -149,3 +154,24 @@ def test_grouped_experts_equal_sequential_experts(tmp_path):
     assert grouped["export"].keys() == sequential["export"].keys()
     for name, tensor in sequential["export"].items():
         assert torch.equal(grouped["export"][name], tensor), name
+
+
+@pytest.mark.parametrize("ep_times_tp,local_experts", [(1, 4), (2, 3), (4, 2)])
+def test_token_sort_equals_megatrons_split_and_concatenate(ep_times_tp, local_experts):
+    """The dispatcher's two regroupings (by local expert, and back) against Megatron's own."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from skyrl_megatron.model.token_sort import sort_chunks_by_idxs
+
+    chunks = torch.arange(ep_times_tp * local_experts)
+    by_expert = chunks.reshape(-1, local_experts).T.ravel()  # as the alltoall dispatcher builds them
+    restore = chunks.reshape(local_experts, -1).T.ravel()
+    sizes = torch.randint(0, 5, (ep_times_tp * local_experts,), generator=torch.Generator().manual_seed(ep_times_tp))
+    tokens = torch.randn(int(sizes.sum()), 6)
+    probs = torch.rand(int(sizes.sum()))
+    for order, split in ((by_expert, sizes), (restore, sizes.reshape(-1, local_experts).T.ravel())):
+        got, got_probs = sort_chunks_by_idxs(tokens, split, order, probs=probs)
+        want, want_probs = moe_utils.sort_chunks_by_idxs(tokens, split, order, probs=probs)
+        assert torch.equal(got, want) and torch.equal(got_probs, want_probs)
+    if ep_times_tp == 1:  # one rank: the order is the identity and nothing is copied
+        assert sort_chunks_by_idxs(tokens, sizes, by_expert)[0] is tokens

@@ -27,7 +27,7 @@ from skyrl_megatron.model.bridge_import import have_transformer_engine, import_b
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
-from skyrl_megatron.model import rope, wgrad
+from skyrl_megatron.model import rope, token_sort, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
@@ -236,6 +236,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     runtime = runtime or current_runtime()
     rope.install(fused=spec.fused("rope", runtime))
     wgrad.install()  # before the bridge's provider reads whether wgrad fusion is available
+    token_sort.install()  # MoE token regrouping without host syncs (model/token_sort.py)
     bridge = load_bridge(spec.hf_path)
     if spec.cache is not None and spec.load_weights:
         hf_dir = local_checkpoint_dir(spec.hf_path)

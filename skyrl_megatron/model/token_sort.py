@@ -1,0 +1,78 @@
+"""Reordering MoE tokens between expert-parallel ranks and local experts on the device.
+
+After the all-to-all, Megatron's alltoall dispatcher holds the received tokens grouped by source
+rank, then expert ([EP x TP, local experts] chunks), and regroups them by expert, then rank, for
+the grouped expert GEMMs (and back after them). Without Transformer Engine's fused kernel,
+`moe_utils.sort_chunks_by_idxs` does that with a host-side split into every chunk and a
+concatenation: four device-to-host syncs, one copy per chunk and a full copy of the tokens per
+call, twice per MoE layer and pass, even with one EP rank, where the order does not change at all.
+
+`sort_chunks_by_idxs` below computes the same reordering as one on-device gather (no host sync)
+and returns its input untouched when the chunk order is the identity. `install()` puts it in the
+dispatcher's namespace in place of Megatron's non-fused version; TE's fused kernel, where TE is
+installed, is left to Megatron.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_INSTALLED = False
+
+
+def chunk_order_rows(split_sizes: Tensor, sorted_idxs: Tensor, total: int) -> Tensor:
+    """Row indices of the input, in output order, for chunks of `split_sizes` taken in `sorted_idxs` order."""
+    sizes = split_sizes.to(torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes
+    out_sizes = sizes[sorted_idxs]
+    out_starts = torch.cumsum(out_sizes, 0) - out_sizes
+    # each output row: its chunk's start in the input plus its offset inside the chunk
+    chunk_start = torch.repeat_interleave(starts[sorted_idxs], out_sizes, output_size=total)
+    offset = torch.arange(total, device=sizes.device) - torch.repeat_interleave(out_starts, out_sizes, output_size=total)
+    return chunk_start + offset
+
+
+def sort_chunks_by_idxs(input: Tensor, split_sizes: Tensor, sorted_idxs: Tensor, probs: Tensor | None = None, fused: bool = False):
+    """Megatron's `moe_utils.sort_chunks_by_idxs` (same arguments and results) without host syncs."""
+    if fused:
+        from megatron.core.transformer.moe import moe_utils
+
+        return moe_utils.sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=probs, fused=True)
+    if _is_identity(sorted_idxs):
+        return input, probs
+    order = _on_device(sorted_idxs, input.device)
+    rows = chunk_order_rows(split_sizes.to(input.device, non_blocking=True), order, input.shape[0])
+    return input.index_select(0, rows), (probs.index_select(0, rows) if probs is not None else None)
+
+
+def _is_identity(sorted_idxs: Tensor) -> bool:
+    """Whether a chunk order changes nothing (decided once per order tensor: the dispatcher builds its
+    orders at construction and reuses them)."""
+    cached = getattr(sorted_idxs, "_skyrl_identity", None)
+    if cached is None:
+        cached = bool(torch.equal(sorted_idxs.cpu(), torch.arange(sorted_idxs.numel())))
+        sorted_idxs._skyrl_identity = cached
+    return cached
+
+
+def _on_device(sorted_idxs: Tensor, device: torch.device) -> Tensor:
+    """The order on the tokens' device, copied once per order tensor (Megatron keeps it on the host)."""
+    if sorted_idxs.device == device:
+        return sorted_idxs
+    cached = getattr(sorted_idxs, "_skyrl_on_device", None)
+    if cached is None or cached.device != device:
+        cached = sorted_idxs.to(device)
+        sorted_idxs._skyrl_on_device = cached
+    return cached
+
+
+def install() -> None:
+    """Use the on-device reordering in Megatron's token dispatchers (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks_by_idxs
+    _INSTALLED = True
