@@ -197,6 +197,17 @@ def check_transformers() -> None:
            limit=2 * baseline + 2e-2)
 
 
+def _milliseconds(fn, warmup: int = 3, repeats: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def time_it() -> None:
     """Forward + backward of one packed 8192-token micro-batch at Qwen3-4B's attention shape: the
     stand-in against SDPA's flash backend on the same rows padded (reported, not asserted)."""
@@ -212,14 +223,7 @@ def time_it() -> None:
         out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
         out.backward(torch.ones_like(out))
 
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        run()
-    torch.cuda.synchronize()
-    varlen_ms = (time.perf_counter() - start) / 10 * 1e3
+    varlen_ms = _milliseconds(run)
     qp = torch.randn(len(lengths), 32, max(lengths), 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kp, vp = (torch.randn(len(lengths), 8, max(lengths), 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 
@@ -228,14 +232,7 @@ def time_it() -> None:
             out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
         out.backward(torch.ones_like(out))
 
-    for _ in range(3):
-        run_padded()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        run_padded()
-    torch.cuda.synchronize()
-    padded_ms = (time.perf_counter() - start) / 10 * 1e3
+    padded_ms = _milliseconds(run_padded)
     results.append({"check": "timing", "varlen_fwd_bwd_ms": varlen_ms, "padded_sdpa_fwd_bwd_ms": padded_ms, "ok": True})
     print(f"TIME packed {total} tokens fwd+bwd: stand-in varlen {varlen_ms:.2f} ms; padded SDPA flash {padded_ms:.2f} ms")
 

@@ -1,43 +1,55 @@
 #!/bin/bash
-# Issue 6 on a multi-GPU machine: policy_bench processes side by side on disjoint GPUs (each starts
-# its own Ray), the host's FSDP2 path and ours in one process wherever a ratio is published. Run
-# after `source bench/device_setup.sh 2` in the same device call:
+# Issue 18 (and 17's MoE rows) in one device call: the flash_attn stand-in's GPU parity check, then
+# policy_bench processes side by side on disjoint GPUs (each starts its own Ray), every job running
+# ours and the host's FSDP2 in one process. After call 1 of bench/device_setup.sh, on nvidia-h200-x2:
 #
 #   source bench/device_setup.sh 2 && bash bench/gpu_session.sh $OUT
 #
-# BENCH_JOBS lists one job per line, "GPUS MODEL CASES [profile]" (GPUS as CUDA_VISIBLE_DEVICES);
-# the default is session 6's run. Every variant below is defined for every job. Reports go to
-# $OUT/<model>_<gpus>.json, profiles of our cases to $OUT/p_<model>_<gpus>/, logs to $OUT/logs.txt
-# (the device tool returns at most 8 files).
+# S9_JOBS lists one job per line, "GPUS MODEL CASES [policy_bench arguments...]" (GPUS as
+# CUDA_VISIBLE_DEVICES). Default: dense Qwen3-1.7B on GPU 0 and Qwen3-4B on GPU 1, each with fsdp2
+# (the host's FSDP2 at its best), megatron, and fsdp2_sdpa (host defaults without flash-attn) last:
+# the slowest case, and a report is written after every case, so a cut keeps the others. MoE, e.g.:
+#
+#   S9_JOBS="0 Qwen3-30B-A3B fsdp2:world1,megatron:world1 --layers 8
+#   1 Qwen3-30B-A3B fsdp2:world1,megatron:world1@b16k --layers 8"          # EP1 (one GPU each)
+#   S9_JOBS="0,1 Qwen3-30B-A3B megatron:ep2,megatron:tp2ep2,fsdp2:dp2 --layers 8"  # two GPUs
+#
+# Also: BENCH_ARGS (to every job, e.g. "--steps 2"), BENCH_TIMEOUT (seconds per job, default 470:
+# with the check, the call ends inside the device's 600 s), S9_CHECK=0 (skip the parity check).
+# Files (the device returns at most 8): $OUT/standin.json, $OUT/<model>_<gpus>.json and .png per
+# job, $OUT/logs.txt. Render the markdown here later: python bench/policy_bench.py --render J --markdown M
 set -u
 OUT=${1:?usage: bash bench/gpu_session.sh OUT_DIR}
-BENCH="timeout ${BENCH_TIMEOUT:-560} python bench/policy_bench.py ${BENCH_ARGS:-}"
 MC=trainer.policy.megatron_config
 VARIANTS=(
     --variant "b16k=$MC.max_tokens_per_microbatch=16384"
-    --variant "eager=$MC.fused_kernels=[]"
-    --variant "norm=$MC.fused_kernels=[rms_norm]"
-    --variant "all=$MC.fused_kernels=[rms_norm,rope,swiglu,logprobs]"
-    --variant "rope=$MC.fused_kernels=[rope]"
-    --variant "swiglu=$MC.fused_kernels=[swiglu]"
-    --variant "rs=$MC.fused_kernels=[rope,swiglu]"  # session 7's default: no logprob-head kernels
-    --variant "seg=env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    --variant "rows16=trainer.micro_train_batch_size_per_gpu=16;trainer.micro_forward_batch_size_per_gpu=16"
 )
-DEFAULT_JOBS="0 Qwen3-1.7B fsdp2:world1,megatron:world1,megatron:world1@b16k profile
-1 Qwen3-4B fsdp2:world1,megatron:world1 profile
-2,3 Qwen3-1.7B fsdp2:dp2,megatron:dp2,megatron:tp2"
+DEFAULT_JOBS="0 Qwen3-1.7B fsdp2:world1,megatron:world1,fsdp2_sdpa:world1
+1 Qwen3-4B fsdp2:world1,megatron:world1,fsdp2_sdpa:world1"
 LOGS=$(mktemp -d)
-while read -r gpus model cases profile; do
+
+if [ "${S9_CHECK:-1}" != 0 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout 90 python bench/gpu_flash_attn_standin_check.py --out "$OUT/standin.json" \
+        > "$LOGS/0_standin.log" 2>&1
+    grep -E "^(FAIL|TIME|flash_attn stand-in|stand-in)" "$LOGS/0_standin.log"
+fi
+
+while read -r gpus model cases extra; do
     [ -z "$gpus" ] && continue
-    tag="${model,,}_${gpus//,/}"
-    extra=()
-    [ "${profile:-}" = profile ] && extra=(--profile "$OUT/p_$tag" --profile-backends megatron)
-    CUDA_VISIBLE_DEVICES=$gpus $BENCH --model "$model" --cases "$cases" "${VARIANTS[@]}" "${extra[@]}" \
-        --out "$OUT/$tag.json" > "$LOGS/$tag.log" 2>&1 &
-done <<< "${BENCH_JOBS:-$DEFAULT_JOBS}"
+    tag="$(echo "$model" | tr 'A-Z.' 'a-z_')_${gpus//,/}"
+    # shellcheck disable=SC2086  # extra and BENCH_ARGS are word lists
+    CUDA_VISIBLE_DEVICES=$gpus timeout "${BENCH_TIMEOUT:-470}" python bench/policy_bench.py --model "$model" \
+        --cases "$cases" "${VARIANTS[@]}" ${extra:-} ${BENCH_ARGS:-} \
+        --out "$OUT/$tag.json" --chart "$OUT/$tag.png" > "$LOGS/$tag.log" 2>&1 &
+done <<< "${S9_JOBS:-$DEFAULT_JOBS}"
 wait
 for log in "$LOGS"/*.log; do
     echo "=== $(basename "$log")"
-    grep -v -i -E "warn|^\s*$" "$log" | tail -n 300
+    grep -v -i -E "warn|^\s*$" "$log" | tail -n 200
 done > "$OUT/logs.txt"
-grep -h -E " step |FAILED|profiled step|^\| " "$LOGS"/*.log
+for log in "$LOGS"/*.log; do
+    [ "$(basename "$log")" = 0_standin.log ] && continue
+    echo "=== $(basename "$log" .log)"
+    grep -h -E "FAILED|^(Micro-batches|\`megatron\`)|^\| |^- megatron" "$log" | grep -v "^|---"
+done
