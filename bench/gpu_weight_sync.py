@@ -164,7 +164,7 @@ async def _sync(built, strategy: str, client) -> dict:
     """What our policy worker's init_weight_sync_state + broadcast_to_inference_engines do, timed."""
     from skyrl_train.weight_sync import get_transfer_strategy_cls
 
-    from skyrl_megatron import host
+    from skyrl_megatron import host_api
     from skyrl_megatron.weights import iter_weight_buckets
 
     cfg = _strategy_config(strategy)
@@ -179,9 +179,9 @@ async def _sync(built, strategy: str, client) -> dict:
     dist.barrier()
     torch.cuda.synchronize()
     started = time.perf_counter()
-    buckets = iter_weight_buckets(built, host.weight_sync_bucket_bytes(cfg, strategy_cls), dtype=torch.bfloat16,
+    buckets = iter_weight_buckets(built, host_api.weight_sync_bucket_bytes(cfg, strategy_cls), dtype=torch.bfloat16,
                                   device=torch.cuda.current_device())
-    await sender.send_chunks(host.weight_chunk(b) for b in buckets)
+    await sender.send_chunks(host_api.weight_chunk(b) for b in buckets)
     torch.cuda.synchronize()
     dist.barrier()
     seconds = time.perf_counter() - started

@@ -335,7 +335,7 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
 
 def compose(case: Case, s: Settings):
     from skyrl_megatron.cli import compose_config
-    from skyrl_megatron.config import validate_config
+    from skyrl_megatron.validation import validate_config
     from skyrl_megatron.host import validate_host_config
 
     cfg = compose_config(host_overrides(case, s))

@@ -16,7 +16,8 @@ from importlib import resources
 
 import hydra
 
-from skyrl_megatron.config import ConfigError, validate_config
+from skyrl_megatron.config import ConfigError
+from skyrl_megatron.validation import validate_config
 
 CONFIG_NAME = "skyrl_megatron"
 

@@ -1,7 +1,7 @@
 """Typed view of the ``megatron_config`` group and up-front validation.
 
 The YAML lives in ``config/megatron/{policy,ref,critic}.yaml`` and is composed into the host's config
-at ``trainer.<role>.megatron_config``. :func:`validate_config` runs before Ray or any model is
+at ``trainer.<role>.megatron_config``. :func:`check_config` runs before Ray or any model is
 touched, collects every problem it finds, and raises one :class:`ConfigError` whose lines each name
 the key, what is wrong, and the fix.
 """
@@ -460,9 +460,28 @@ def _fused_kernel_problems(key: str, names) -> list[Problem]:
     ]
 
 
-def _moe_backend_problems(prefix: str, settings: MoeSettings) -> list[Problem]:
-    from skyrl_megatron.model.moe import flex_backend_problem
+def flex_backend_available(backend: str) -> bool:
+    """Whether Megatron found the flex dispatcher's communication library (DeepEP ships both backends)."""
+    with quiet_megatron_import():
+        from megatron.core.transformer.moe import fused_a2a
 
+    return {"deepep": fused_a2a.HAVE_DEEP_EP, "hybridep": fused_a2a.HAVE_HYBRIDEP}.get(backend, False)
+
+
+def flex_backend_problem(settings: MoeSettings, prefix: str = "megatron_config.moe_config") -> Problem | None:
+    """The flex dispatcher without its backend installed (Megatron's own ImportError, raised while the
+    model is built on every rank, names no config key)."""
+    if settings.token_dispatcher != "flex" or flex_backend_available(settings.flex_backend):
+        return None
+    library = "deep_ep.HybridEPBuffer" if settings.flex_backend == "hybridep" else "deep_ep (DeepEP)"
+    return Problem(
+        f"{prefix}.token_dispatcher",
+        f"the flex dispatcher with backend {settings.flex_backend!r} needs {library}, which is not importable here",
+        "install DeepEP on every worker node, or set token_dispatcher to alltoall or allgather",
+    )
+
+
+def _moe_backend_problems(prefix: str, settings: MoeSettings) -> list[Problem]:
     problem = flex_backend_problem(settings, prefix)
     return [problem] if problem is not None else []
 
@@ -581,8 +600,10 @@ def check_inference_engine(cfg) -> list[Problem]:
     ]
 
 
-def validate_config(cfg, *, run_host_checks: bool = True) -> None:
-    """Check the whole composed config; raise one ConfigError listing every problem."""
+def check_config(cfg) -> None:
+    """Check the whole composed config against our rules; raise one ConfigError listing every problem.
+
+    The host's own checks come after these (`validation.validate_config` runs both)."""
     problems = check_strategy(cfg)
     if problems:
         raise ConfigError(problems)
@@ -595,7 +616,3 @@ def validate_config(cfg, *, run_host_checks: bool = True) -> None:
             problems += check_megatron_role(cfg, role, shape)
     if problems:
         raise ConfigError(problems)
-    if run_host_checks:
-        from skyrl_megatron.host import validate_host_config
-
-        validate_host_config(cfg)

@@ -85,7 +85,7 @@ class WeightBucket:
     """Full HF tensors to be sent together, with their metadata.
 
     Field for field the host's ``skyrl_train.weight_sync.WeightChunk`` (dtypes spelled ``str(torch.dtype)``,
-    e.g. ``"torch.bfloat16"``, shapes as lists of ints); :func:`skyrl_megatron.host.weight_chunk` converts.
+    e.g. ``"torch.bfloat16"``, shapes as lists of ints); :func:`skyrl_megatron.host_api.weight_chunk` converts.
     """
 
     names: list[str]

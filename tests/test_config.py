@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_megatron.config import ConfigError, MegatronWorkerConfig, validate_config
+from skyrl_megatron.config import ConfigError, MegatronWorkerConfig
+from skyrl_megatron.validation import validate_config
 
 MC = "trainer.policy.megatron_config"
 

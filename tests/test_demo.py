@@ -42,7 +42,7 @@ def test_prompt_file_loads_in_the_hosts_dataset(tmp_path):
 
 def test_demo_config_composes_and_passes_every_check(tmp_path):
     from skyrl_megatron.cli import compose_config
-    from skyrl_megatron.config import validate_config
+    from skyrl_megatron.validation import validate_config
     from skyrl_megatron.demo.__main__ import demo_overrides, prepare
 
     model_dir, prompts = prepare(tmp_path, steps=2)
@@ -54,7 +54,8 @@ def test_demo_config_composes_and_passes_every_check(tmp_path):
 
 def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path):
     from skyrl_megatron.cli import compose_config
-    from skyrl_megatron.config import ConfigError, validate_config
+    from skyrl_megatron.config import ConfigError
+    from skyrl_megatron.validation import validate_config
     from skyrl_megatron.demo.__main__ import demo_overrides, prepare
 
     model_dir, prompts = prepare(tmp_path, steps=2)

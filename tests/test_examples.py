@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_megatron.cli import compose_config
-from skyrl_megatron.config import validate_config
+from skyrl_megatron.validation import validate_config
 from skyrl_megatron.planner.cli import build_parser
 from skyrl_megatron.planner.cli import main as plan_main
 

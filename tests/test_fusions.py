@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.config import ConfigError, validate_config
+from skyrl_megatron.config import ConfigError
+from skyrl_megatron.validation import validate_config
 from skyrl_megatron.model import rope
 from skyrl_megatron.model.norm import FusedRMSNorm, fused_rms_norm, rms_norm
 

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from skyrl_megatron.config import ConfigError, MegatronWorkerConfig, MoeSettings, validate_config
+from skyrl_megatron.config import ConfigError, MegatronWorkerConfig, MoeSettings
+from skyrl_megatron.validation import validate_config
 from skyrl_megatron.model.moe import moe_transformer_settings
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks
 from skyrl_megatron.testing.policy_steps import policy_steps

@@ -263,7 +263,7 @@ def _check_export(case: str, rank: int, expected: dict[str, torch.Tensor], resul
 
 
 def test_weight_chunk_carries_the_bucket_to_the_host():
-    from skyrl_megatron.host import weight_chunk
+    from skyrl_megatron.host_api import weight_chunk
     from skyrl_megatron.weights import WeightBucket
 
     tensors = [torch.ones(3, 4, dtype=torch.bfloat16), torch.zeros(5)]

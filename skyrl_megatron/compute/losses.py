@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from skyrl_megatron import host
+from skyrl_megatron import host_api
 
 # host `loss_reduction` -> which count a micro-batch result is weighted by
 _REDUCTION_UNIT = {"token_mean": "tokens", "sequence_mean": "sequences", "seq_mean_token_sum_norm": "sequences"}
@@ -83,7 +83,7 @@ class PolicyObjective:
 
     def __init__(self, settings: ObjectiveSettings):
         self.settings = settings
-        self.policy_loss_fn = host.policy_loss_function(settings.policy_loss_type)
+        self.policy_loss_fn = host_api.policy_loss_function(settings.policy_loss_type)
 
     def __call__(
         self,
@@ -109,7 +109,7 @@ class PolicyObjective:
         loss = policy_loss * policy_share
         with torch.no_grad():
             # the first mini-batch of a step must see log_probs == old log_probs: ratio 1, ppo_kl 0
-            ppo_kl = host.masked_mean(batch["action_log_probs"] - log_probs, loss_mask) * token_share
+            ppo_kl = host_api.masked_mean(batch["action_log_probs"] - log_probs, loss_mask) * token_share
         metrics = {
             "policy_loss": (policy_loss * policy_share).detach(),
             "ppo_kl": ppo_kl,
@@ -117,14 +117,14 @@ class PolicyObjective:
             "ppo_clip_ratio": torch.as_tensor(clip_ratio, dtype=torch.float64, device=loss_mask.device) * token_share,
         }
         if entropy is not None:
-            entropy_mean = host.masked_mean(entropy, loss_mask) * token_share
+            entropy_mean = host_api.masked_mean(entropy, loss_mask) * token_share
             metrics["policy_entropy"] = entropy_mean.detach()
             if s.use_entropy_loss:
                 loss = loss - s.entropy_loss_coef * entropy_mean
         if s.use_kl_loss:
-            kl = host.approx_kl(log_probs, batch["base_action_log_probs"], loss_mask, s.kl_estimator_type)
+            kl = host_api.approx_kl(log_probs, batch["base_action_log_probs"], loss_mask, s.kl_estimator_type)
             # the host's form: per-sequence token mean, then the batch mean
-            kl_mean = host.masked_mean(kl, loss_mask, dim=-1).sum() / totals.sequences
+            kl_mean = host_api.masked_mean(kl, loss_mask, dim=-1).sum() / totals.sequences
             loss = loss + s.kl_loss_coef * kl_mean
             metrics["policy_kl"] = kl_mean.detach()
         metrics["final_loss"] = loss.detach()

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from skyrl_megatron.cli import compose_config, report_config_error
-    from skyrl_megatron.config import ConfigError, validate_config
+    from skyrl_megatron.config import ConfigError
+    from skyrl_megatron.validation import validate_config
     from skyrl_megatron.demo.experiment import REWARD, experiment_class, plot_rewards, read_metrics
     from skyrl_megatron.failures import WorkerFailure
     from skyrl_megatron.host import run_experiment

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from skyrl_megatron import host
+from skyrl_megatron import host_api
 
 # vLLM treats temperatures below this as greedy decoding.
 _GREEDY_TEMPERATURE = 1e-5
@@ -319,7 +319,7 @@ class _Decoder:
 
 
 @dataclass
-class NamedTensorsUpdateRequest(host.weight_update_request_base()):
+class NamedTensorsUpdateRequest(host_api.weight_update_request_base()):
     """A weight update that carries its full HF-named tensors (the host's requests carry metadata only).
 
     Built from any (names, dtypes, shapes, tensors) bundle: our exporter's ``WeightBucket`` or the host's
@@ -386,7 +386,7 @@ def _torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-class CpuInferenceEngine(host.inference_engine_interface()):
+class CpuInferenceEngine(host_api.inference_engine_interface()):
     """The host's InferenceEngineInterface over a Hugging Face causal LM on CPU.
 
     Calls are serialised on one lock: a weight update never interleaves with a generation step.
@@ -488,7 +488,7 @@ class CpuInferenceEngine(host.inference_engine_interface()):
 
     async def init_weight_update_communicator(self, init_info) -> None:
         """Join the host's broadcast group (gloo) as rank ``init_info.rank_offset``; the trainer's rank 0 is 0."""
-        broadcast_info = host.broadcast_init_info_class()
+        broadcast_info = host_api.broadcast_init_info_class()
         if not isinstance(init_info, broadcast_info) or init_info.backend != "gloo":
             raise ValueError(
                 f"CpuInferenceEngine receives weights over gloo broadcast only, got {type(init_info).__name__}"
@@ -498,15 +498,15 @@ class CpuInferenceEngine(host.inference_engine_interface()):
         if self._broadcast_group is not None and not init_info.override_existing_receiver:
             return
         self._broadcast_dtype = _torch_dtype(init_info.model_dtype_str)
-        self._broadcast_group = await asyncio.to_thread(host.join_weight_broadcast_group, init_info)
+        self._broadcast_group = await asyncio.to_thread(host_api.join_weight_broadcast_group, init_info)
 
     async def update_named_weights(self, request) -> None:
-        if isinstance(request, host.lora_load_request_class()):
+        if isinstance(request, host_api.lora_load_request_class()):
             await asyncio.to_thread(self._load_adapter_blocking, request.lora_path)
             return
         if not len(request):
             raise ValueError("weight update request must not be empty")
-        if isinstance(request, host.broadcast_update_request_class()):
+        if isinstance(request, host_api.broadcast_update_request_class()):
             request = await asyncio.to_thread(self._receive_broadcast, request)
         elif not isinstance(request, NamedTensorsUpdateRequest):
             raise TypeError(
@@ -609,7 +609,7 @@ def create_ray_wrapped_cpu_engines(
     """Engine actors wrapped as the host holds its own (``RayWrappedInferenceEngine``); seeds seed, seed+1, ..."""
     actor_class = cpu_engine_actor_class(num_cpus)
     return [
-        host.ray_wrapped_inference_engine(
+        host_api.ray_wrapped_inference_engine(
             actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index)
         )
         for index in range(num_engines)

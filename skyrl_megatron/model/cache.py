@@ -405,7 +405,7 @@ def save_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None
     """Collective: write the chunks' weights as a Megatron distributed checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from skyrl_megatron.checkpoint import save_strategy, writer_results_in_process
+    from skyrl_megatron.dist_io import save_strategy, writer_results_in_process
 
     # Data-parallel replicas hold the same shards; by default only the first replica writes them.
     # Spreading the writes over the replicas divides the one-time save by the DP size.

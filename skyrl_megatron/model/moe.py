@@ -33,33 +33,12 @@ from typing import Any
 
 import torch
 
-from skyrl_megatron.config import ConfigError, MoeSettings, Problem
+from skyrl_megatron.config import ConfigError, MoeSettings, Problem, flex_backend_problem
 from skyrl_megatron.runtime import quiet_megatron_import
 
 logger = logging.getLogger(__name__)
 
 SECTION = "megatron_config.moe_config"
-
-
-def flex_backend_available(backend: str) -> bool:
-    """Whether Megatron found the flex dispatcher's communication library (DeepEP ships both backends)."""
-    with quiet_megatron_import():
-        from megatron.core.transformer.moe import fused_a2a
-
-    return {"deepep": fused_a2a.HAVE_DEEP_EP, "hybridep": fused_a2a.HAVE_HYBRIDEP}.get(backend, False)
-
-
-def flex_backend_problem(settings: MoeSettings, prefix: str = SECTION) -> Problem | None:
-    """The flex dispatcher without its backend installed (Megatron's own ImportError, raised while the
-    model is built on every rank, names no config key)."""
-    if settings.token_dispatcher != "flex" or flex_backend_available(settings.flex_backend):
-        return None
-    library = "deep_ep.HybridEPBuffer" if settings.flex_backend == "hybridep" else "deep_ep (DeepEP)"
-    return Problem(
-        f"{prefix}.token_dispatcher",
-        f"the flex dispatcher with backend {settings.flex_backend!r} needs {library}, which is not importable here",
-        "install DeepEP on every worker node, or set token_dispatcher to alltoall or allgather",
-    )
 
 
 def moe_transformer_settings(provider, settings: MoeSettings, user_overrides: Mapping[str, Any]) -> dict[str, Any]:

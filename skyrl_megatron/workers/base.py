@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from skyrl_megatron import host
+from skyrl_megatron import host_api
 from skyrl_megatron.config import MegatronWorkerConfig
 from skyrl_megatron.failures import register_current_worker
 from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
@@ -40,7 +40,7 @@ class MegatronWorkerMixin:
         self.runtime = init_distributed(self.megatron_cfg.runtime)
         self.parallel_config = self.megatron_cfg.parallel()
         coords = initialize_model_parallel(self.parallel_config, seed=self.cfg.trainer.seed)
-        self.mesh_rank = host.make_mesh_rank(
+        self.mesh_rank = host_api.make_mesh_rank(
             dp=coords.dp,
             cp=coords.cp,
             tp=coords.tp,
@@ -128,7 +128,7 @@ class MegatronWorkerMixin:
         )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here
             logprobs = torch.zeros(data["sequences"].shape[0], response_length)
-        return host.training_output({"output": logprobs.cpu()}, dict(data.metadata))
+        return host_api.training_output({"output": logprobs.cpu()}, dict(data.metadata))
 
     # -- memory -----------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
 """The critic worker on Megatron-Core (not available yet: value-head models need their own bridge)."""
 
-from skyrl_megatron import host
+from skyrl_megatron import host_api
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
-_, _, CriticWorkerBase = host.worker_bases()
+_, _, CriticWorkerBase = host_api.worker_bases()
 
 
 class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):

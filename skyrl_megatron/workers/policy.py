@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from skyrl_megatron import host
+from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
 from skyrl_megatron.compute.router_metrics import RouterMetrics
@@ -19,7 +19,7 @@ from skyrl_megatron.workers.base import MegatronWorkerMixin
 
 logger = logging.getLogger(__name__)
 
-PolicyWorkerBase, _, _ = host.worker_bases()
+PolicyWorkerBase, _, _ = host_api.worker_bases()
 
 
 class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
@@ -103,7 +103,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
         status.update(self.lora_metrics)
-        return host.training_output(metadata={"train_status": status})
+        return host_api.training_output(metadata={"train_status": status})
 
     # -- weight sync ------------------------------------------------------------------------------
 
@@ -130,11 +130,11 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
     async def _send_full_weights(self) -> dict:
         buckets = iter_weight_buckets(
             self.built,
-            host.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls),
-            dtype=host.generator_dtype(self.cfg),
+            host_api.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls),
+            dtype=host_api.generator_dtype(self.cfg),
             device=self.runtime.torch_device,
         )
-        await self._weight_transfer_sender.send_chunks(host.weight_chunk(bucket) for bucket in buckets)
+        await self._weight_transfer_sender.send_chunks(host_api.weight_chunk(bucket) for bucket in buckets)
         self.empty_cache()
         torch.distributed.barrier()
         report = buckets.report
@@ -155,7 +155,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         path = self.cfg.trainer.policy.model.lora.lora_sync_path
         save_hf_model(path, self.built, adapters_only=True)  # collective; rank 0 writes, atomically
         if torch.distributed.get_rank() == 0:
-            await inference_engine_client.update_named_weights(host.lora_load_request_class()(lora_path=str(path)))
+            await inference_engine_client.update_named_weights(host_api.lora_load_request_class()(lora_path=str(path)))
         torch.distributed.barrier()
 
     def weight_digests(self) -> dict[str, str]:
@@ -165,7 +165,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         holds exactly the trainer's weights.
         """
         digests = {}
-        for name, tensor in iter_hf_weights(self.built, dtype=host.generator_dtype(self.cfg), device="cpu"):
+        for name, tensor in iter_hf_weights(self.built, dtype=host_api.generator_dtype(self.cfg), device="cpu"):
             if torch.distributed.get_rank() == 0:
                 digests[name] = tensor_sha256(tensor)
         return digests

@@ -1,9 +1,9 @@
 """The reference worker on Megatron-Core: a frozen model that scores response logprobs."""
 
-from skyrl_megatron import host
+from skyrl_megatron import host_api
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
-_, RefWorkerBase, _ = host.worker_bases()
+_, RefWorkerBase, _ = host_api.worker_bases()
 
 
 class MegatronRefWorker(MegatronWorkerMixin, RefWorkerBase):
