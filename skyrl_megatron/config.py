@@ -329,6 +329,20 @@ def check_strategy(cfg) -> list[Problem]:
     ]
 
 
+def check_critic(cfg) -> list[Problem]:
+    """No Megatron critic worker exists yet (issue 21): refuse a critic up front, not at its first call."""
+    if cfg.trainer.strategy != "megatron" or not cfg.trainer.critic.model.get("path"):
+        return []
+    return [
+        Problem(
+            "trainer.critic.model.path",
+            "skyrl-megatron has no critic worker yet (value-head models are not built)",
+            "unset it and use a critic-free estimator (trainer.algorithm.advantage_estimator=grpo, rloo "
+            "or reinforce++), or run the critic's PPO with trainer.strategy=fsdp2",
+        )
+    ]
+
+
 def check_model_paths(cfg) -> list[Problem]:
     problems = []
     reported: set[str] = set()
@@ -607,6 +621,7 @@ def check_config(cfg) -> None:
     problems = check_strategy(cfg)
     if problems:
         raise ConfigError(problems)
+    problems += check_critic(cfg)
     problems += check_model_paths(cfg)
     problems += check_inference_engine(cfg)
     if cfg.trainer.strategy == "megatron":

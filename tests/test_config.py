@@ -69,6 +69,13 @@ def test_unknown_strategy_names_the_closest(compose, hf_config_dir):
     assert "trainer.strategy" in msg and "'megatorn'" in msg and "did you mean 'megatron'" in msg
 
 
+def test_a_critic_is_refused_up_front_with_the_critic_free_estimators(compose, hf_config_dir):
+    path = hf_config_dir()
+    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"trainer.critic.model.path={path}",
+                              "trainer.algorithm.advantage_estimator=gae"), run_host_checks=False)
+    assert "trainer.critic.model.path" in msg and "no critic worker yet" in msg and "grpo" in msg
+
+
 def test_missing_model_path(compose):
     msg = problems_of(compose("trainer.policy.model.path=null"))
     assert "trainer.policy.model.path: no model path is set" in msg
