@@ -60,6 +60,13 @@ def policy_loss_function(name: str):
     return PolicyLossRegistry.get(name)
 
 
+def critic_loss_function():
+    """The host's value loss, ``ppo_critic_loss(values, old_values, returns, config, loss_mask)``."""
+    from skyrl_train.utils.ppo_utils import ppo_critic_loss
+
+    return ppo_critic_loss
+
+
 def masked_mean(tensor, mask, dim=None):
     from skyrl_train.utils.ppo_utils import masked_mean as host_masked_mean
 

@@ -1,4 +1,4 @@
-"""The policy objective: the host's loss functions, normalised over the whole mini-batch.
+"""The policy objective and the critic's value loss: the host's loss functions, normalised over the whole mini-batch.
 
 The host's loss functions (policy-loss registry, KL estimator, masked means) reduce over the tensors
 they are given. Called on one micro-batch, a `token_mean` loss is the mean over that micro-batch's
@@ -128,4 +128,36 @@ class PolicyObjective:
             loss = loss + s.kl_loss_coef * kl_mean
             metrics["policy_kl"] = kl_mean.detach()
         metrics["final_loss"] = loss.detach()
+        return loss, {k: v.to(torch.float64).reshape(()) for k, v in metrics.items()}
+
+
+class ValueObjective:
+    """The critic's loss of one micro-batch, as its share of the mini-batch's, plus metrics.
+
+    The host's value loss (`ppo_critic_loss`: squared error to the returns, clipped around the old
+    values by `trainer.algorithm.value_clip`, halved) is a per-sequence token mean, then a mean over
+    sequences, whatever `loss_reduction` says; each micro-batch's result is weighted by its share of
+    the mini-batch's sequences, so the sum is the host's loss over the whole mini-batch. The
+    metrics (`critic_loss`, `values_mean`, `values_clipfrac`) are those the host reports; the loss
+    is the mini-batch's (the host logs each micro-batch's divided by the accumulation steps).
+    """
+
+    def __init__(self, algorithm: Any):
+        self.algorithm = algorithm  # the host's `trainer.algorithm` (value_clip)
+        self.loss_fn = host_api.critic_loss_function()
+
+    def __call__(
+        self, values: torch.Tensor, batch: Mapping[str, torch.Tensor], totals: MiniBatchTotals
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss_mask = batch["loss_mask"]
+        token_share = totals.share(loss_mask, "tokens")
+        sequence_share = totals.share(loss_mask, "sequences")
+        loss, clipfrac = self.loss_fn(values, batch["values"], batch["returns"], config=self.algorithm, loss_mask=loss_mask)
+        loss = loss * sequence_share
+        metrics = {
+            "critic_loss": loss.detach(),
+            "values_mean": (host_api.masked_mean(values.detach(), loss_mask) * token_share),
+        }
+        if clipfrac is not None:  # value_clip: null turns clipping off
+            metrics["values_clipfrac"] = torch.as_tensor(clipfrac, dtype=torch.float64, device=loss_mask.device) * token_share
         return loss, {k: v.to(torch.float64).reshape(()) for k, v in metrics.items()}

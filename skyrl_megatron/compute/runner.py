@@ -4,12 +4,15 @@ A :class:`ModelRunner` owns the model chunks of one rank and runs the two things
 
 * :meth:`ModelRunner.response_logprobs`: logprobs (and entropy) of the response tokens, [B, A];
 * :meth:`ModelRunner.train_mini_batch`: forward + backward of one mini-batch with the policy
-  objective, leaving finalised gradients for the optimizer step.
+  objective, leaving finalised gradients for the optimizer step;
+* for a critic (a model built with a value head): :meth:`ModelRunner.response_values` and
+  :meth:`ModelRunner.train_value_mini_batch` with the host's value loss, through the same
+  micro-batching, packing, CP gather and pipeline schedules.
 
 Both split the rank's rows into micro-batches (:mod:`skyrl_megatron.compute.batching`), run them
 through Megatron's pipeline schedule, and compute logprobs from the last hidden state with the
 chunked vocab-parallel kernel (:mod:`skyrl_megatron.compute.logprobs`), so no [tokens, vocab]
-tensor exists. The host-facing workers (policy, ref) wrap a runner.
+tensor exists. The host-facing workers (policy, ref, critic) wrap a runner.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from skyrl_megatron.compute.batching import (
 )
 from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
-from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
+from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective, ValueObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
 from skyrl_megatron.compute.router_metrics import RouterMetrics, real_token_mask
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
 from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
+from skyrl_megatron.model.value_head import ValueOutputProcessor
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import current_runtime
 
@@ -45,6 +49,8 @@ _mark = torch.profiler.record_function
 
 # keys of the host's training batch that the policy objective reads, all [B, A]
 RESPONSE_KEYS = ("loss_mask", "action_log_probs", "base_action_log_probs", "advantages", "rollout_logprobs")
+# ... and that the critic's value loss reads
+VALUE_KEYS = ("loss_mask", "values", "returns")
 
 
 @dataclass(frozen=True)
@@ -231,6 +237,21 @@ class ModelRunner:
             fused=self.fused_logprobs,
         )
 
+        def per_token(out) -> torch.Tensor:
+            # the schedules pass one tensor to the loss function: stack logprobs and entropy
+            parts = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+            return torch.stack(parts, dim=-1)
+
+        return self._model_call(processor, per_token)
+
+    def _value_forward_fn(self) -> Callable:
+        """The critic's model call: per-token values [b, s] from the value head (model/value_head.py)."""
+        return self._model_call(ValueOutputProcessor(), lambda out: out.values)
+
+    def _model_call(self, processor, per_token: Callable) -> Callable:
+        """forward(model_chunk, micro_batch) for the schedules: hidden states on inner pipeline
+        stages, `per_token(processor's result)` on the last one."""
+
         def forward(model, mb: _MicroBatch):
             if self.router_metrics is not None:
                 self.router_metrics.start_forward(model, mb.real_tokens)
@@ -244,9 +265,7 @@ class ModelRunner:
             )
             if isinstance(out, torch.Tensor):  # an inner pipeline stage: hidden states for the next one
                 return out
-            # the schedules pass one tensor to the loss function: stack logprobs and entropy
-            parts = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
-            return torch.stack(parts, dim=-1)
+            return per_token(out)
 
         return forward
 
@@ -277,6 +296,27 @@ class ModelRunner:
         with_entropy: bool = False,
     ) -> torch.Tensor | None:
         """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere."""
+        result = self._score(
+            sequences, attention_mask, response_length, batching,
+            self._forward_fn(temperature, with_entropy), width=2 if with_entropy else 1,
+        )
+        if result is None:
+            return None
+        return result if with_entropy else result.squeeze(-1)
+
+    def response_values(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_length: int,
+        batching: MicroBatching,
+    ) -> torch.Tensor | None:
+        """The critic's values [B, A] of the states before each response token (0 past a response's
+        end), on the last pipeline stage; None elsewhere. Needs a model built with a value head."""
+        result = self._score(sequences, attention_mask, response_length, batching, self._value_forward_fn(), width=1)
+        return None if result is None else result.squeeze(-1)
+
+    def _score(self, sequences, attention_mask, response_length, batching, forward_fn, *, width: int):
         for chunk in self.chunks:
             chunk.eval()
         with _mark("skyrl_megatron.prepare_micro_batches"):
@@ -285,7 +325,7 @@ class ModelRunner:
             outputs = forward_only(
                 self.chunks,
                 micro_batches,
-                self._forward_fn(temperature, with_entropy),
+                forward_fn,
                 lambda output, mb: (mb.rows, self._response_values(output.float(), mb, response_length)),
                 seq_length=shape[1],
                 micro_batch_size=shape[0],
@@ -293,11 +333,10 @@ class ModelRunner:
         if not outputs:
             return None
         with _mark("skyrl_megatron.collect"):
-            width = 2 if with_entropy else 1
             result = torch.zeros(sequences.shape[0], response_length, width, dtype=torch.float32)
             for rows, values in outputs:
                 result[rows] = values.cpu()
-        return result if with_entropy else result.squeeze(-1)
+        return result
 
     def train_mini_batch(
         self,
@@ -310,8 +349,36 @@ class ModelRunner:
         temperature: float = 1.0,
         dp_group=None,
     ) -> dict[str, float]:
-        """Forward + backward of one mini-batch; returns its metrics summed over micro-batches and DP
-        ranks (each micro-batch's metrics are already its share of the mini-batch)."""
+        """Forward + backward of one mini-batch with the policy objective; returns its metrics summed
+        over micro-batches and DP ranks (each micro-batch's metrics are already its share of the
+        mini-batch)."""
+
+        def loss(values: torch.Tensor, mb: _MicroBatch, totals: MiniBatchTotals):
+            return objective(values[..., 0], values[..., 1], mb.response, totals)
+
+        # the host always reports policy_entropy
+        forward_fn = self._forward_fn(temperature, with_entropy=True)
+        return self._train(sequences, attention_mask, response, batching, forward_fn, loss, dp_group)
+
+    def train_value_mini_batch(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response: Mapping[str, torch.Tensor],
+        objective: ValueObjective,
+        batching: MicroBatching,
+        *,
+        dp_group=None,
+    ) -> dict[str, float]:
+        """Forward + backward of one critic mini-batch with the host's value loss (`response` holds
+        `loss_mask`, old `values` and `returns`, [B, A]); metrics as for `train_mini_batch`."""
+
+        def loss(values: torch.Tensor, mb: _MicroBatch, totals: MiniBatchTotals):
+            return objective(values[..., 0], mb.response, totals)
+
+        return self._train(sequences, attention_mask, response, batching, self._value_forward_fn(), loss, dp_group)
+
+    def _train(self, sequences, attention_mask, response, batching, forward_fn, micro_batch_loss, dp_group):
         from megatron.core import parallel_state as ps
 
         self.gradients.restore()
@@ -324,7 +391,6 @@ class ModelRunner:
         totals = MiniBatchTotals.of(response["loss_mask"], dp_group, device=self.device)
         with _mark("skyrl_megatron.prepare_micro_batches"):
             micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response)
-        with_entropy = True  # the host always reports policy_entropy
         # Megatron divides each micro-batch loss by their number and averages gradients over DP;
         # our losses are already shares of the whole mini-batch, so undo both.
         dp_size = ps.get_data_parallel_world_size()
@@ -333,19 +399,18 @@ class ModelRunner:
         def loss_fn(output, mb: _MicroBatch):
             with _mark("skyrl_megatron.loss"):
                 values = self._response_values(output.float(), mb, response_length)
-                log_probs, entropy = values[..., 0], values[..., 1]
                 if mb.rows.numel() == 0:
                     # an empty micro-batch (padding the count across ranks) contributes nothing
                     zero = output.sum() * 0.0
                     return zero, {}
-                loss, metrics = objective(log_probs, entropy, mb.response, totals)
+                loss, metrics = micro_batch_loss(values, mb, totals)
                 return loss * scale, metrics
 
         with _mark("skyrl_megatron.schedule"):
             per_micro_batch = forward_backward(
                 self.chunks,
                 micro_batches,
-                self._forward_fn(temperature, with_entropy),
+                forward_fn,
                 loss_fn,
                 seq_length=shape[1],
                 micro_batch_size=shape[0],

@@ -29,6 +29,7 @@ from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
 from skyrl_megatron.model import rope, token_sort, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
+from skyrl_megatron.model.value_head import ValueHeadInit, value_head_hook
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
 
@@ -57,6 +58,8 @@ class ModelSpec:
     moe: MoeSettings = field(default_factory=MoeSettings)  # routing/dispatch of MoE models; ignored for dense
     # generated kernels for the TE-free layers on GPU (model/fusions.py); ignored on CPU
     fused_kernels: tuple[str, ...] = DEFAULT_FUSED_KERNELS
+    # None: the LM head (logprobs); else the critic's scalar value head (model/value_head.py)
+    value_head: ValueHeadInit | None = None
 
     def fused(self, kernel: str, runtime: Runtime) -> bool:
         return kernel in self.fused_kernels and not runtime.is_cpu
@@ -86,6 +89,7 @@ class BuiltModel:
     lora: LoraSpec | None = None  # the adapters the chunks carry, if any
     # the logprob head's generated kernels (compute/logprobs.py), for the runner that scores with it
     fused_logprobs: bool = False
+    value_head: bool = False  # the last stage ends in a ValueHead (a critic), not the LM head
 
     @property
     def config(self):
@@ -199,6 +203,9 @@ def _instantiate(
     # the bridge's own hook (HF weight loading) was registered first and runs first
     if with_base_weights is not None:
         provider.register_pre_wrap_hook(_returning_chunks(with_base_weights))
+    if spec.value_head is not None:
+        # after the base weights (the cache holds the LM, shared with the policy), before DDP
+        provider.register_pre_wrap_hook(value_head_hook(spec.value_head, spec.torch_dtype))
     if spec.lora is not None:
         provider.register_pre_wrap_hook(adapter_hook(spec.lora))
     ddp_config = DistributedDataParallelConfig(**spec.ddp_config) if spec.wrap_with_ddp else None
@@ -254,7 +261,8 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
         provider=provider,
         load_report=report,
         lora=spec.lora,
-        fused_logprobs=spec.fused("logprobs", runtime),
+        fused_logprobs=spec.fused("logprobs", runtime) and spec.value_head is None,
+        value_head=spec.value_head is not None,
     )
     if torch.distributed.get_rank() == 0:
         logger.info("model weights: %s", report.summary())
