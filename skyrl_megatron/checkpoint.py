@@ -380,6 +380,7 @@ def save_hf_model(
     *,
     max_shard_bytes: int = 5 * 1024**3,
     adapters_only: bool = False,
+    value_head_name: str = "value_head.weight",
 ) -> Path:
     """Write the model as a Hugging Face checkpoint (config, safetensors shards, tokenizer).
 
@@ -389,7 +390,8 @@ def save_hf_model(
     like `save_checkpoint`; an existing export there is replaced, any other non-empty directory
     refused. A model with LoRA adapters is written merged (base + scale * BA); with
     `adapters_only`, as a PEFT adapter directory instead (adapter_config.json and
-    adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, export_dir)`).
+    adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, export_dir)`). A critic's
+    value head is written as `value_head_name` (the host's `<value_head_prefix>.weight`), no LM head.
     """
     if adapters_only:
         return _save_peft_adapter(Path(export_dir).absolute(), built_model, tokenizer)
@@ -403,7 +405,7 @@ def save_hf_model(
         built_model.bridge.hf_pretrained.save_artifacts(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
-    weights = iter_hf_weights(built_model, device="cpu")  # LoRA adapters merged in
+    weights = iter_hf_weights(built_model, device="cpu", value_head_name=value_head_name)  # LoRA adapters merged in
     if rank == 0:
         _write_safetensors(weights, partial, max_shard_bytes)
     else:

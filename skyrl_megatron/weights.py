@@ -115,6 +115,7 @@ def iter_hf_weights(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    value_head_name: str = "value_head.weight",
 ) -> WeightStream[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs for the whole model, one at a time. Collective: all ranks iterate.
 
@@ -122,7 +123,7 @@ def iter_hf_weights(
     after the cast so that a down-cast crosses the bus at its smaller size. Tensors are contiguous.
     """
     report = ExportReport()
-    return WeightStream(_export(built, dtype, device, report), report)
+    return WeightStream(_export(built, dtype, device, report, value_head_name), report)
 
 
 def iter_peft_adapter_weights(
@@ -162,8 +163,16 @@ def iter_weight_buckets(
     return WeightStream(_bucketed(weights, bucket_bytes, weights.report), weights.report)
 
 
+# the HF name Megatron-Bridge gives the output layer of the architectures it converts
+_LM_HEAD_NAME = "lm_head.weight"
+
+
 def _export(
-    built: BuiltModel, dtype: torch.dtype | None, device: torch.device | str | None, report: ExportReport
+    built: BuiltModel,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+    report: ExportReport,
+    value_head_name: str = "value_head.weight",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     started = time.perf_counter()
     with torch.no_grad():
@@ -171,6 +180,7 @@ def _export(
         # stream past; the bridge's own merge is wrong under expert parallelism (see AdapterMerger).
         merge = AdapterMerger.for_model(built) if built.lora is not None else None
     report.seconds += time.perf_counter() - started
+    head_seen = False
     # cpu=False: gather on the model's device and let `device` decide where the result goes, so the GPU
     # path (CUDA IPC, NCCL broadcast) never round-trips through host memory.
     bridge_items = iter(
@@ -185,8 +195,16 @@ def _export(
             if item is None:
                 if merge is not None:
                     merge.check_all_merged()
+                if built.value_head and not head_seen:
+                    raise RuntimeError(
+                        f"the critic's value head was not exported: Megatron-Bridge yielded no {_LM_HEAD_NAME!r} "
+                        "for this architecture"
+                    )
                 return
             name, tensor = item
+            if built.value_head and name == _LM_HEAD_NAME:
+                # a critic (model/value_head.py): its [1, hidden] head stands where the LM head was
+                name, head_seen = value_head_name, True
             if merge is not None:
                 name, tensor = merge(name, tensor)
             tensor = _convert(tensor, dtype, device)

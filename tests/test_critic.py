@@ -123,10 +123,19 @@ def test_layout_matches_world1(model, name):
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_under_tp2_resumes_under_pp2(model, tmp_path):
-    ckpt = str(tmp_path / "critic_ckpt")
-    saved = _run(model["dir"], 2, {"tensor": 2, "sequence_parallel": True}, PADDED, steps=1, save_dir=ckpt)
+def test_checkpoint_and_hf_export_saved_under_tp2_resume_under_pp2_and_world1(model, tmp_path):
+    from safetensors.torch import load_file
+
+    ckpt, export = str(tmp_path / "critic_ckpt"), tmp_path / "critic_hf"
+    tp2 = {"tensor": 2, "sequence_parallel": True}
+    saved = _run(model["dir"], 2, tp2, PADDED, steps=1, save_dir=ckpt, export_dir=str(export))
     resumed = _run(model["dir"], 2, {"pipeline": 2}, PADDED, steps=1, load_dir=ckpt)
     # the resumed critic scores exactly what the saved one did after its step
     assert (resumed["initial"] - saved["final"]).abs().max().item() <= VALUE_ATOL
     assert not torch.equal(resumed["initial"], model["world1"]["padded"]["initial"])
+    # the export is the host's critic layout: trunk + value_head.weight, no LM head; a critic
+    # started from it (not the policy's checkpoint) takes the trained head and scores the same
+    tensors = load_file(export / "model.safetensors")
+    assert tensors["value_head.weight"].shape == (1, 64) and "lm_head.weight" not in tensors
+    from_export = _run(str(export), 1, {}, PADDED, steps=1, policy_path=model["dir"])
+    assert (from_export["initial"] - saved["final"]).abs().max().item() <= VALUE_ATOL

@@ -111,6 +111,9 @@ class ValueHead(torch.nn.Module):
     """
 
     is_value_head = True  # duck-typed marker (checkpoints, export) without importing this module
+    # Megatron-Bridge exports a module with this attribute false as a replicated tensor (under the
+    # LM head's HF name, which the export renames; see `weights.iter_hf_weights`)
+    tensor_model_parallel = False
 
     def __init__(self, weight: torch.Tensor, *, sequence_parallel: bool, tp_group):
         super().__init__()

@@ -35,13 +35,17 @@ def critic_steps(
     seed: int = 5,
     save_dir: str | None = None,
     load_dir: str | None = None,
+    export_dir: str | None = None,
+    policy_path: str | None = "same",
 ) -> dict[str, Any]:
     """Per-step metrics (all ranks agree on them), the values scored before and after training (last
     pipeline stage, else None) and this rank's rows. `save_dir` saves a checkpoint after training;
-    `load_dir` loads one (model, optimizer, schedule) before scoring."""
+    `load_dir` loads one (model, optimizer, schedule) before scoring; `export_dir` writes the HF
+    export after training. `policy_path` decides the head's initialisation as the host's would
+    ("same": the critic starts from the policy's checkpoint)."""
     from megatron.core import parallel_state as ps
 
-    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.compute.losses import ValueObjective
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
@@ -55,7 +59,7 @@ def critic_steps(
     parallel = ParallelConfig(**layout)
     initialize_model_parallel(parallel, seed=seed)
     ddp = {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True, "average_in_collective": True}
-    head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir, seed=seed)
+    head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir if policy_path == "same" else policy_path, seed=seed)
     built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp, value_head=head))
     clip = "null" if value_clip is None else value_clip
     cfg = compose_config([f"trainer.critic.optimizer_config.lr={lr}", f"trainer.algorithm.value_clip={clip}"])
@@ -95,6 +99,8 @@ def critic_steps(
     final = runner.response_values(batch["sequences"], batch["attention_mask"], response_length, micro)
     if save_dir is not None:
         save_checkpoint(save_dir, built.chunks, optimizer, scheduler, step=steps)
+    if export_dir is not None:
+        save_hf_model(export_dir, built)
     return {
         "history": history,
         "initial_values": initial,
