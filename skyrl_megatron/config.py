@@ -330,17 +330,52 @@ def check_strategy(cfg) -> list[Problem]:
 
 
 def check_critic(cfg) -> list[Problem]:
-    """No Megatron critic worker exists yet (issue 21): refuse a critic up front, not at its first call."""
-    if cfg.trainer.strategy != "megatron" or not cfg.trainer.critic.model.get("path"):
+    """What the Megatron critic worker needs beyond its `megatron_config` (checked like every role's).
+
+    Its layout, sizes and model are checked by `check_megatron_role`; the critic's mini-batch against
+    its DP size by the host's own rules (`host.validate_host_config` gives them our DP size).
+    """
+    critic = cfg.trainer.critic
+    if cfg.trainer.strategy != "megatron" or not critic.model.get("path"):
         return []
-    return [
-        Problem(
-            "trainer.critic.model.path",
-            "skyrl-megatron has no critic worker yet (value-head models are not built)",
-            "unset it and use a critic-free estimator (trainer.algorithm.advantage_estimator=grpo, rloo "
-            "or reinforce++), or run the critic's PPO with trainer.strategy=fsdp2",
+    problems = []
+    lora = critic.model.get("lora") or {}
+    if int(lora.get("rank") or 0) > 0:
+        problems.append(
+            Problem(
+                "trainer.critic.model.lora.rank",
+                "LoRA on the Megatron critic is not supported (the value head is new and must train with the trunk)",
+                "set trainer.critic.model.lora.rank=0; the critic trains all its weights",
+            )
         )
-    ]
+    if int(critic.get("sequence_parallel_size") or 1) != 1:
+        problems.append(
+            Problem(
+                "trainer.critic.sequence_parallel_size",
+                f"Ulysses sequence parallelism ({critic.sequence_parallel_size}) is the FSDP workers'; a Megatron "
+                "critic splits sequences by context parallelism",
+                "set trainer.critic.sequence_parallel_size=1 and, for long sequences, "
+                "trainer.critic.megatron_config.context_parallel_size",
+            )
+        )
+    value_clip = cfg.trainer.algorithm.get("value_clip")
+    if value_clip is not None and (isinstance(value_clip, bool) or not isinstance(value_clip, (int, float)) or value_clip <= 0):
+        problems.append(
+            Problem(
+                "trainer.algorithm.value_clip",
+                f"must be a positive number or null, got {value_clip!r}",
+                "set e.g. 0.2 (values move at most that far from the old ones per update), or null to turn clipping off",
+            )
+        )
+    return problems
+
+
+def megatron_dp_divisor(cfg, role: str) -> int:
+    """TP * PP * CP of a role's `megatron_config`: its world size over this is its DP size."""
+    node = cfg.trainer[role].get("megatron_config") or {}
+    sizes = [node.get(key, 1) or 1 for key in
+             ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")]
+    return int(sizes[0]) * int(sizes[1]) * int(sizes[2])
 
 
 def check_model_paths(cfg) -> list[Problem]:

@@ -386,8 +386,10 @@ def validate_host_config(cfg) -> None:
     """Run the host's own checks, with its Megatron section swapped for ours.
 
     The host's `validate_megatron_cfg` forbids a critic and requires vLLM + NCCL weight sync; those are
-    limitations of the host's built-in Megatron path, not of ours. Host assertions are re-raised as
-    `ConfigError` so every config problem reads the same way.
+    limitations of the host's built-in Megatron path, not of ours. Its batch-size rules size a critic's
+    DP as its FSDP critic's; a Megatron critic's DP size is put in their place (our rules check the
+    rest of the critic, `config.check_critic`). Host assertions are re-raised as `ConfigError` so every
+    config problem reads the same way.
     """
     from skyrl_train.utils import utils as host_utils
 
@@ -395,12 +397,28 @@ def validate_host_config(cfg) -> None:
 
     original = host_utils.validate_megatron_cfg
     host_utils.validate_megatron_cfg = lambda cfg: None
+    critic_sp = _present_megatron_critic_dp(cfg)
     try:
         host_utils.validate_cfg(cfg)
     except (AssertionError, ValueError, NotImplementedError) as err:
         raise ConfigError([Problem("(host check)", str(err) or repr(err), "see skyrl-train's config docs")]) from err
     finally:
         host_utils.validate_megatron_cfg = original
+        if critic_sp is not None:
+            cfg.trainer.critic.sequence_parallel_size = critic_sp
+
+
+def _present_megatron_critic_dp(cfg):
+    """The host checks the critic's mini-batch against world / `critic.sequence_parallel_size` (its
+    FSDP critic's DP size); a Megatron critic's DP size is world / (TP*PP*CP). For the duration of
+    the host's checks the divisor is ours; returns the value to restore (None: nothing changed)."""
+    from skyrl_megatron.config import megatron_dp_divisor
+
+    if cfg.trainer.strategy != STRATEGY or not cfg.trainer.critic.model.get("path"):
+        return None
+    original = cfg.trainer.critic.sequence_parallel_size
+    cfg.trainer.critic.sequence_parallel_size = megatron_dp_divisor(cfg, "critic")
+    return original
 
 
 def initialize_ray(cfg, log_to_driver: bool = True) -> None:

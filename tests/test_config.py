@@ -69,11 +69,45 @@ def test_unknown_strategy_names_the_closest(compose, hf_config_dir):
     assert "trainer.strategy" in msg and "'megatorn'" in msg and "did you mean 'megatron'" in msg
 
 
-def test_a_critic_is_refused_up_front_with_the_critic_free_estimators(compose, hf_config_dir):
-    path = hf_config_dir()
-    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"trainer.critic.model.path={path}",
-                              "trainer.algorithm.advantage_estimator=gae"), run_host_checks=False)
-    assert "trainer.critic.model.path" in msg and "no critic worker yet" in msg and "grpo" in msg
+def _ppo(path: str, *overrides: str) -> list[str]:
+    """PPO with GAE: policy (4 ranks, TP1) and a critic from the same checkpoint."""
+    return [f"trainer.policy.model.path={path}", f"trainer.critic.model.path={path}",
+            "trainer.algorithm.advantage_estimator=gae", *overrides]
+
+
+def test_a_megatron_critic_passes_ours_and_the_hosts_checks(compose, hf_config_dir):
+    cfg = compose(*_ppo(hf_config_dir(), "trainer.critic.megatron_config.tensor_model_parallel_size=2"))
+    validate_config(cfg)  # the host's "only GRPO training is currently supported for megatron" is lifted
+    typed = MegatronWorkerConfig.from_host_config(cfg, "critic")
+    assert typed.parallel().tensor == 2
+
+
+def test_critic_batch_sizes_are_checked_against_the_megatron_critics_dp_size(compose, hf_config_dir):
+    # critic on 4 ranks at TP=2 x PP=2 is DP 1: 1 prompt x 2 samples = 2 rows per rank, 1 micro-batch of 2
+    sizes = ["trainer.train_batch_size=4", "trainer.policy_mini_batch_size=4", "trainer.critic_mini_batch_size=1",
+             "generator.n_samples_per_prompt=2", "trainer.micro_train_batch_size_per_gpu=2"]
+    cfg = compose(*_ppo(hf_config_dir(), *sizes, "trainer.critic.megatron_config.tensor_model_parallel_size=2",
+                        "trainer.critic.megatron_config.pipeline_model_parallel_size=2"))
+    validate_config(cfg)
+    assert cfg.trainer.critic.sequence_parallel_size == 1  # the host saw our DP size only while checking
+    # at TP=PP=1 the same critic is DP 4: half a row per rank
+    msg = problems_of(compose(*_ppo(hf_config_dir(), *sizes)))
+    assert "critic_mini_batch_size_per_gpu" in msg
+
+
+def test_critic_settings_the_megatron_critic_does_not_take_are_named(compose, hf_config_dir):
+    msg = problems_of(compose(*_ppo(hf_config_dir(), "trainer.critic.model.lora.rank=8",
+                                    "trainer.critic.sequence_parallel_size=2", "trainer.algorithm.value_clip=-1")),
+                      run_host_checks=False)
+    assert "trainer.critic.model.lora.rank: LoRA on the Megatron critic is not supported" in msg
+    assert "set trainer.critic.sequence_parallel_size=1" in msg
+    assert "trainer.algorithm.value_clip: must be a positive number or null" in msg
+
+
+def test_the_critic_layout_is_checked_like_the_policys(compose, hf_config_dir):
+    msg = problems_of(compose(*_ppo(hf_config_dir(), "trainer.critic.megatron_config.pipeline_model_parallel_size=3")),
+                      run_host_checks=False)
+    assert "trainer.critic.megatron_config" in msg and "critic world size 4" in msg
 
 
 def test_missing_model_path(compose):
