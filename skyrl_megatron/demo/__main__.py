@@ -9,6 +9,9 @@
    policy's weights bitwise, and how far the engine's logprobs are from the trainer's), saves
    checkpoints and the HF export of the final policy, and plots the reward per step.
 
+``--ppo`` trains with PPO instead: GAE advantages from a Megatron critic (one more rank, started from
+the policy's checkpoint with a fresh value head), the value loss column beside the policy's.
+
 Rerunning the same command continues from the last checkpoint (``--fresh`` starts over). Extra
 arguments are Hydra overrides, e.g. ``trainer.policy.megatron_config.pipeline_model_parallel_size=2``.
 """
@@ -76,6 +79,23 @@ def demo_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ck
     ]
 
 
+def ppo_overrides(model_dir: Path) -> list[str]:
+    """PPO with GAE: a Megatron critic on 1 rank from the policy's checkpoint (value head drawn as the
+    host draws it), its own optimizer, one value-loss step per policy step's mini-batch."""
+    return [
+        "trainer.algorithm.advantage_estimator=gae",
+        "trainer.algorithm.gamma=1.0",
+        "trainer.algorithm.lambd=1.0",
+        "trainer.algorithm.value_clip=0.5",
+        f"trainer.critic.model.path={model_dir.resolve()}",
+        "trainer.placement.critic_num_gpus_per_node=1",
+        "trainer.critic.megatron_config.runtime=cpu",
+        "trainer.critic.optimizer_config.lr=1e-3",
+        "trainer.critic.optimizer_config.weight_decay=0.0",
+        f"trainer.critic_mini_batch_size={PROMPTS_PER_STEP // 2}",
+    ]
+
+
 def prepare(run_dir: Path, steps: int) -> tuple[Path, Path]:
     """The tiny checkpoint and the prompt file, created once per run directory (a rerun resumes on them)."""
     from skyrl_megatron.testing import make_tiny_hf_model
@@ -94,13 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps of a fresh run (default: %(default)s)")
     parser.add_argument("--ckpt-interval", type=int, default=4, help="checkpoint every N steps (default: %(default)s)")
     parser.add_argument("--fresh", action="store_true", help="delete the run directory first")
+    parser.add_argument("--ppo", action="store_true",
+                        help="PPO with GAE and a Megatron critic instead of GRPO (use a run directory of its own)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
     args = parser.parse_args(argv)
 
     from skyrl_megatron.cli import compose_config, report_config_error
     from skyrl_megatron.config import ConfigError
     from skyrl_megatron.validation import validate_config
-    from skyrl_megatron.demo.experiment import REWARD, experiment_class, plot_rewards, read_metrics
+    from skyrl_megatron.demo.experiment import REWARD, VALUE_LOSS, experiment_class, plot_rewards, read_metrics
     from skyrl_megatron.failures import WorkerFailure
     from skyrl_megatron.host import run_experiment
 
@@ -110,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir, prompts = prepare(run_dir, args.steps)
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
-    overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval) + args.overrides
+    overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval)
+    overrides += (ppo_overrides(model_dir) if args.ppo else []) + args.overrides
     try:
         cfg = compose_config(overrides)
         validate_config(cfg)
@@ -128,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics_file = run_dir / "metrics.jsonl"
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
-    print(f"skyrl-megatron demo: GRPO, Megatron policy (TP=2+SP) + ref on CPU (gloo), CPU engine; {steps} steps")
+    algorithm = "PPO (GAE), Megatron policy (TP=2+SP) + ref + critic" if args.ppo else "GRPO, Megatron policy (TP=2+SP) + ref"
+    print(f"skyrl-megatron demo: {algorithm} on CPU (gloo), CPU engine; {steps} steps")
     print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
     started = time.perf_counter()
     if done_before >= steps:
@@ -151,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done in {time.perf_counter() - started:.0f} s: mean reward {first:.3f} (first {quarter} steps) -> "
           f"{last:.3f} (last {quarter} steps)")
     print(f"weight sync bitwise equal at every step: {all(r.get('sync/bitwise_equal') == 1.0 for r in records)}")
+    if args.ppo:
+        losses = [by_step[s][VALUE_LOSS] for s in sorted(by_step) if VALUE_LOSS in by_step[s]]
+        if losses:
+            first_loss, last_loss = sum(losses[:quarter]) / quarter, sum(losses[-quarter:]) / quarter
+            print(f"critic value loss {first_loss:.4f} (first {quarter} steps) -> {last_loss:.4f} (last {quarter} steps)")
     print(f"checkpoint: {run_dir.resolve() / 'ckpts' / f'global_step_{latest}'}")
     exports = sorted((run_dir / "exports").glob("global_step_*"), key=lambda d: int(d.name.split("_")[-1]))
     print(f"HF export:  {(exports[-1] / 'policy').resolve() if exports else '(none)'}")

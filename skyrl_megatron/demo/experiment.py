@@ -27,11 +27,13 @@ from skyrl_megatron.demo.task import register_environment
 from skyrl_megatron.weights import tensor_sha256
 
 REWARD = "reward/avg_raw_reward"
+VALUE_LOSS = "critic/critic_loss"  # PPO runs only (`--ppo`)
 CONSOLE_COLUMNS = (
     ("reward", REWARD, "{:.3f}"),
     ("loss", "policy/final_loss", "{:+.4f}"),
     ("kl", "policy/policy_kl", "{:.2e}"),
     ("grad", "policy/raw_grad_norm", "{:.3f}"),
+    ("vloss", VALUE_LOSS, "{:.4f}"),
     ("resp", "generate/avg_num_tokens", "{:.1f}"),
     ("tok/s", "throughput/tokens_per_second", "{:.0f}"),
     ("sync", "sync/bitwise_equal", "{:.0f}"),
@@ -98,9 +100,9 @@ def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
     steps = sorted(by_step)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [by_step[s] for s in steps], marker="o")
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel("training step")
     ax.set_ylabel("mean reward (digit share of reply)")
-    ax.set_title("skyrl-megatron CPU demo: Megatron policy (TP=2) + ref, CPU engine")
+    ax.set_title("skyrl-megatron CPU demo: Megatron workers, CPU engine")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
