@@ -124,6 +124,9 @@ class ModelIdentity:
         fields = {name: _plain(getattr(config, name, None)) for name in _ARCHITECTURE_FIELDS}
         # GPTModel keeps the (possibly padded) vocabulary size on the module, not on its config
         fields["vocab_size"] = getattr(model, "vocab_size", fields["vocab_size"])
+        value_head = bool(getattr(model, "ends_in_value_head", False))  # set on every stage's chunks
+        if value_head:  # a critic (model/value_head.py): never interchangeable with an LM's checkpoint
+            fields["value_head"] = True
         canonical = json.dumps(fields, sort_keys=True)
         shape = [
             f"layers={fields['num_layers']}",
@@ -136,6 +139,8 @@ class ModelIdentity:
         ]
         if fields["num_moe_experts"]:
             shape.append(f"experts={fields['num_moe_experts']} top-{fields['moe_router_topk']}")
+        if value_head:
+            shape.append("value_head")
         return cls(
             fingerprint=hashlib.sha256(canonical.encode()).hexdigest()[:16],
             description=f"{type(model).__name__}({', '.join(shape)})",

@@ -68,3 +68,19 @@ def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path)
     assert "set trainer.placement.colocate_all=False" in message
     with pytest.raises(ConfigError, match="generator.engine.*unknown engine 'gpu'"):
         validate_config(compose_config(overrides + ["generator.engine=gpu"]), run_host_checks=False)
+
+
+def test_ppo_demo_config_composes_and_passes_every_check(tmp_path):
+    """`--ppo`: GAE with a Megatron critic from the policy's checkpoint, accepted by ours and the host's checks."""
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.config import active_roles
+    from skyrl_megatron.validation import validate_config
+    from skyrl_megatron.demo.__main__ import demo_overrides, ppo_overrides, prepare
+
+    model_dir, prompts = prepare(tmp_path, steps=2)
+    overrides = demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1) + ppo_overrides(model_dir)
+    cfg = compose_config(overrides)
+    validate_config(cfg)
+    assert cfg.trainer.algorithm.advantage_estimator == "gae"
+    assert cfg.trainer.critic.model.path == cfg.trainer.policy.model.path
+    assert active_roles(cfg) == ["policy", "ref", "critic"]

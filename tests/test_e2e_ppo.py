@@ -7,9 +7,11 @@ critic's values and trains both models every step.
 
 Asserted:
 * the mean reward of the last three steps beats the first three by REWARD_MARGIN;
-* the critic's value loss of the last three steps is below that of the first three (the head starts
-  untrained; the returns are the reward, so the loss falls as the critic learns and as the
-  rewards' spread shrinks), and the critic took one optimizer step per mini-batch every step;
+* the critic's updates lower the host's value loss on the data they train on: averaged over the
+  run, by at least VALUE_LOSS_DROP (measured on each step's batch with the values GAE used and again
+  after the update; the loss from step to step moves with the rewards' spread, which the policy
+  changes, so it is no measure of the critic); the critic took one optimizer step per mini-batch
+  every step;
 * the engine holds the policy's weights bitwise after every sync;
 * the critic's checkpoint is complete and its HF export is the host's critic layout (trunk +
   ``value_head.weight``, no LM head).
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 CKPT_INTERVAL = 5
 REWARD_MARGIN = 0.3
+# measured 0.046 -> 0.030 (-35%) over a 10-step run; an update raised it on 1 step of 10
+VALUE_LOSS_DROP = 0.2
 TIMEOUT = 900
 
 
@@ -50,18 +54,19 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def test_reward_rises_and_value_loss_falls(ppo_run):
+def test_reward_rises_and_the_critics_updates_lower_the_value_loss(ppo_run):
     steps = ppo_run["steps"]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     rewards = [r["reward/avg_raw_reward"] for r in steps]
     assert _mean(rewards[-3:]) >= _mean(rewards[:3]) + REWARD_MARGIN, rewards
-    losses = [r["critic/critic_loss"] for r in steps]
-    assert _mean(losses[-3:]) < _mean(losses[:3]), losses
+    before = [r["critic/value_loss_before_update"] for r in steps]
+    after = [r["critic/value_loss_after_update"] for r in steps]
+    assert _mean(after) <= (1 - VALUE_LOSS_DROP) * _mean(before), list(zip(before, after))
     for record in steps:
         assert record["critic/critic_update_steps"] == 2  # two mini-batches per step
         assert record["critic/critic_skipped_steps"] == 0
         assert record["sync/bitwise_equal"] == 1.0
-    assert "PPO (GAE)" in ppo_run["stdout"] and "critic value loss" in ppo_run["stdout"]
+    assert "PPO (GAE)" in ppo_run["stdout"] and "before the critic's update" in ppo_run["stdout"]
 
 
 def test_critic_checkpoint_is_complete_and_its_export_is_the_hosts_critic_layout(ppo_run):

@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_megatron.cli import compose_config, report_config_error
     from skyrl_megatron.config import ConfigError
     from skyrl_megatron.validation import validate_config
-    from skyrl_megatron.demo.experiment import REWARD, VALUE_LOSS, experiment_class, plot_rewards, read_metrics
+    from skyrl_megatron.demo.experiment import (
+        REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
+    )
     from skyrl_megatron.failures import WorkerFailure
     from skyrl_megatron.host import run_experiment
 
@@ -176,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{last:.3f} (last {quarter} steps)")
     print(f"weight sync bitwise equal at every step: {all(r.get('sync/bitwise_equal') == 1.0 for r in records)}")
     if args.ppo:
-        losses = [by_step[s][VALUE_LOSS] for s in sorted(by_step) if VALUE_LOSS in by_step[s]]
-        if losses:
-            first_loss, last_loss = sum(losses[:quarter]) / quarter, sum(losses[-quarter:]) / quarter
-            print(f"critic value loss {first_loss:.4f} (first {quarter} steps) -> {last_loss:.4f} (last {quarter} steps)")
+        updates = [(r[VALUE_LOSS_BEFORE], r[VALUE_LOSS_AFTER]) for r in records if VALUE_LOSS_AFTER in r]
+        if updates:
+            before, after = (sum(pair[i] for pair in updates) / len(updates) for i in (0, 1))
+            print(f"critic value loss on each step's batch: {before:.4f} before the critic's update -> "
+                  f"{after:.4f} after (mean of {len(updates)} steps)")
     print(f"checkpoint: {run_dir.resolve() / 'ckpts' / f'global_step_{latest}'}")
     exports = sorted((run_dir / "exports").glob("global_step_*"), key=lambda d: int(d.name.split("_")[-1]))
     print(f"HF export:  {(exports[-1] / 'policy').resolve() if exports else '(none)'}")

@@ -7,6 +7,8 @@ Nothing here changes what the host trainer does; it observes:
 * the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
   same tokens, reported as ``sync/rollout_logprob_max_diff``;
 * each step's prompt ids and token count are recorded, so a resumed run's data order can be checked;
+* with a critic (PPO), the host's value loss on each step's batch is measured with the values GAE
+  used and again after the critic's update (``critic/value_loss_before_update``, ``..._after_update``);
 * a tracker prints one line per step, keeps every metric in ``metrics.jsonl`` and draws the reward
   curve at the end.
 """
@@ -28,6 +30,9 @@ from skyrl_megatron.weights import tensor_sha256
 
 REWARD = "reward/avg_raw_reward"
 VALUE_LOSS = "critic/critic_loss"  # PPO runs only (`--ppo`)
+# PPO: the demo's observation of each critic update (see CheckedTrainer._check_critic_update)
+VALUE_LOSS_BEFORE = "critic/value_loss_before_update"
+VALUE_LOSS_AFTER = "critic/value_loss_after_update"
 CONSOLE_COLUMNS = (
     ("reward", REWARD, "{:.3f}"),
     ("loss", "policy/final_loss", "{:+.4f}"),
@@ -111,6 +116,15 @@ def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
     return out_file
 
 
+def host_value_loss(values, old_values, returns, loss_mask, algorithm) -> float:
+    """The host's value loss (`ppo_critic_loss`, clipped around `old_values`) over a whole batch."""
+    from skyrl_train.utils.ppo_utils import ppo_critic_loss
+
+    loss, _ = ppo_critic_loss(values.float(), old_values.float(), returns.float(), config=algorithm,
+                              loss_mask=loss_mask.float())
+    return float(loss)
+
+
 def _trainer_class():
     from skyrl_train.trainer import RayPPOTrainer
 
@@ -134,6 +148,22 @@ def _trainer_class():
         def postprocess_generator_output(self, generator_output, uids):
             self.all_metrics["data/prompt_uids"] = sorted(set(uids), key=int)
             return super().postprocess_generator_output(generator_output, uids)
+
+        def train_critic_and_policy(self, data):
+            status = super().train_critic_and_policy(data)
+            if self.critic_model is not None:
+                self._check_critic_update(data)
+            return status
+
+        def _check_critic_update(self, data) -> None:
+            """The host's value loss on this step's batch with the critic's values before its update
+            (those GAE used) and after it (scored again)."""
+            inputs = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
+            after = self.critic_model.run_method("mesh", "forward", inputs)["output"]
+            before = data["values"]
+            for name, values in ((VALUE_LOSS_BEFORE, before), (VALUE_LOSS_AFTER, after)):
+                self.all_metrics[name] = host_value_loss(values, before, data["returns"], data["loss_mask"],
+                                                         self.cfg.trainer.algorithm)
 
         def fwd_logprobs_values_reward(self, training_input):
             training_input = super().fwd_logprobs_values_reward(training_input)

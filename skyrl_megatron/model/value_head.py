@@ -167,6 +167,7 @@ def value_head_hook(init: ValueHeadInit, dtype: torch.dtype):
             # the critic has no output embedding; tied weights would all-reduce gradients of a head
             # that no longer exists between the first and the last pipeline stage
             model.share_embeddings_and_output_weights = False
+            model.ends_in_value_head = True  # on every stage, so all ranks describe the model alike
             if not model.post_process:
                 continue
             old = model.output_layer
@@ -179,10 +180,6 @@ def value_head_hook(init: ValueHeadInit, dtype: torch.dtype):
         return chunks
 
     return install
-
-
-def has_value_head(chunks) -> bool:
-    return any(getattr(getattr(_unwrap(c), "output_layer", None), "is_value_head", False) for c in chunks)
 
 
 def _unwrap(chunk):
