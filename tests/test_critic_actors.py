@@ -47,6 +47,7 @@ def _config(hf_dir: str, workdir):
             f"trainer.seed={SEED}",
             "trainer.bf16=false",
             "trainer.placement.colocate_all=false",
+            "trainer.algorithm.use_kl_loss=false",  # no reference group: policy (1 rank) and critic (2)
             "trainer.placement.policy_num_gpus_per_node=1",
             "trainer.placement.critic_num_gpus_per_node=2",
             "trainer.policy.megatron_config.runtime=cpu",
@@ -128,7 +129,10 @@ def test_values_match_the_hf_critic_and_training_on_one_batch_lowers_the_value_l
     assert (values - run["hf_values"]).abs()[mask].max().item() <= VALUE_ATOL
     assert values[~mask].abs().max().item() == 0.0
 
-    statuses = [_critic_step(trainer, batch, values) for _ in range(3)]
+    # PPO's loop on one batch: score (old values = the current critic's), then train on it
+    statuses = [_critic_step(trainer, batch, values)]
+    for _ in range(2):
+        statuses.append(_critic_step(trainer, batch, _values(trainer, batch)))
     for status in statuses:
         missing = [name for name in HOST_METRICS if name not in status]
         assert not missing, f"train_status lacks {missing}: {sorted(status)}"
