@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_megatron.validation import validate_config
     from skyrl_megatron.demo.experiment import REWARD, experiment_class, plot_rewards, read_metrics
     from skyrl_megatron.failures import WorkerFailure
-    from skyrl_megatron.host import run_experiment
+    from skyrl_megatron.launch import run_experiment
 
     run_dir: Path = args.out
     if args.fresh and run_dir.exists():

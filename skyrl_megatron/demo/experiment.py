@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from skyrl_megatron import host
+from skyrl_megatron.hosts import current
 from skyrl_megatron.demo.task import register_environment
 from skyrl_megatron.weights import tensor_sha256
 
@@ -148,7 +148,7 @@ def _trainer_class():
 
 def experiment_class(run_dir: Path):
     """A BasePPOExp whose trainer is the checked one and whose tracker is the step reporter."""
-    base = host.base_experiment_class()
+    base = current().base_experiment_class()
     trainer_class = _trainer_class()
 
     class DemoExperiment(base):

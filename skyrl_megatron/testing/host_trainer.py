@@ -19,14 +19,14 @@ def start_ray_for_cpu_workers(num_gpus: int, num_cpus: int, object_store_mb: int
 
     Our actor classes ask for one GPU each, as on a GPU cluster, and the host's placement groups
     bundle GPUs; Ray schedules them only where it believes GPUs exist, so the CPU box declares
-    them. `host.activate()` first, so its `ray.init` wrapper activates every Ray worker process.
+    them. `activate()` first, so its `ray.init` wrapper activates every Ray worker process.
     """
     import ray
 
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
     from skyrl_megatron.runtime import RUNTIME_ENV_VAR
 
-    host.activate()
+    activate()
     ray.init(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -62,7 +62,8 @@ def host_trainer(cfg, tokenizer, total_training_steps: int) -> Any:
 
 def build_worker_groups(trainer) -> None:
     """The host's `build_models` with the worker classes it picks for `trainer.strategy=megatron`."""
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import STRATEGY
+    from skyrl_megatron.hosts import current
 
-    policy, critic, ref = host.worker_classes(host.STRATEGY)
+    policy, critic, ref = current().worker_classes(STRATEGY)
     trainer.build_models(policy, critic, ref)
