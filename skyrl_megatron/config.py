@@ -1,5 +1,7 @@
 """Typed view of the ``megatron_config`` group and up-front validation.
 
+Imports nothing heavy (no torch, no Megatron): a bad config is reported in about a second.
+
 The YAML lives in ``config/megatron/{policy,ref,critic}.yaml`` and is composed into the host's config
 at ``trainer.<role>.megatron_config``. :func:`check_config` runs before Ray or any model is
 touched, collects every problem it finds, and raises one :class:`ConfigError` whose lines each name
@@ -14,10 +16,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from skyrl_megatron.parallel import ParallelConfig
-from skyrl_megatron.runtime import quiet_megatron_import
+from skyrl_megatron.megatron_fields import section_fields
+from skyrl_megatron.model.lora_spec import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
+
+if TYPE_CHECKING:
+    from skyrl_megatron.parallel import ParallelConfig
 
 ROLES = ("policy", "ref", "critic")
 KNOWN_STRATEGIES = ("fsdp", "fsdp2", "deepspeed", "megatron")
@@ -211,6 +216,8 @@ class MegatronWorkerConfig:
         return cls.from_mapping(data)
 
     def parallel(self) -> ParallelConfig:
+        from skyrl_megatron.parallel import ParallelConfig  # torch: only where a worker builds groups
+
         return ParallelConfig(
             tensor=self.tensor_model_parallel_size,
             pipeline=self.pipeline_model_parallel_size,
@@ -277,23 +284,6 @@ def read_model_shape(path: str) -> ModelShape | None:
 # ----------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------
-
-
-def _megatron_dataclass_fields() -> dict[str, tuple[str, set[str]]]:
-    """Pass-through section -> (Megatron dataclass name, its field names)."""
-    with quiet_megatron_import():
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import TransformerConfig
-
-    def names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    return {
-        "ddp_config": ("DistributedDataParallelConfig", names(DistributedDataParallelConfig)),
-        "optimizer_config_kwargs": ("OptimizerConfig", names(OptimizerConfig)),
-        "transformer_config_kwargs": ("TransformerConfig", names(TransformerConfig)),
-    }
 
 
 def active_roles(cfg) -> list[str]:
@@ -375,7 +365,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     for key in data:
         if key not in known:
             problems.append(Problem(f"{prefix}.{key}", "unknown key", _did_you_mean(key, known)))
-    for section, (cls_name, fields) in _megatron_dataclass_fields().items():
+    for section, (cls_name, fields) in section_fields().items():
         for key in data.get(section) or {}:
             if key not in fields:
                 problems.append(
@@ -476,6 +466,8 @@ def _fused_kernel_problems(key: str, names) -> list[Problem]:
 
 def flex_backend_available(backend: str) -> bool:
     """Whether Megatron found the flex dispatcher's communication library (DeepEP ships both backends)."""
+    from skyrl_megatron.runtime import quiet_megatron_import
+
     with quiet_megatron_import():
         from megatron.core.transformer.moe import fused_a2a
 
@@ -502,8 +494,6 @@ def _moe_backend_problems(prefix: str, settings: MoeSettings) -> list[Problem]:
 
 def check_lora(cfg, role: str, mc: MegatronWorkerConfig, shape: ModelShape | None) -> list[Problem]:
     """`megatron_config.lora_config` and the host's `model.lora` keys map onto Megatron-Bridge's PEFT."""
-    from skyrl_megatron.model.lora import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
-
     prefix = f"trainer.{role}.megatron_config.lora_config"
     settings = mc.lora_config
     problems = []
@@ -511,7 +501,7 @@ def check_lora(cfg, role: str, mc: MegatronWorkerConfig, shape: ModelShape | Non
         problems.append(Problem(f"{prefix}.lora_type", f"unknown LoRA type {settings.lora_type!r}", "use lora or canonical_lora"))
     if settings.weight_sync not in WEIGHT_SYNC_MODES:
         problems.append(Problem(f"{prefix}.weight_sync", f"unknown mode {settings.weight_sync!r}", "use merged or adapters"))
-    if problems or "lora" not in cfg.trainer[role].model:
+    if problems or int((cfg.trainer[role].model.get("lora") or {}).get("rank") or 0) <= 0:
         return problems
     try:
         spec = LoraSpec.from_host_config(cfg, role)

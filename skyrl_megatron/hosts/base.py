@@ -54,6 +54,9 @@ class HostAdapter(ABC):
     #: the host's own command line, for the log line that says how to get its built-in backend back
     host_main: str
     strategies: tuple[str, ...]
+    #: True where the host pre-scales advantages so that a policy loss is a plain sum over the
+    #: mini-batch's tokens (0.4); False where each loss call reduces over what it gets (0.3.1)
+    policy_losses_are_presummed: bool = False
 
     # -- activation ------------------------------------------------------------------------------
 
@@ -83,6 +86,14 @@ class HostAdapter(ABC):
         """`cfg` in the shape our checks and workers read (skyrl-train 0.3.1's composed OmegaConf)."""
         return cfg
 
+    def worker_view(self, worker_cfg):
+        """What a worker was given (`self.cfg`) in the shape our workers read (the 0.3.1 composed config)."""
+        return worker_cfg
+
+    def algorithm_config(self, worker_cfg):
+        """The host's algorithm config object, as its own loss functions expect it."""
+        return worker_cfg.trainer.algorithm
+
     # -- driver side ------------------------------------------------------------------------------
 
     @abstractmethod
@@ -104,6 +115,14 @@ class HostAdapter(ABC):
         """The host's experiment class (``BasePPOExp``): builds the trainer from a config and runs it."""
 
     @abstractmethod
+    def trainer_class(self) -> type:
+        """The host's ``RayPPOTrainer``."""
+
+    @abstractmethod
+    def training_input_class(self) -> type:
+        """The host's ``TrainingInputBatch`` (what its trainer hands the workers)."""
+
+    @abstractmethod
     def worker_classes(self, strategy: str) -> tuple[Any, Any, Any]:
         """(policy, critic, ref) classes the host would build for `strategy`."""
 
@@ -120,6 +139,10 @@ class HostAdapter(ABC):
     @abstractmethod
     def training_output(self, tensors: dict | None = None, metadata: dict | None = None):
         """The host's ``TrainingOutputBatch`` holding `tensors`, with `metadata`."""
+
+    def scoring_output(self, key: str, values, metadata: dict):
+        """What a worker's ``forward`` returns for per-token `values` [B, A] (``key``: logprobs or values)."""
+        return self.training_output({"output": values}, metadata)
 
     @abstractmethod
     def policy_loss_function(self, name: str) -> Callable:

@@ -51,6 +51,7 @@ class SkyRL04(HostAdapter):
     entrypoint_module = "skyrl.train.entrypoints.main_base"
     host_main = "python -m skyrl.train.entrypoints.main_base"
     strategies = ("fsdp", "fsdp2", "megatron")
+    policy_losses_are_presummed = True
 
     def apply_compat_fixes(self) -> None:
         allow_flash_attn_import_without_kernels()
@@ -101,17 +102,25 @@ class SkyRL04(HostAdapter):
         from omegaconf import OmegaConf
 
         tree = dataclasses.asdict(cfg)
-        trainer, generator = tree["trainer"], tree["generator"]
-        trainer["use_sample_packing"] = trainer.pop("remove_microbatch_padding", False)
-        for role in ("policy", "ref", "critic"):
-            section = trainer[role].get("megatron_config")
-            if section is not None:
-                trainer[role]["megatron_config"] = our_megatron_section(section)
+        tree["trainer"] = _our_trainer_section(tree["trainer"])
+        generator = tree["generator"]
         engine = generator.get("inference_engine") or {}
         generator.setdefault("model_dtype", engine.get("model_dtype", "bfloat16"))
         generator.setdefault("num_inference_engines", engine.get("num_engines", 1))
         generator.setdefault("enable_prefix_caching", engine.get("enable_prefix_caching", False))
         return OmegaConf.create(tree)
+
+    def worker_view(self, worker_cfg):
+        """A worker gets the host's ``TrainerConfig`` only (``cfg.trainer``); the sampling temperature
+        is its ``algorithm.temperature``."""
+        from omegaconf import OmegaConf
+
+        trainer = _our_trainer_section(dataclasses.asdict(worker_cfg))
+        generator = {"sampling_params": {"temperature": worker_cfg.algorithm.temperature}, "enable_prefix_caching": False}
+        return OmegaConf.create({"trainer": trainer, "generator": generator})
+
+    def algorithm_config(self, worker_cfg):
+        return worker_cfg.algorithm
 
     # -- driver side ------------------------------------------------------------------------------
 
@@ -140,16 +149,26 @@ class SkyRL04(HostAdapter):
     def check_can_train(self) -> None:
         raise HostFeatureMissing(
             self,
-            "training through the host's trainer with skyrl-megatron's workers (they implement skyrl-train "
-            "0.3.1's ppo_train contract; 0.4's forward_backward/optim_step contract and a CPU engine behind "
-            "its HTTP inference interface are not built yet)",
-            f"install skyrl-train 0.3.1 for training ({SkyRLTrain03Release.install}) (README: Host versions)",
+            "a whole training run through the host's trainer with skyrl-megatron (our workers implement 0.4's "
+            "forward / forward_backward / optim_step contract, but no generation engine behind 0.4's inference "
+            "interface and no weight sync to it are built yet)",
+            f"install skyrl-train 0.3.1 for training ({SkyRLTrain03Release.install})",
         )
 
     def base_experiment_class(self) -> type:
         from skyrl.train.entrypoints.main_base import BasePPOExp
 
         return BasePPOExp
+
+    def trainer_class(self) -> type:
+        from skyrl.train.trainer import RayPPOTrainer
+
+        return RayPPOTrainer
+
+    def training_input_class(self) -> type:
+        from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+        return TrainingInputBatch
 
     def worker_classes(self, strategy: str):
         if strategy == "megatron":
@@ -179,6 +198,18 @@ class SkyRL04(HostAdapter):
         out.metadata = metadata or {}
         return out
 
+    def scoring_output(self, key: str, values, metadata: dict):
+        """0.4 collects per-sample lists (``loss_fn_outputs``) and pads them back into a tensor."""
+        from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+
+        return WorkerOutput(loss_fn_outputs=[{key: row.tolist()} for row in values], metrics={})
+
+    def training_status(self, metrics: dict[str, float]):
+        """0.4's ``forward_backward`` result: scalar metrics, already reduced over DP ranks."""
+        from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+
+        return WorkerOutput(loss_fn_outputs=[], metrics=dict(metrics))
+
     def policy_loss_function(self, name: str):
         from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
@@ -201,13 +232,22 @@ class SkyRL04(HostAdapter):
         return str_to_torch_dtype(cfg.generator.inference_engine.model_dtype)
 
 
+def _our_trainer_section(trainer: dict[str, Any]) -> dict[str, Any]:
+    trainer["use_sample_packing"] = trainer.pop("remove_microbatch_padding", False)
+    for role in ("policy", "ref", "critic"):
+        section = trainer[role].get("megatron_config")
+        if section is not None:
+            trainer[role]["megatron_config"] = our_megatron_section(section)
+    return trainer
+
+
 def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
     """A 0.4 ``megatron_config`` (as a dict) in our schema.
 
     The host's flat MoE fields become our ``moe_config`` keys unless ``moe_config`` sets them itself;
-    ``lora_config.merge_lora`` becomes ``weight_sync`` unless that is set; host-only fields at their
-    defaults are dropped, and a host-only field set to anything else is kept, so that our validation
-    names it as a key we do not support.
+    ``lora_config.merge_lora`` becomes ``weight_sync`` unless that is set; the host-only fields are
+    dropped (a user's non-default value is refused by :meth:`SkyRL04.unsupported_settings`; the host's
+    own validation may set some, e.g. ``mtp_num_layers``).
     """
     from skyrl.train.config.config import MegatronConfig
 
@@ -224,7 +264,6 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
     if lora.get("weight_sync") is None:
         lora["weight_sync"] = "merged" if merge else "adapters"
     ours["lora_config"] = {k: v for k, v in lora.items() if k in ("lora_type", "weight_sync")}
-    for key in _HOST_ONLY_FIELDS:
-        if key in ours and ours[key] == host_defaults.get(key):
-            del ours[key]
+    for key in _HOST_ONLY_FIELDS:  # set away from its default, validation refused it already (unsupported_settings)
+        ours.pop(key, None)
     return ours

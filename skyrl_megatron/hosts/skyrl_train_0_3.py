@@ -143,6 +143,16 @@ class SkyRLTrain03(HostAdapter):
 
         return BasePPOExp
 
+    def trainer_class(self) -> type:
+        from skyrl_train.trainer import RayPPOTrainer
+
+        return RayPPOTrainer
+
+    def training_input_class(self) -> type:
+        from skyrl_train.training_batch import TrainingInputBatch
+
+        return TrainingInputBatch
+
     def worker_classes(self, strategy: str):
         if strategy == "megatron":
             module = importlib.import_module(self.megatron_worker_module)

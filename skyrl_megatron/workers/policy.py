@@ -13,7 +13,7 @@ from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
-from skyrl_megatron.optim import OptimizerSettings, optimizer_step
+from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
@@ -28,8 +28,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
 
     def init_model(self, model_path: str, num_training_steps: int | None = None):
         built = self._build(model_path)
-        self._normalize_mini_batch_size()
-        trainer = self.cfg.trainer
+        trainer = self.host_cfg.trainer
         settings = OptimizerSettings.from_host_config(
             trainer.policy.optimizer_config,
             self.megatron_cfg.optimizer_config_kwargs,
@@ -41,7 +40,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.runner.attach_optimizer(self.optimizer)
         self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
         self.runner.attach_router_metrics(self.router_metrics)
-        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
+        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_api.algorithm_config(self.cfg)))
         self.skipped_steps = 0
         self.lora_metrics: dict[str, float] = {}
         if built.lora is not None:
@@ -54,47 +53,54 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             if torch.distributed.get_rank() == 0:
                 logger.info("LoRA: %s", self.lora_metrics)
 
-    def ppo_train(self, train_data):
-        """Epochs x mini-batches of the rank's rows; one optimizer step per mini-batch."""
+    # -- training: one mini-batch, then one optimizer step ----------------------------------------
+
+    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None) -> dict[str, float]:
+        """Forward + backward of rows [start, stop) of `data`; gradients stay for `_optimizer_step`."""
         from megatron.core import parallel_state as ps
 
-        trainer = self.cfg.trainer
+        rows = slice(start, stop)
+        response = {k: data[k][rows] for k in RESPONSE_KEYS if k in data and data[k] is not None}
+        self.router_metrics.reset()
+        metrics = self.runner.train_mini_batch(
+            data["sequences"][rows],
+            data["attention_mask"][rows],
+            response,
+            self.objective,
+            self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+            temperature=float(self.host_cfg.generator.sampling_params.temperature),
+            dp_group=ps.get_data_parallel_group(),
+        )
+        metrics.update(self.router_metrics.summary())  # collective: every rank
+        return metrics
+
+    def _optimizer_step(self) -> dict[str, float]:
+        with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
+            step = optimizer_step(self.optimizer, self.scheduler)
+        self.skipped_steps += int(step.skipped)
+        return {
+            "raw_grad_norm": step.grad_norm if step.grad_norm is not None else float("nan"),
+            "policy_lr": step.lr if step.lr is not None else 0.0,
+        }
+
+    def ppo_train(self, train_data):
+        """skyrl-train 0.3.1's contract: epochs x mini-batches of the rank's rows, one optimizer step each."""
+        trainer = self.host_cfg.trainer
         rows = train_data["sequences"].shape[0]
-        mini = int(self.policy_mini_batch_size_per_gpu)
+        mini = int(trainer.policy_mini_batch_size) * int(self.host_cfg.generator.n_samples_per_prompt) // self.mesh_rank.dp_size
         if mini < 1 or rows % mini:
             raise ValueError(
                 f"policy worker got {rows} rows per DP rank, not a multiple of the per-rank mini-batch {mini} "
                 "(trainer.policy_mini_batch_size x generator.n_samples_per_prompt / DP size); adjust "
                 "trainer.train_batch_size or trainer.policy_mini_batch_size"
             )
-        temperature = float(self.cfg.generator.sampling_params.temperature)
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         for _ in range(int(trainer.update_epochs_per_batch)):
             for start in range(0, rows, mini):
-                batch = {k: train_data[k][start : start + mini] for k in ("sequences", "attention_mask")}
-                response = {
-                    k: train_data[k][start : start + mini]
-                    for k in RESPONSE_KEYS
-                    if k in train_data and train_data[k] is not None
-                }
-                self.router_metrics.reset()
-                metrics = self.runner.train_mini_batch(
-                    batch["sequences"],
-                    batch["attention_mask"],
-                    response,
-                    self.objective,
-                    self._batching(trainer.micro_train_batch_size_per_gpu),
-                    temperature=temperature,
-                    dp_group=ps.get_data_parallel_group(),
-                )
-                with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
-                    step = optimizer_step(self.optimizer, self.scheduler)
-                metrics.update(self.router_metrics.summary())  # collective: every rank
+                metrics = self._train_mini_batch(train_data, start, start + mini)
+                metrics.update(self._optimizer_step())
                 steps += 1
-                self.skipped_steps += int(step.skipped)
-                metrics["raw_grad_norm"] = step.grad_norm if step.grad_norm is not None else float("nan")
-                metrics["policy_lr"] = step.lr if step.lr is not None else 0.0
                 for name, value in metrics.items():
                     history[name].append(value)
         # the step is applied: until the next ppo_train the gradients are dead weight (4 B/param)
@@ -104,6 +110,26 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         status["policy_skipped_steps"] = self.skipped_steps
         status.update(self.lora_metrics)
         return host_api.training_output(metadata={"train_status": status})
+
+    def forward_backward(self, data, loss_fn: str | None = None, loss_fn_config=None, **kwargs):
+        """skyrl 0.4's contract: one mini-batch (this rank's rows of it); ``optim_step`` follows."""
+        if loss_fn is not None or loss_fn_config:
+            raise NotImplementedError(
+                "forward_backward with a loss_fn/loss_fn_config override (the Tinker API) is not implemented "
+                "by skyrl-megatron; the policy trains with trainer.algorithm.policy_loss_type"
+            )
+        metrics = self._train_mini_batch(data)
+        metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
+        return host_api.training_status(metrics)
+
+    def optim_step(self) -> float | None:
+        """skyrl 0.4's contract: apply the gradients of the last ``forward_backward``; the grad norm."""
+        metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
+        grad_norm = metrics["raw_grad_norm"]
+        return None if grad_norm != grad_norm else float(grad_norm)
+
+    def get_lr(self) -> float:
+        return current_lr(self.optimizer) or 0.0
 
     # -- weight sync ------------------------------------------------------------------------------
 
@@ -116,7 +142,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         the placement.
         """
         reset_prefix_cache = None
-        if self.cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
+        if self.host_cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
             reset_prefix_cache = inference_engine_client.reset_prefix_cache()
         if self.built.lora is not None and self.built.lora.weight_sync == "adapters":
             await self._send_adapters(inference_engine_client)
@@ -152,7 +178,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         The engines must have loaded the base weights (they start from the same checkpoint) and, for
         vLLM, run with LoRA enabled.
         """
-        path = self.cfg.trainer.policy.model.lora.lora_sync_path
+        path = self.host_cfg.trainer.policy.model.lora.lora_sync_path
         save_hf_model(path, self.built, adapters_only=True)  # collective; rank 0 writes, atomically
         if torch.distributed.get_rank() == 0:
             await inference_engine_client.update_named_weights(host_api.lora_load_request_class()(lora_path=str(path)))

@@ -154,7 +154,7 @@ def test_the_hosts_own_checks_run_and_read_as_ours(base):
         validate_config(compose_config([a for a in base if a != "trainer.logger=console"] + ["trainer.logger=wandb"]))
 
 
-def test_training_says_it_is_not_available_yet_before_starting_ray(base):
+def test_a_whole_run_says_it_is_not_available_yet_before_starting_ray(base):
     from skyrl_megatron.launch import run_experiment
 
     with pytest.raises(HostFeatureMissing, match=r"not available on skyrl 0.4.x yet; install skyrl-train 0.3.1"):
