@@ -8,13 +8,16 @@ from skyrl_megatron.activation import STRATEGY, activate
 from skyrl_megatron.hosts import current
 
 
-def initialize_ray(cfg, log_to_driver: bool = True) -> None:
+def initialize_ray(cfg, log_to_driver: bool = True, quiet: bool = False) -> None:
     """The host's Ray start (its runtime environment, its registries), plus what a CPU run needs.
 
     On the CPU runtime Ray is told of as many *logical* GPUs as the workers will ask for: the host's
     actor groups and placement groups request GPUs, and Ray schedules them only where it believes
-    GPUs exist. Every Ray process is put on our CPU runtime.
+    GPUs exist. Every Ray process is put on our CPU runtime. `quiet` keeps Ray's own start-up lines
+    and its metrics exporter (nothing collects it in a local run) off the console.
     """
+    import logging
+
     import ray
 
     from skyrl_megatron.failures import start_registry
@@ -34,7 +37,12 @@ def initialize_ray(cfg, log_to_driver: bool = True) -> None:
     # the layer spec, and users choose TE's through transformer_config_kwargs.attention_backend.
     for name in [name for name in env_vars if name.startswith("NVTE_")]:
         del env_vars[name]
-    ray.init(runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver, **resources)
+    if quiet:
+        # Ray's config flag, read by the raylet, GCS and workers this init starts: nothing collects
+        # metrics in a local run, and each process would report that it found no exporter
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    logging_level = logging.WARNING if quiet else logging.INFO
+    ray.init(runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver, logging_level=logging_level, **resources)
     host.sync_registries()
     start_registry()
 
@@ -53,10 +61,14 @@ def cpu_cluster_resources(view) -> dict[str, int]:
 
     gpus = sum(role_world_size(view, role) for role in active_roles(view))
     engines = view.generator.num_inference_engines if view.generator.get("engine", "auto") == "cpu" else 0
-    return {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, gpus + engines + 1)}
+    # logical CPUs, like the GPUs: Ray warns once its worker processes outnumber them, and a run holds
+    # an actor per worker and engine plus Ray's own helpers
+    return {"num_gpus": gpus, "num_cpus": max(os.cpu_count() or 1, 2 * (gpus + engines + 1))}
 
 
-def run_experiment(cfg, experiment_cls=None, *, in_driver: bool = False, log_to_driver: bool = True) -> None:
+def run_experiment(
+    cfg, experiment_cls=None, *, in_driver: bool = False, log_to_driver: bool = True, quiet: bool = False
+) -> None:
     """Start Ray and run the host trainer.
 
     By default the trainer runs in a Ray task, as the host's own main does (the driver may sit on a
@@ -67,7 +79,7 @@ def run_experiment(cfg, experiment_cls=None, *, in_driver: bool = False, log_to_
     import ray
 
     current().check_can_train()  # before Ray starts
-    initialize_ray(cfg, log_to_driver=log_to_driver)
+    initialize_ray(cfg, log_to_driver=log_to_driver, quiet=quiet)
     if in_driver:
         _run_experiment_in_task(cfg, experiment_cls)
     else:

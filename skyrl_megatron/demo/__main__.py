@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from skyrl_megatron.demo.task import write_prompts
@@ -88,7 +89,18 @@ def prepare(run_dir: Path, steps: int) -> tuple[Path, Path]:
     return model_dir, prompts
 
 
+def _quiet_console() -> None:
+    """One line per step and nothing a user cannot act on; each setting is read where the noise starts,
+    so it is set before those libraries load."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the host trainer's bar, datasets' and transformers' bars
+    # Ray's notice that it will stop clearing CUDA_VISIBLE_DEVICES for num_gpus=0 tasks: opt in (CPU run)
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # Megatron-Core's import-time notices that TE/Apex are absent: the TE-free path is ours on purpose
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*not installed")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="run directory (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps of a fresh run (default: %(default)s)")
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all {steps} steps were trained already; showing that run (--fresh starts over)")
     else:
         try:
-            run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False)
+            run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False, quiet=True)
         except WorkerFailure as failure:
             print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
             return 1

@@ -47,7 +47,7 @@ class StepReporter:
         from tqdm import tqdm
 
         self.metrics_file = metrics_file
-        self.write = write or tqdm.write  # keeps the host's progress bar below the lines
+        self.write = write or tqdm.write  # keeps a progress bar (when one is on) below the lines
         self._header_done = False
 
     def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
 import sys
 from typing import Any, Callable
@@ -24,6 +25,7 @@ RELEASE = HostRelease(
 )
 
 _MEGATRON_KEY = re.compile(r"^trainer\.(policy|ref|critic)\.megatron_config\.[^=]+=")
+_TRAINER_UTILS_MODULE = "skyrl_train.utils.trainer_utils"
 _TOKENIZER_MODULE = "transformers.tokenization_utils_base"
 _FSDP_STRATEGY_MODULE = "skyrl_train.distributed.fsdp_strategy"
 _HOST_PACKAGES = ("skyrl_train.", "skyrl_gym.")
@@ -68,6 +70,7 @@ class SkyRLTrain03(HostAdapter):
             self.entrypoint_module: functools.partial(_route_local_engines, cpu_engines=cpu_engines),
             _TOKENIZER_MODULE: _legacy_chat_template_for_host,
             _FSDP_STRATEGY_MODULE: _rebind_fsdp2_wrap,
+            _TRAINER_UTILS_MODULE: _size_dataloader_workers_to_the_machine,
         }
 
     def apply_compat_fixes(self) -> None:
@@ -328,6 +331,23 @@ def _legacy_chat_template_for_host(tokenization_utils_base) -> None:
     apply_chat_template.__wrapped__ = original  # type: ignore[attr-defined]
     apply_chat_template.__doc__ = original.__doc__
     cls.apply_chat_template = apply_chat_template
+
+
+def _size_dataloader_workers_to_the_machine(trainer_utils) -> None:
+    """0.3.1's ``build_dataloader`` starts 8 loader worker processes whatever the machine; on a small
+    one (2 cores in CI) torch warns on every epoch and the processes only compete for cores. Its
+    loader gets at most one worker per core; the batches are the same (the sampler is seeded)."""
+    loader_cls = trainer_utils.StatefulDataLoader
+    if getattr(loader_cls, "_skyrl_megatron_sized", False):
+        return
+
+    class StatefulDataLoader(loader_cls):
+        _skyrl_megatron_sized = True
+
+        def __init__(self, *args, num_workers: int = 0, **kwargs):
+            super().__init__(*args, num_workers=min(num_workers, os.cpu_count() or 1), **kwargs)
+
+    trainer_utils.StatefulDataLoader = StatefulDataLoader
 
 
 def _fix_fsdp2_wrap_classes(fsdp_utils) -> None:
