@@ -63,6 +63,7 @@ class _LayerReplay:
     def __init__(self, layer: int):
         self.layer = layer  # index into this rank's route layers
         self.active = False
+        self.training = False  # training forwards may be recomputed in the backward pass
         self.recorded: torch.Tensor | None = None  # [tokens, k] the last forward used
         self.target: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (routes, padding) for the next forward
         self.for_recompute: deque[tuple[torch.Tensor | None, torch.Tensor]] = deque()  # each forward's, oldest first
@@ -79,7 +80,7 @@ class _LayerReplay:
                 raise RuntimeError(f"routing replay: no routes set for MoE layer {self.layer}")
             routes, padding = self.target
             self.target = None  # one forward per target: a stale one must never be replayed
-            if torch.is_grad_enabled():
+            if self.training:  # (recomputed forwards first run under no_grad: not a test of training)
                 self.for_recompute.append((routes, padding))
         tokens, device = scores.shape[0], scores.device
         if padding.shape != (tokens,) or (routes is not None and routes.shape != (tokens, topk)):
@@ -129,10 +130,12 @@ class RouteReplay:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def activate(self, active: bool) -> None:
-        """Routers follow the targets of each forward (True) or choose as usual (False)."""
+    def activate(self, active: bool, training: bool = False) -> None:
+        """Routers follow the targets of each forward (True) or choose as usual (False); in
+        `training` they keep each forward's targets for activation recompute."""
         for layer in self.layers:
             layer.active = active
+            layer.training = active and training
             layer.recorded = layer.target = None
             layer.for_recompute.clear()
 

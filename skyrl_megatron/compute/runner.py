@@ -314,7 +314,7 @@ class ModelRunner:
         """
         for chunk in self.chunks:
             chunk.eval()
-        record = record_routes is not None and self._replays_routes()
+        record = record_routes is not None and self.replays_routes
         with _mark("skyrl_megatron.prepare_micro_batches"):
             micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, routes=routes, route_tokens=record)
         with _mark("skyrl_megatron.schedule"), self._routing(routes is not None or record):
@@ -382,7 +382,7 @@ class ModelRunner:
                 loss, metrics = objective(log_probs, entropy, mb.response, totals)
                 return loss * scale, metrics
 
-        with _mark("skyrl_megatron.schedule"), self._routing(routes is not None):
+        with _mark("skyrl_megatron.schedule"), self._routing(routes is not None, training=True):
             per_micro_batch = forward_backward(
                 self.chunks,
                 micro_batches,
@@ -397,16 +397,18 @@ class ModelRunner:
 
     # -- routing replay ---------------------------------------------------------------------------
 
-    def _replays_routes(self) -> bool:
+    @property
+    def replays_routes(self) -> bool:
+        """Whether routes can be recorded and replayed here (a RouteReplay with routers on this rank)."""
         return self.route_replay is not None and self.route_replay.num_layers > 0
 
     @contextlib.contextmanager
-    def _routing(self, active: bool):
+    def _routing(self, active: bool, training: bool = False):
         """Routers follow each micro-batch's routes inside the block (when `active`); as usual after it."""
-        if not active or not self._replays_routes():
+        if not active or not self.replays_routes:
             yield
             return
-        self.route_replay.activate(True)
+        self.route_replay.activate(True, training)
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
@@ -41,6 +42,11 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.runner.attach_optimizer(self.optimizer)
         self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
         self.runner.attach_router_metrics(self.router_metrics)
+        # R2 routing replay: `forward` (old logprobs) records each row's routes, `ppo_train` replays them
+        self.route_store: RouteStore | None = None
+        if self.megatron_cfg.moe_config.routing_replay == "r2" and self.router_metrics.is_moe:
+            self.runner.attach_route_replay(RouteReplay(built.chunks))
+            self.route_store = RouteStore()
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
         self.skipped_steps = 0
         self.lora_metrics: dict[str, float] = {}
@@ -68,6 +74,8 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                 "trainer.train_batch_size or trainer.policy_mini_batch_size"
             )
         temperature = float(self.cfg.generator.sampling_params.temperature)
+        # every row's routes from this step's scoring, matched by its tokens (rows may come reordered)
+        scored_routes = self._scored_routes(train_data)
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         for _ in range(int(trainer.update_epochs_per_batch)):
@@ -87,6 +95,9 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                     self._batching(trainer.micro_train_batch_size_per_gpu),
                     temperature=temperature,
                     dp_group=ps.get_data_parallel_group(),
+                    routes=None if scored_routes is None else host_columns(
+                        scored_routes[start : start + mini], batch["attention_mask"]
+                    ),
                 )
                 with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
                     step = optimizer_step(self.optimizer, self.scheduler)
@@ -99,11 +110,30 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                     history[name].append(value)
         # the step is applied: until the next ppo_train the gradients are dead weight (4 B/param)
         self.runner.gradients.release()
+        if self.route_store is not None:
+            self.route_store.clear()
         status = {name: sum(values) / len(values) for name, values in history.items()}
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
         status.update(self.lora_metrics)
         return host_api.training_output(metadata={"train_status": status})
+
+    def _scoring_route_store(self) -> RouteStore | None:
+        if self.route_store is None:
+            return None
+        self.route_store.clear()  # one step's scoring at a time
+        return self.route_store
+
+    def _scored_routes(self, train_data) -> list[torch.Tensor] | None:
+        if self.route_store is None or not self.runner.replays_routes:
+            return None  # (a pipeline stage without MoE layers has no routes)
+        try:
+            return self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
+        except KeyError as missing:
+            raise RuntimeError(
+                f"{missing.args[0]}; with megatron_config.moe_config.routing_replay=r2 the policy's forward must score "
+                "the rows of a step before ppo_train trains on them"
+            ) from None
 
     # -- weight sync ------------------------------------------------------------------------------
 

@@ -1,0 +1,243 @@
+"""MoE routing replay (``moe_config.routing_replay``, issue 17 R2) on a tiny Qwen3-MoE (CPU, gloo, fp32).
+
+In-process: routes kept per row survive re-padding and reordering, the host <-> model layout maps
+put a token's routes where the token goes, and the config rules. Spawned ranks: a constructed
+routing flip (below) makes the first training step's importance ratio differ from 1 without
+replay; with replay it is exactly 1 (every token's log-prob bitwise the scored one, ppo_kl exactly
+0) at world 1, EP2, TP2 x EP2 (SP), PP2 x EP2 with activation recompute and CP2, and the routes a
+pass replays are bitwise the ones scoring recorded, also when scoring used another micro-batch plan.
+
+The flip: two passes over the same tokens can pick different experts where router logits are
+near-tied (a kernel, dtype or batch composition moves a logit by an ulp). `_ScoringFlip` makes that
+happen on every token, deterministically: scoring (no grad) takes the 1st..(k-1)-th and the
+(k+1)-th expert, training the top k; the routing probabilities come from the router's own logits at
+the chosen experts either way, as in a real near-tie.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron.compute.batching import PackingSettings, build_model_inputs
+from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteStore, host_columns
+from skyrl_megatron.config import ConfigError, MoeSettings
+from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks
+from skyrl_megatron.testing.policy_steps import policy_steps
+from skyrl_megatron.validation import validate_config
+
+MC = "trainer.policy.megatron_config"
+PADDED = {"micro_batch_size": 3}
+PACKED = {"max_tokens": 30}
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def problems_of(cfg) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- routes per row
+
+
+def _routes_for(batch, layers=2, k=2, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 8, (*batch["sequences"].shape, layers, k), generator=g)
+
+
+def test_routes_follow_their_rows_through_reordering_and_repadding():
+    batch = make_rl_batch(5, 4, 4, seed=1)
+    routes = _routes_for(batch)
+    store = RouteStore()
+    store.put(batch["sequences"], batch["attention_mask"], routes)
+    # the trainer's rows: reordered, with two more padding columns on the left
+    order = torch.tensor([3, 0, 4, 1, 2])
+    sequences = torch.nn.functional.pad(batch["sequences"][order], (2, 0))
+    mask = torch.nn.functional.pad(batch["attention_mask"][order], (2, 0))
+    got = host_columns(store.lookup(sequences, mask), mask)
+    real = mask.bool()
+    assert torch.equal(got[real], routes[order][batch["attention_mask"][order].bool()].to(got.dtype))
+    assert bool((got[~real] == NO_ROUTE).all())
+
+
+def test_identical_rows_get_their_routes_in_order_and_an_unscored_row_is_named():
+    batch = make_rl_batch(2, 4, 4, seed=2)
+    sequences = torch.cat([batch["sequences"][:1]] * 2)
+    mask = torch.cat([batch["attention_mask"][:1]] * 2)
+    routes = _routes_for({"sequences": sequences}, seed=3)
+    store = RouteStore()
+    store.put(sequences, mask, routes)
+    first, second = store.lookup(sequences, mask)
+    assert torch.equal(first.long(), routes[0][mask[0].bool()]) and torch.equal(second.long(), routes[1][mask[1].bool()])
+    with pytest.raises(KeyError, match="row 1 of the training batch was not scored"):
+        store.lookup(batch["sequences"], batch["attention_mask"])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_model_layout_puts_routes_where_their_tokens_go(packed):
+    batch = make_rl_batch(4, 5, 5, seed=4)
+    settings = PackingSettings(packed=packed, tensor=2, sequence_parallel=True, context=2)  # alignment padding
+    inputs = build_model_inputs(batch["sequences"], batch["attention_mask"], settings)
+    # a "route" equal to the token id lands exactly on the token
+    as_routes = batch["sequences"].unsqueeze(-1).unsqueeze(-1).expand(-1, -1, 3, 2)
+    model = inputs.from_host_layout(as_routes, NO_ROUTE)
+    real = model[..., 0, 0] != NO_ROUTE
+    assert int(real.sum()) == int(batch["attention_mask"].sum())
+    assert torch.equal(model[..., 0, 0][real], inputs.input_ids[real])
+    back = inputs.to_host_layout(model, NO_ROUTE)
+    mask = batch["attention_mask"].bool()
+    assert torch.equal(back[mask], as_routes[mask]) and bool((back[~mask] == NO_ROUTE).all())
+
+
+# ---------------------------------------------------------------- config rules
+
+
+def test_bad_routing_replay_value_names_the_key(compose, hf_config_dir):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir('qwen3_moe')}", f"{MC}.moe_config.routing_replay=r1"))
+    assert f"{MC}.moe_config.routing_replay: unknown value 'r1'" in msg and "use one of r2, r3 or null" in msg
+
+
+def test_routing_replay_is_for_the_policy_and_top_k_routers(compose, hf_config_dir):
+    path = hf_config_dir("qwen3_moe")
+    ref = "trainer.ref.megatron_config.moe_config"
+    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"trainer.ref.model.path={path}", f"{ref}.routing_replay=r2"))
+    assert f"{ref}.routing_replay: routing replay is for the policy's scoring and training passes" in msg
+    msg = problems_of(
+        compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2", f"{MC}.moe_config.load_balancing_type=sinkhorn")
+    )
+    assert f"{MC}.moe_config.routing_replay: 'sinkhorn' routing does not choose experts by top-k" in msg
+    msg = problems_of(
+        compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2",
+                f"++{MC}.transformer_config_kwargs.moe_router_fusion=true")
+    )
+    assert f"{MC}.transformer_config_kwargs.moe_router_fusion: Transformer Engine's fused router" in msg
+    validate_config(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2"))  # must not raise
+
+
+def test_r3_is_refused_with_the_hosts_engines(compose, hf_config_dir):
+    path = hf_config_dir("qwen3_moe")
+    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r3"))
+    assert f"{MC}.moe_config.routing_replay: skyrl-train 0.3.1's inference engines (vLLM, SGLang) have no routed-experts support" in msg
+    assert "use routing_replay=r2" in msg
+
+
+# ---------------------------------------------------------------- training
+
+
+class _ScoringFlip:
+    """Test device around a router's `router_replay` (ours or none): scoring picks the 1st..(k-1)-th
+    and the (k+1)-th expert of every token, training the top k (see the module docstring)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        def select(logits, k, num_groups=None, group_topk=None):
+            if torch.is_grad_enabled():
+                return default_compute_topk(logits, k, num_groups=num_groups, group_topk=group_topk)
+            ranked = torch.topk(logits, k + 1, dim=1).indices
+            chosen = torch.cat([ranked[:, : k - 1], ranked[:, k:]], dim=1)
+            return logits.gather(1, chosen), chosen
+
+        if self.inner is None:
+            return select(scores, topk, num_groups, group_topk)
+        return self.inner.get_replay_topk(scores, topk, num_groups, group_topk, select)
+
+
+def _flip_scoring(chunks) -> None:
+    from skyrl_megatron.model.moe import routers
+
+    for _, router in routers(chunks):
+        router.router_replay = _ScoringFlip(router.router_replay)
+
+
+def _runs(rank, world_size, hf_dir, plan: dict) -> dict:
+    out = {}
+    for name, (layout, batching, extra) in plan.items():
+        run = policy_steps(rank, world_size, hf_dir, layout, batching, steps=1, ratio_check=True, prepare=_flip_scoring, **extra)
+        first = run["history"][0]
+        out[name] = {
+            "ppo_kl": first["ppo_kl"],
+            "abs_log_ratio_sum": first["abs_log_ratio_sum"],
+            "routes_replayed_bitwise": (
+                torch.equal(run["recorded_routes"], run["replayed_routes"]) if "recorded_routes" in run else None
+            ),
+            "routes_recorded": int((run["recorded_routes"] != NO_ROUTE).sum()) if "recorded_routes" in run else 0,
+        }
+    return out
+
+
+WORLD1 = {
+    "flip": ({}, PADDED, {}),
+    "padded": ({}, PADDED, {"routing_replay": True}),
+    "packed": ({}, PACKED, {"routing_replay": True}),
+    # scored in rows of 2, trained in packed micro-batches: other shapes, the same routes
+    "other_plan": ({}, PACKED, {"routing_replay": True, "score_batching": {"micro_batch_size": 2}}),
+}
+WORLD4 = {
+    "tp2_ep2_flip": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, PACKED, {}),
+    "ep2": ({"expert": 2}, PACKED, {"routing_replay": True}),
+    "tp2_ep2": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, PACKED, {"routing_replay": True}),
+    "tp2_ep2_allgather": (
+        {"tensor": 2, "expert": 2, "sequence_parallel": True}, PADDED,
+        {"routing_replay": True, "spec_overrides": {"moe": MoeSettings(token_dispatcher="allgather")}},
+    ),
+    "pp2_ep2_recompute": (
+        {"pipeline": 2, "expert": 2}, PADDED, {"routing_replay": True, "spec_overrides": {"transformer_overrides": RECOMPUTE}},
+    ),
+    "cp2": ({"context": 2}, PACKED, {"routing_replay": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("qwen3_moe")
+    make_tiny_hf_model("qwen3_moe", out, seed=11)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def world1(moe_model) -> dict:
+    (runs,) = run_on_ranks(_runs, 1, moe_model, WORLD1, timeout=600)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def world4(moe_model) -> list[dict]:
+    return run_on_ranks(_runs, 4, moe_model, WORLD4, timeout=600)
+
+
+def _assert_ratio_exactly_one(run: dict, what: str) -> None:
+    assert run["abs_log_ratio_sum"] == 0.0, f"{what}: log-probs differ from the scored ones by {run['abs_log_ratio_sum']}"
+    assert run["ppo_kl"] == 0.0, f"{what}: ppo_kl {run['ppo_kl']}"
+    assert run["routes_replayed_bitwise"], f"{what}: replayed routes differ from the recorded ones"
+
+
+@pytest.mark.slow
+def test_without_replay_the_flip_moves_the_first_step_ratio(world1, world4):
+    for what, run in (("world 1", world1["flip"]), ("tp2 x ep2", world4[0]["tp2_ep2_flip"])):
+        assert run["abs_log_ratio_sum"] > 1e-2 and run["ppo_kl"] != 0.0, f"{what}: the flip changed nothing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["padded", "packed"])
+def test_world1_replay_makes_the_first_step_ratio_exactly_one(world1, name):
+    _assert_ratio_exactly_one(world1[name], f"world 1 {name}")
+    assert world1[name]["routes_recorded"] > 0
+
+
+@pytest.mark.slow
+def test_routes_replay_bitwise_under_another_micro_batch_plan(world1):
+    run = world1["other_plan"]
+    assert run["routes_replayed_bitwise"]
+    # the log-probs of differently shaped micro-batches differ in the last bits (CPU GEMMs are not
+    # batch-invariant), far below what a routing flip moves
+    assert run["abs_log_ratio_sum"] < 1e-3 * world1["flip"]["abs_log_ratio_sum"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "tp2_ep2", "tp2_ep2_allgather", "pp2_ep2_recompute", "cp2"])
+def test_layout_replay_makes_the_first_step_ratio_exactly_one(world4, layout):
+    for rank, runs in enumerate(world4):
+        _assert_ratio_exactly_one(runs[layout], f"{layout} rank {rank}")
