@@ -152,9 +152,12 @@ def _flip_scoring(chunks) -> None:
         router.router_replay = _ScoringFlip(router.router_replay)
 
 
-def _runs(rank, world_size, hf_dir, plan: dict) -> dict:
+def _runs(rank, world_size, hf_dir, plan: dict, rollout: dict | None = None) -> dict:
     out = {}
     for name, (layout, batching, extra) in plan.items():
+        if extra.get("engine_routes"):  # R3: the CPU engine's rollout and routes
+            extra = {**extra, "batch": rollout["batch"], "engine_routes": rollout["routes"],
+                     "prompt_length": rollout["prompt_length"], "response_length": rollout["response_length"]}
         run = policy_steps(rank, world_size, hf_dir, layout, batching, steps=1, ratio_check=True, prepare=_flip_scoring, **extra)
         first = run["history"][0]
         out[name] = {
@@ -165,6 +168,11 @@ def _runs(rank, world_size, hf_dir, plan: dict) -> dict:
             ),
             "routes_recorded": int((run["recorded_routes"] != NO_ROUTE).sum()) if "recorded_routes" in run else 0,
         }
+        engine = run.get("engine_routes")
+        if engine is not None:  # R3: scoring replayed the engine's routes wherever it gave one
+            given = engine != NO_ROUTE
+            out[name]["engine_routes_given"] = int(given.sum())
+            out[name]["engine_routes_replayed_bitwise"] = torch.equal(run["recorded_routes"][given], engine[given])
     return out
 
 
@@ -174,6 +182,7 @@ WORLD1 = {
     "packed": ({}, PACKED, {"routing_replay": True}),
     # scored in rows of 2, trained in packed micro-batches: other shapes, the same routes
     "other_plan": ({}, PACKED, {"routing_replay": True, "score_batching": {"micro_batch_size": 2}}),
+    "r3": ({}, PACKED, {"routing_replay": True, "engine_routes": True}),
 }
 WORLD4 = {
     "tp2_ep2_flip": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, PACKED, {}),
@@ -187,6 +196,8 @@ WORLD4 = {
         {"pipeline": 2, "expert": 2}, PADDED, {"routing_replay": True, "spec_overrides": {"transformer_overrides": RECOMPUTE}},
     ),
     "cp2": ({"context": 2}, PACKED, {"routing_replay": True}),
+    # each stage takes its own layers' columns of the engine's routes
+    "pp2_ep2_r3": ({"pipeline": 2, "expert": 2}, PADDED, {"routing_replay": True, "engine_routes": True}),
 }
 
 
@@ -197,15 +208,48 @@ def moe_model(tmp_path_factory) -> str:
     return str(out)
 
 
+ROLLOUT_ROWS, ROLLOUT_PROMPT, ROLLOUT_RESPONSE = 8, 6, 6
+
+
 @pytest.fixture(scope="module")
-def world1(moe_model) -> dict:
-    (runs,) = run_on_ranks(_runs, 1, moe_model, WORLD1, timeout=600)
+def rollout(moe_model) -> dict:
+    """Rows sampled by the CPU engine with its routes, laid out as the host's training batch."""
+    import asyncio
+
+    from skyrl_megatron.engines import CpuInferenceEngine
+
+    engine = CpuInferenceEngine(moe_model, seed=3, return_routed_experts=True)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, ROLLOUT_PROMPT + 1, (ROLLOUT_ROWS,), generator=g)]
+    params = {"max_tokens": ROLLOUT_RESPONSE, "temperature": 1.0, "ignore_eos": True, "min_tokens": 1}
+    out = asyncio.run(engine.generate({"prompt_token_ids": prompts, "sampling_params": params}))
+    width = ROLLOUT_PROMPT + ROLLOUT_RESPONSE
+    sequences = torch.zeros(ROLLOUT_ROWS, width, dtype=torch.long)
+    attention_mask = torch.zeros_like(sequences)
+    loss_mask = torch.zeros(ROLLOUT_ROWS, ROLLOUT_RESPONSE)
+    for i, (prompt, response) in enumerate(zip(prompts, out["response_ids"])):
+        start = ROLLOUT_PROMPT - len(prompt)
+        sequences[i, start : ROLLOUT_PROMPT + len(response)] = torch.tensor(prompt + response)
+        attention_mask[i, start : ROLLOUT_PROMPT + len(response)] = 1
+        loss_mask[i, : len(response)] = 1
+        assert out["rollout_expert_indices"][i].shape == (len(prompt) + len(response) - 1, 4, 2)
+    batch = {
+        "sequences": sequences, "attention_mask": attention_mask, "loss_mask": loss_mask,
+        "advantages": torch.randn(ROLLOUT_ROWS, ROLLOUT_RESPONSE, generator=g) * loss_mask,
+    }
+    return {"batch": batch, "routes": out["rollout_expert_indices"],
+            "prompt_length": ROLLOUT_PROMPT, "response_length": ROLLOUT_RESPONSE}
+
+
+@pytest.fixture(scope="module")
+def world1(moe_model, rollout) -> dict:
+    (runs,) = run_on_ranks(_runs, 1, moe_model, WORLD1, rollout, timeout=600)
     return runs
 
 
 @pytest.fixture(scope="module")
-def world4(moe_model) -> list[dict]:
-    return run_on_ranks(_runs, 4, moe_model, WORLD4, timeout=600)
+def world4(moe_model, rollout) -> list[dict]:
+    return run_on_ranks(_runs, 4, moe_model, WORLD4, rollout, timeout=600)
 
 
 def _assert_ratio_exactly_one(run: dict, what: str) -> None:
@@ -241,3 +285,10 @@ def test_routes_replay_bitwise_under_another_micro_batch_plan(world1):
 def test_layout_replay_makes_the_first_step_ratio_exactly_one(world4, layout):
     for rank, runs in enumerate(world4):
         _assert_ratio_exactly_one(runs[layout], f"{layout} rank {rank}")
+
+
+@pytest.mark.slow
+def test_r3_replays_the_engines_routes_in_scoring_and_training(world1, world4):
+    for what, run in [("world 1", world1["r3"])] + [(f"pp2 x ep2 rank {r}", runs["pp2_ep2_r3"]) for r, runs in enumerate(world4)]:
+        assert run["engine_routes_given"] > 0 and run["engine_routes_replayed_bitwise"], f"{what}: engine routes not replayed"
+        _assert_ratio_exactly_one(run, f"{what} r3")

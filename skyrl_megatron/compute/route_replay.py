@@ -119,7 +119,10 @@ class RouteReplay:
         self._chunk_index = {id(chunk): index for index, chunk in enumerate(chunks)}
         self.layers: list[_LayerReplay] = []
         self._chunk_layers: list[list[_LayerReplay]] = [[] for _ in chunks]
+        moe_layers = _moe_layer_numbers(self.config)
+        self.rollout_columns: list[int | None] = []  # each route layer's place among the model's MoE layers
         for index, router in routers(chunks):
+            self.rollout_columns.append(None if router.is_mtp_layer else moe_layers.index(router.layer_number))
             layer = _LayerReplay(len(self.layers))
             router.router_replay = layer
             self.layers.append(layer)
@@ -182,6 +185,37 @@ class RouteReplay:
             dist.all_gather(parts, stacked.contiguous(), group=group)
             stacked = torch.cat(parts, dim=0)
         return stacked.reshape(s, b, self.num_layers, -1).transpose(0, 1)
+
+
+def _moe_layer_numbers(config) -> list[int]:
+    """The 1-based numbers of the decoder's MoE layers (Megatron's `moe_layer_freq`: every n-th, or a 0/1 list)."""
+    freq = config.moe_layer_freq
+    pattern = [int(i % freq == 0) for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
+
+
+def rollout_routes(
+    routes: Sequence, attention_mask: torch.Tensor, replay: RouteReplay
+) -> list[torch.Tensor]:
+    """R3: an inference engine's routes per row ([tokens, all MoE layers, k], from the row's first real
+    token; SkyRL 0.4's `rollout_expert_indices`) -> this rank's route layers [real tokens, L, k]; tokens
+    past the engine's routes (the last sampled token) get NO_ROUTE and are routed as usual."""
+    if any(column is None for column in replay.rollout_columns):
+        raise ValueError("routing replay r3: multi-token-prediction layers have no engine routes")
+    columns = torch.tensor(replay.rollout_columns, dtype=torch.long)
+    rows = []
+    for i, (row, mask) in enumerate(zip(routes, attention_mask.bool().cpu())):
+        given = torch.as_tensor(row).long()
+        real = int(mask.sum())
+        if given.dim() != 3 or given.shape[0] > real or given.shape[2] != replay.topk:
+            raise ValueError(
+                f"routing replay r3: row {i} has engine routes of shape {tuple(given.shape)} for {real} real tokens "
+                f"(expected [at most {real}, MoE layers, {replay.topk}])"
+            )
+        out = torch.full((real, len(columns), replay.topk), NO_ROUTE, dtype=torch.int32)
+        out[: given.shape[0]] = given[:, columns].to(torch.int32)
+        rows.append(out)
+    return rows
 
 
 # -- routes per row, in the host's columns ----------------------------------------------------------

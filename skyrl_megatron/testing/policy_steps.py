@@ -37,6 +37,8 @@ def policy_steps(
     score_batching: dict[str, Any] | None = None,
     prepare: Callable[[list], Any] | None = None,
     ratio_check: bool = False,
+    batch: dict[str, torch.Tensor] | None = None,
+    engine_routes: list | None = None,
 ) -> dict[str, Any]:
     """Returns per-step metrics (all ranks agree on them), the logprobs scored before training (on
     the last pipeline stage, else None) and which rows of the batch this rank's DP group had.
@@ -49,7 +51,10 @@ def policy_steps(
     "recorded_routes", [rows, S, L, k] of this rank's DP share and route layers);
     `score_batching` scores in another micro-batch plan than training's; `prepare(chunks)` runs once
     the runner is set up; `ratio_check` adds the metric "abs_log_ratio_sum": sum over response
-    tokens of |log-prob - old log-prob| (0 exactly when every importance ratio is exactly 1).
+    tokens of |log-prob - old log-prob| (0 exactly when every importance ratio is exactly 1);
+    `batch` replaces the synthetic one (`sequences`, `attention_mask`, `loss_mask`, `advantages`);
+    `engine_routes` (R3, with `routing_replay`): an inference engine's routes per row of the batch,
+    replayed in scoring, whose routes training then replays.
     """
     from megatron.core import parallel_state as ps
 
@@ -60,7 +65,7 @@ def policy_steps(
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch, perturb_logprobs
-    from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
+    from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns, rollout_routes
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
     init_distributed("cpu")
@@ -87,18 +92,26 @@ def policy_steps(
     micro = MicroBatching(**batching)
     score_micro = MicroBatching(**score_batching) if score_batching is not None else micro
     store = RouteStore() if routing_replay else None
-    if routing_replay:
-        runner.attach_route_replay(RouteReplay(built.chunks))
+    replay = RouteReplay(built.chunks) if routing_replay else None
+    if replay is not None:
+        runner.attach_route_replay(replay)
     if prepare is not None:
         prepare(built.chunks)
 
-    full = make_rl_batch(rows, prompt_length, response_length, seed=seed)
+    full = batch if batch is not None else make_rl_batch(rows, prompt_length, response_length, seed=seed)
+    rows, response_length = full["sequences"].shape[0], full["loss_mask"].shape[1]
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
     batch = {k: v[share] for k, v in full.items()}
     runner.gradients.release()  # as the worker scores: without gradient storage
+    from_engine = None
+    if engine_routes is not None:
+        from_engine = host_columns(
+            rollout_routes(engine_routes[share], batch["attention_mask"], replay), batch["attention_mask"]
+        )
     old = runner.response_logprobs(
-        batch["sequences"], batch["attention_mask"], response_length, score_micro, record_routes=store
+        batch["sequences"], batch["attention_mask"], response_length, score_micro, routes=from_engine,
+        record_routes=store,
     )
     routes = None
     replay_check = {}
@@ -109,7 +122,7 @@ def policy_steps(
             batch["sequences"], batch["attention_mask"], response_length, micro, routes=routes, record_routes=again
         )
         replayed = host_columns(again.lookup(batch["sequences"], batch["attention_mask"]), batch["attention_mask"])
-        replay_check = {"recorded_routes": routes, "replayed_routes": replayed}
+        replay_check = {"recorded_routes": routes, "replayed_routes": replayed, "engine_routes": from_engine}
     old_full = torch.zeros(rows, response_length)
     if old is not None:
         old_full[share] = old
