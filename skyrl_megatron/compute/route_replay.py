@@ -50,6 +50,36 @@ def _in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@dataclass(frozen=True)
+class RouteTargets:
+    """What one forward's routers follow, in the order they see tokens."""
+
+    routes: torch.Tensor | None  # [tokens, k] (one layer's) or [tokens, L, k]; None: choose for every real token
+    padding: torch.Tensor  # [tokens] bool
+    some_to_choose: bool  # a real token without a route (NO_ROUTE), or routes None
+    some_padding: bool
+
+    @classmethod
+    def of(cls, routes: torch.Tensor | None, padding: torch.Tensor, device) -> "RouteTargets":
+        """From host-side tensors (the flags are read there, before the copy to `device`)."""
+        real = ~padding
+        if routes is None:
+            some_to_choose = bool(real.any())
+        else:
+            some_to_choose = bool(((routes[..., 0] == NO_ROUTE).any(dim=1) & real).any())
+        return cls(
+            routes=None if routes is None else routes.to(device),
+            padding=padding.to(device),
+            some_to_choose=some_to_choose,
+            some_padding=bool(padding.any()),
+        )
+
+    def layer(self, index: int) -> "RouteTargets":
+        return RouteTargets(
+            None if self.routes is None else self.routes[:, index], self.padding, self.some_to_choose, self.some_padding
+        )
+
+
 class _LayerReplay:
     """One router's replay state; Megatron calls :meth:`get_replay_topk` through `router.router_replay`.
 
@@ -65,8 +95,8 @@ class _LayerReplay:
         self.active = False
         self.training = False  # training forwards may be recomputed in the backward pass
         self.recorded: torch.Tensor | None = None  # [tokens, k] the last forward used
-        self.target: tuple[torch.Tensor | None, torch.Tensor] | None = None  # (routes, padding) for the next forward
-        self.for_recompute: deque[tuple[torch.Tensor | None, torch.Tensor]] = deque()  # each forward's, oldest first
+        self.target: RouteTargets | None = None  # for the next forward
+        self.for_recompute: deque[RouteTargets] = deque()  # each training forward's, oldest first
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         if not self.active:
@@ -74,14 +104,15 @@ class _LayerReplay:
         if _in_backward_pass():
             if not self.for_recompute:
                 raise RuntimeError(f"routing replay: MoE layer {self.layer} was recomputed without a replayed forward")
-            routes, padding = self.for_recompute.popleft()
+            targets = self.for_recompute.popleft()
         else:
             if self.target is None:
                 raise RuntimeError(f"routing replay: no routes set for MoE layer {self.layer}")
-            routes, padding = self.target
+            targets = self.target
             self.target = None  # one forward per target: a stale one must never be replayed
             if self.training:  # (recomputed forwards first run under no_grad: not a test of training)
-                self.for_recompute.append((routes, padding))
+                self.for_recompute.append(targets)
+        routes, padding = targets.routes, targets.padding
         tokens, device = scores.shape[0], scores.device
         if padding.shape != (tokens,) or (routes is not None and routes.shape != (tokens, topk)):
             raise RuntimeError(
@@ -92,11 +123,12 @@ class _LayerReplay:
         if routes is None:
             routes = torch.full((tokens, topk), NO_ROUTE, dtype=torch.long, device=device)
         routes = routes.to(device=device, dtype=torch.long)
-        choose = (routes[:, 0] == NO_ROUTE) & ~padding
-        if bool(choose.any()):
+        # the flags come from the host side: no device sync per layer
+        if targets.some_to_choose:
+            choose = (routes[:, 0] == NO_ROUTE) & ~padding
             _, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             routes = torch.where(choose.unsqueeze(1), chosen, routes)
-        if bool(padding.any()):
+        if targets.some_padding:
             spread = (torch.arange(tokens, device=device).unsqueeze(1) + torch.arange(topk, device=device)) % scores.shape[1]
             routes = torch.where(padding.unsqueeze(1), spread, routes)
         if not _in_backward_pass():
@@ -144,11 +176,10 @@ class RouteReplay:
 
     # -- per forward ------------------------------------------------------------------------------
 
-    def set_targets(self, chunk: torch.nn.Module, routes: torch.Tensor | None, padding: torch.Tensor) -> None:
-        """For the next forward of `chunk`, in the order its routers see tokens: `routes` [tokens, L, k]
-        (None: choose every real token's experts) and `padding` [tokens] bool."""
+    def set_targets(self, chunk: torch.nn.Module, targets: RouteTargets) -> None:
+        """What the next forward of `chunk` follows (routes [tokens, L, k] of this rank's route layers)."""
         for layer in self._chunk_layers[self._chunk_index[id(chunk)]]:
-            layer.target = (routes[:, layer.layer] if routes is not None else None, padding)
+            layer.target = targets.layer(layer.layer)
 
     def take_recorded(self, chunk: torch.nn.Module) -> dict[int, torch.Tensor]:
         """{route layer: [tokens, k]} recorded by the last forward of `chunk`."""

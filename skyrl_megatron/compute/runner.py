@@ -35,7 +35,7 @@ from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
 from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
-from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore
+from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, RouteTargets
 from skyrl_megatron.compute.router_metrics import RouterMetrics, real_token_mask
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
 from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
@@ -68,8 +68,7 @@ class _MicroBatch:
     response: dict[str, torch.Tensor]  # [rows, A] slices of the response tensors
     cp_split: ContextParallelSplit | None = None
     real_tokens: torch.Tensor | None = None  # this CP rank's [b, s] real-token mask, for router metrics
-    routes: torch.Tensor | None = None  # MoE routes to replay, [tokens, L, k] in the routers' token order
-    padding: torch.Tensor | None = None  # [tokens] bool in the routers' order, when routes are replayed or recorded
+    routes: RouteTargets | None = None  # MoE routes to replay or record, in the routers' token order
     recorded: dict[int, torch.Tensor] | None = None  # routes recorded by this rank's routers {layer: [tokens, k]}
 
 
@@ -211,12 +210,12 @@ class ModelRunner:
             real_tokens = None
             if self.router_metrics is not None:
                 real_tokens = local(real_token_mask(model_in)).to(self.device)
-            mb_routes = padding = None
-            if routes is not None:  # [B, S, L, k] host columns -> this rank's tokens, in the routers' order
-                in_model_layout = local(model_in.from_host_layout(routes[rows], NO_ROUTE))
-                mb_routes = self.route_replay.router_order(in_model_layout).to(self.device)
-            if routes is not None or route_tokens:
-                padding = self.route_replay.router_order(local(~real_token_mask(model_in))).to(self.device)
+            mb_routes = None
+            if routes is not None or route_tokens:  # [B, S, L, k] host columns -> this rank's tokens, in the routers' order
+                order = self.route_replay.router_order
+                in_model_layout = None if routes is None else order(local(model_in.from_host_layout(routes[rows], NO_ROUTE)))
+                padding = order(local(~real_token_mask(model_in)))
+                mb_routes = RouteTargets.of(in_model_layout, padding, self.device)
             micro_batches.append(
                 _MicroBatch(
                     inputs=model_in,
@@ -228,7 +227,6 @@ class ModelRunner:
                     cp_split=split,
                     real_tokens=real_tokens,
                     routes=mb_routes,
-                    padding=padding,
                 )
             )
         return micro_batches, shape
@@ -258,8 +256,8 @@ class ModelRunner:
         def forward(model, mb: _MicroBatch):
             if self.router_metrics is not None:
                 self.router_metrics.start_forward(model, mb.real_tokens)
-            if mb.padding is not None:
-                self.route_replay.set_targets(model, mb.routes, mb.padding)
+            if mb.routes is not None:
+                self.route_replay.set_targets(model, mb.routes)
             out = model(
                 mb.model_input_ids,
                 mb.model_position_ids,
