@@ -6,6 +6,8 @@ routing flip (below) makes the first training step's importance ratio differ fro
 replay; with replay it is exactly 1 (every token's log-prob bitwise the scored one, ppo_kl exactly
 0) at world 1, EP2, TP2 x EP2 (SP), PP2 x EP2 with activation recompute and CP2, and the routes a
 pass replays are bitwise the ones scoring recorded, also when scoring used another micro-batch plan.
+R3: the CPU engine reports the experts its tokens went through; scoring replays them bitwise and
+training's first-step ratio is exactly 1 (world 1, and PP2 x EP2 where each stage takes its layers).
 
 The flip: two passes over the same tokens can pick different experts where router logits are
 near-tied (a kernel, dtype or batch composition moves a logit by an ulp). `_ScoringFlip` makes that
@@ -120,6 +122,34 @@ def test_r3_is_refused_with_the_hosts_engines(compose, hf_config_dir):
     msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r3"))
     assert f"{MC}.moe_config.routing_replay: skyrl-train 0.3.1's inference engines (vLLM, SGLang) have no routed-experts support" in msg
     assert "use routing_replay=r2" in msg
+
+
+def test_cpu_engine_returns_the_experts_its_tokens_went_through(tmp_path):
+    """R3's source: per row, every fed token's top-k experts per layer (prompt, then each sampled
+    token but the last), the same as one full forward of the finished sequence picks."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_megatron.engines import CpuInferenceEngine
+
+    make_tiny_hf_model("qwen3_moe", tmp_path, seed=11)
+    engine = CpuInferenceEngine(tmp_path, seed=0, return_routed_experts=True)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = {"max_tokens": 5, "temperature": 1.0, "ignore_eos": True}
+    out = asyncio.run(engine.generate({"prompt_token_ids": prompts, "sampling_params": params}))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    for prompt, response, routes in zip(prompts, out["response_ids"], out["rollout_expert_indices"]):
+        tokens = torch.tensor([prompt + response])
+        with torch.no_grad():
+            full = model(input_ids=tokens, output_router_logits=True).router_logits  # per layer [tokens, E]
+        expected = torch.stack([logits.topk(2, dim=-1).indices for logits in full], dim=1)[:-1]  # [T - 1, L, k]
+        got = torch.from_numpy(routes.astype("int64"))
+        assert got.shape == expected.shape == (len(prompt) + len(response) - 1, 4, 2)
+        assert torch.equal(got.sort(-1).values, expected.sort(-1).values)
+    assert "rollout_expert_indices" not in asyncio.run(
+        CpuInferenceEngine(tmp_path, seed=0).generate({"prompt_token_ids": prompts, "sampling_params": params})
+    )
 
 
 # ---------------------------------------------------------------- training

@@ -9,8 +9,11 @@ scored, and its importance ratio is not 1 even though no weight changed. Replay 
 * **R2** (``moe_config.routing_replay: r2``): the policy's scoring pass (``forward``, the old
   log-probs) *records* the top-k expert indices of every token in every MoE layer; every training
   micro-batch of that step *replays* them instead of choosing again.
-* **R3** (``r3``): the routes come from the inference engine that sampled the tokens; scoring and
-  training both replay them (see :mod:`skyrl_megatron.engines.cpu_engine`).
+* **R3** (``r3``): the routes come from the inference engine that sampled the tokens; scoring
+  replays them (:func:`rollout_routes` maps an engine's per-row routes onto a rank's layers) and
+  training replays what scoring used. Our CPU engine returns them (``return_routed_experts``);
+  skyrl-train 0.3.1 has no way to carry them from an engine to the trainer (its vLLM/SGLang engines
+  return none, its generator keeps only tokens and logprobs), so the config refuses ``r3`` there.
 
 It builds on Megatron-Core's hook for this: ``topk_routing_with_score_function`` asks the router's
 ``router_replay`` object for the top-k (``get_replay_topk``), handing it the default selection.
@@ -18,6 +21,11 @@ It builds on Megatron-Core's hook for this: ``topk_routing_with_score_function``
 (per model, not Megatron's process-wide registry, so a policy and a reference model in one process
 stay apart). Replayed probabilities are the router's own scores gathered at the recorded indices,
 in the recorded order: with the same routes, the same arithmetic as the recorded pass.
+
+Recording is replay with nothing to replay: every real token chooses as usual, and each router
+keeps what it used. Padding (alignment, or equal shapes across ranks) takes a fixed route in every
+pass: it reaches no real token, but the experts' token counts set the GEMM shapes, and with them the
+last bits of the real tokens' results.
 
 Routes are data that travel with the batch. Recorded routes are mapped back to the host's [B, S]
 columns (through the same CP gather and packing maps as the log-probs) and kept per row, keyed by
