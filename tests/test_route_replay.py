@@ -4,7 +4,8 @@ In-process: routes kept per row survive re-padding and reordering, the host <-> 
 put a token's routes where the token goes, and the config rules. Spawned ranks: a constructed
 routing flip (below) makes the first training step's importance ratio differ from 1 without
 replay; with replay it is exactly 1 (every token's log-prob bitwise the scored one, ppo_kl exactly
-0) at world 1, EP2, TP2 x EP2 (SP), PP2 x EP2 with activation recompute and CP2, and the routes a
+0) at world 1, EP2, TP2 x EP2 (SP; alltoall and allgather), TP2 x ETP1 x EP2, PP2 x EP2 and
+PP2 x VPP2 with activation recompute, and CP2, and the routes a
 pass replays are bitwise the ones scoring recorded, also when scoring used another micro-batch plan.
 R3: the CPU engine reports the experts its tokens went through; scoring replays them bitwise and
 training's first-step ratio is exactly 1 (world 1, and PP2 x EP2 where each stage takes its layers).
@@ -226,6 +227,11 @@ WORLD4 = {
         {"pipeline": 2, "expert": 2}, PADDED, {"routing_replay": True, "spec_overrides": {"transformer_overrides": RECOMPUTE}},
     ),
     "cp2": ({"context": 2}, PACKED, {"routing_replay": True}),
+    "tp2_etp1_ep2": ({"tensor": 2, "expert_tensor": 1, "expert": 2, "sequence_parallel": True}, PACKED, {"routing_replay": True}),
+    "pp2_vpp2_recompute": (
+        {"pipeline": 2, "virtual_pipeline": 2}, PADDED,
+        {"routing_replay": True, "spec_overrides": {"transformer_overrides": RECOMPUTE}},
+    ),
     # each stage takes its own layers' columns of the engine's routes
     "pp2_ep2_r3": ({"pipeline": 2, "expert": 2}, PADDED, {"routing_replay": True, "engine_routes": True}),
 }
@@ -311,7 +317,9 @@ def test_routes_replay_bitwise_under_another_micro_batch_plan(world1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2", "tp2_ep2", "tp2_ep2_allgather", "pp2_ep2_recompute", "cp2"])
+@pytest.mark.parametrize(
+    "layout", ["ep2", "tp2_ep2", "tp2_ep2_allgather", "tp2_etp1_ep2", "pp2_ep2_recompute", "pp2_vpp2_recompute", "cp2"]
+)
 def test_layout_replay_makes_the_first_step_ratio_exactly_one(world4, layout):
     for rank, runs in enumerate(world4):
         _assert_ratio_exactly_one(runs[layout], f"{layout} rank {rank}")

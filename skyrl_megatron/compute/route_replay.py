@@ -260,6 +260,11 @@ def rollout_routes(
 # -- routes per row, in the host's columns ----------------------------------------------------------
 
 
+def route_dtype(largest_expert: int) -> torch.dtype:
+    """The smallest signed type for routes (NO_ROUTE included): [tokens, L, k] adds up over many layers."""
+    return torch.int16 if largest_expert < 2**15 else torch.int32
+
+
 def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list[bytes]:
     """A key per row from its real tokens (the same row under any padding has the same key)."""
     mask = attention_mask.bool()
@@ -284,7 +289,7 @@ class RouteStore:
 
     def put(self, sequences: torch.Tensor, attention_mask: torch.Tensor, routes: torch.Tensor) -> None:
         """`routes` [B, S, L, k] in the host's columns; the real tokens' routes are kept."""
-        dtype = torch.int16 if (int(routes.max()) if routes.numel() else 0) < 2**15 else torch.int32
+        dtype = route_dtype(int(routes.max()) if routes.numel() else 0)
         mask = attention_mask.bool().cpu()
         for key, row_routes, m in zip(row_keys(sequences, attention_mask), routes.cpu(), mask):
             self.rows.setdefault(key, []).append(row_routes[m].to(dtype))
@@ -310,11 +315,11 @@ def host_columns(routes: Sequence[torch.Tensor], attention_mask: torch.Tensor) -
     """Per-row routes [real tokens, L, k] -> [B, S, L, k] at the rows' real columns, NO_ROUTE elsewhere."""
     mask = attention_mask.bool().cpu()
     if not routes:
-        return torch.full((*mask.shape, 0, 0), NO_ROUTE, dtype=torch.int32)
+        return torch.full((*mask.shape, 0, 0), NO_ROUTE, dtype=torch.int16)
     layers, k = routes[0].shape[1:]
-    out = torch.full((*mask.shape, layers, k), NO_ROUTE, dtype=torch.int32)
+    out = torch.full((*mask.shape, layers, k), NO_ROUTE, dtype=route_dtype(max(int(r.max()) if r.numel() else 0 for r in routes)))
     for i, row_routes in enumerate(routes):
         if int(mask[i].sum()) != row_routes.shape[0]:
             raise ValueError(f"routing replay: row {i} has {int(mask[i].sum())} real tokens but {row_routes.shape[0]} routes")
-        out[i, mask[i]] = row_routes.to(torch.int32)
+        out[i, mask[i]] = row_routes.to(out.dtype)
     return out

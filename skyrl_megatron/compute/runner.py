@@ -35,7 +35,7 @@ from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
 from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
-from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, RouteTargets
+from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, RouteTargets, route_dtype
 from skyrl_megatron.compute.router_metrics import RouterMetrics, real_token_mask
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
 from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
@@ -418,14 +418,15 @@ class ModelRunner:
         from megatron.core import parallel_state as ps
 
         replay = self.route_replay
-        out = torch.full((*batch_shape, replay.num_layers, replay.topk), NO_ROUTE, dtype=torch.long)
+        dtype = route_dtype(int(replay.config.num_moe_experts) - 1)
+        out = torch.full((*batch_shape, replay.num_layers, replay.topk), NO_ROUTE, dtype=dtype)
         for mb in micro_batches:  # the same order on every rank: the gathers below pair up
             local_shape = mb.model_input_ids.shape
             routes = replay.model_order(mb.recorded, (local_shape[0], local_shape[1]))
             if mb.cp_split is not None:
                 routes = mb.cp_split.gather(routes, ps.get_context_parallel_group(), dim=1)
             if mb.rows.numel():
-                out[mb.rows] = mb.inputs.to_host_layout(routes.cpu(), NO_ROUTE)
+                out[mb.rows] = mb.inputs.to_host_layout(routes.cpu(), NO_ROUTE).to(dtype)
             mb.recorded = None
         return out
 
