@@ -137,7 +137,9 @@ class _LayerReplay:
             _, chosen = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             routes = torch.where(choose.unsqueeze(1), chosen, routes)
         if targets.some_padding:
-            spread = (torch.arange(tokens, device=device).unsqueeze(1) + torch.arange(topk, device=device)) % scores.shape[1]
+            # k distinct experts per padding token, spread over all experts
+            spread = torch.arange(tokens, device=device).unsqueeze(1) + torch.arange(topk, device=device)
+            spread = spread % scores.shape[1]
             routes = torch.where(padding.unsqueeze(1), spread, routes)
         if not _in_backward_pass():
             self.recorded = routes.detach()
@@ -268,7 +270,10 @@ def route_dtype(largest_expert: int) -> torch.dtype:
 def row_keys(sequences: torch.Tensor, attention_mask: torch.Tensor) -> list[bytes]:
     """A key per row from its real tokens (the same row under any padding has the same key)."""
     mask = attention_mask.bool()
-    return [hashlib.blake2b(row[m].to(torch.int64).numpy().tobytes(), digest_size=16).digest() for row, m in zip(sequences.cpu(), mask.cpu())]
+    return [
+        hashlib.blake2b(row[m].to(torch.int64).numpy().tobytes(), digest_size=16).digest()
+        for row, m in zip(sequences.cpu(), mask.cpu())
+    ]
 
 
 @dataclass
@@ -317,9 +322,11 @@ def host_columns(routes: Sequence[torch.Tensor], attention_mask: torch.Tensor) -
     if not routes:
         return torch.full((*mask.shape, 0, 0), NO_ROUTE, dtype=torch.int16)
     layers, k = routes[0].shape[1:]
-    out = torch.full((*mask.shape, layers, k), NO_ROUTE, dtype=route_dtype(max(int(r.max()) if r.numel() else 0 for r in routes)))
+    largest = max(int(r.max()) if r.numel() else 0 for r in routes)
+    out = torch.full((*mask.shape, layers, k), NO_ROUTE, dtype=route_dtype(largest))
     for i, row_routes in enumerate(routes):
-        if int(mask[i].sum()) != row_routes.shape[0]:
-            raise ValueError(f"routing replay: row {i} has {int(mask[i].sum())} real tokens but {row_routes.shape[0]} routes")
+        real = int(mask[i].sum())
+        if real != row_routes.shape[0]:
+            raise ValueError(f"routing replay: row {i} has {real} real tokens but {row_routes.shape[0]} routes")
         out[i, mask[i]] = row_routes.to(out.dtype)
     return out

@@ -211,11 +211,11 @@ class ModelRunner:
             if self.router_metrics is not None:
                 real_tokens = local(real_token_mask(model_in)).to(self.device)
             mb_routes = None
-            if routes is not None or route_tokens:  # [B, S, L, k] host columns -> this rank's tokens, in the routers' order
+            if routes is not None or route_tokens:
+                # [B, S, L, k] host columns -> this rank's tokens, in the order its routers see them
                 order = self.route_replay.router_order
-                in_model_layout = None if routes is None else order(local(model_in.from_host_layout(routes[rows], NO_ROUTE)))
-                padding = order(local(~real_token_mask(model_in)))
-                mb_routes = RouteTargets.of(in_model_layout, padding, self.device)
+                own = None if routes is None else order(local(model_in.from_host_layout(routes[rows], NO_ROUTE)))
+                mb_routes = RouteTargets.of(own, order(local(~real_token_mask(model_in))), self.device)
             micro_batches.append(
                 _MicroBatch(
                     inputs=model_in,
@@ -314,7 +314,9 @@ class ModelRunner:
             chunk.eval()
         record = record_routes is not None and self.replays_routes
         with _mark("skyrl_megatron.prepare_micro_batches"):
-            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, routes=routes, route_tokens=record)
+            micro_batches, shape = self._micro_batches(
+                sequences, attention_mask, batching, routes=routes, route_tokens=record
+            )
         with _mark("skyrl_megatron.schedule"), self._routing(routes is not None or record):
             outputs = forward_only(
                 self.chunks,
@@ -391,7 +393,6 @@ class ModelRunner:
             )
         with _mark("skyrl_megatron.metrics"):
             return _sum_metrics(per_micro_batch, dp_group, self.device)
-
 
     # -- routing replay ---------------------------------------------------------------------------
 
