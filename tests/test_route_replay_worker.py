@@ -25,7 +25,7 @@ MC = "trainer.policy.megatron_config"
 
 def _config(hf_dir: str, workdir):
     from skyrl_megatron.cli import compose_config
-    from skyrl_megatron.host import validate_host_config
+    from skyrl_megatron.validation import validate_host_config
 
     cfg = compose_config(
         [
