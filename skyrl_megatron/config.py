@@ -92,6 +92,8 @@ TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 FLEX_BACKENDS = ("deepep", "hybridep")
 ROUTER_DTYPES = ("fp32", "fp64")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
+# r2: the policy's scoring pass records routes, training replays them; r3: the inference engine's routes
+ROUTING_REPLAYS = ("r2", "r3")
 
 
 @dataclass
@@ -110,6 +112,7 @@ class MoeSettings:
     freeze_router: bool = False
     expert_bias: bool | None = None  # null: the checkpoint's; true/false must match it
     expert_bias_update_rate: float = 0.0
+    routing_replay: str | None = None  # null | r2 | r3 (compute/route_replay.py); the policy's only
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -149,6 +152,15 @@ class MoeSettings:
         non_negative("expert_bias_update_rate", self.expert_bias_update_rate)
         boolean("freeze_router", self.freeze_router)
         boolean("expert_bias", self.expert_bias, nullable=True)
+        one_of("routing_replay", self.routing_replay, ROUTING_REPLAYS, nullable=True)
+        if self.routing_replay is not None and self.load_balancing_type in ("sinkhorn", "quantile_balancing"):
+            found.append(
+                Problem(
+                    f"{prefix}.routing_replay",
+                    f"{self.load_balancing_type!r} routing does not choose experts by top-k, so there is no choice to replay",
+                    "use a top-k load_balancing_type (aux_loss, seq_aux_loss, global_aux_loss, none) or routing_replay=null",
+                )
+            )
         if self.load_balancing_type in ("sinkhorn", "quantile_balancing", "none") and _positive(self.aux_loss_coeff):
             found.append(
                 Problem(
@@ -444,12 +456,41 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     problems += mc.moe_config.problems(f"{prefix}.moe_config")
     if shape is None or shape.num_experts:  # a dense model ignores moe_config
         problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
+        problems += _routing_replay_problems(cfg, role, prefix, mc)
     problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
 
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
+    return problems
+
+
+def _routing_replay_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """Where `moe_config.routing_replay` can work: the policy, routers through the top-k hook, and
+    for r3 an inference engine that returns its routes through the host."""
+    replay = mc.moe_config.routing_replay
+    key = f"{prefix}.moe_config.routing_replay"
+    if replay is None:
+        return []
+    if role != "policy":
+        return [Problem(key, f"routing replay is for the policy's scoring and training passes; the {role} model only scores",
+                        "set trainer.policy.megatron_config.moe_config.routing_replay instead, and null here")]
+    problems = []
+    if mc.transformer_config_kwargs.get("moe_router_fusion"):
+        problems.append(Problem(f"{prefix}.transformer_config_kwargs.moe_router_fusion",
+                                "Transformer Engine's fused router picks experts inside its kernel, where no route can be replayed",
+                                "drop moe_router_fusion, or set moe_config.routing_replay=null"))
+    if replay == "r3":
+        engine = cfg.generator.get("engine", "auto")
+        if engine == "cpu":
+            why = ("the CPU engine returns its routes, but no host path brings them to our workers yet (skyrl-train "
+                   "0.3.1's generator keeps only tokens and logprobs; on skyrl 0.4 our workers do not read the batch's "
+                   "rollout_expert_indices yet)")
+        else:
+            why = ("no engine's routes reach our workers yet (skyrl-train 0.3.1's vLLM and SGLang engines return none; "
+                   "skyrl 0.4's vLLM routes in rollout_expert_indices are not read by our workers yet)")
+        problems.append(Problem(key, why, "use routing_replay=r2 (the policy's scoring routes replayed in training)"))
     return problems
 
 

@@ -14,6 +14,7 @@ tensor exists. The host-facing workers (policy, ref) wrap a runner.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -34,6 +35,7 @@ from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
 from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
+from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, RouteTargets, route_dtype
 from skyrl_megatron.compute.router_metrics import RouterMetrics, real_token_mask
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
 from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
@@ -66,6 +68,8 @@ class _MicroBatch:
     response: dict[str, torch.Tensor]  # [rows, A] slices of the response tensors
     cp_split: ContextParallelSplit | None = None
     real_tokens: torch.Tensor | None = None  # this CP rank's [b, s] real-token mask, for router metrics
+    routes: RouteTargets | None = None  # MoE routes to replay or record, in the routers' token order
+    recorded: dict[int, torch.Tensor] | None = None  # routes recorded by this rank's routers {layer: [tokens, k]}
 
 
 class _GatherContextParallel(torch.autograd.Function):
@@ -104,6 +108,7 @@ class ModelRunner:
         self.fused_logprobs = fused_logprobs  # the head's generated kernels (`BuiltModel.fused_logprobs`)
         self.optimizer = None
         self.router_metrics: RouterMetrics | None = None
+        self.route_replay: RouteReplay | None = None
         self.device = current_runtime().torch_device
         self.equal_token_counts = dispatch_needs_equal_token_counts(chunks)
         # DDP's gradient storage: the worker releases it outside training, training brings it back
@@ -136,6 +141,10 @@ class ModelRunner:
         """Tell `metrics` which tokens of each micro-batch are real (MoE router statistics exclude padding)."""
         self.router_metrics = metrics
 
+    def attach_route_replay(self, replay: RouteReplay) -> None:
+        """Let scoring record MoE routes and training (or scoring) replay them (compute/route_replay.py)."""
+        self.route_replay = replay
+
     # -- batching ---------------------------------------------------------------------------------
 
     def _packing(self, packed: bool) -> PackingSettings:
@@ -148,7 +157,13 @@ class ModelRunner:
         attention_mask: torch.Tensor,
         batching: MicroBatching,
         response: Mapping[str, torch.Tensor] | None = None,
+        routes: torch.Tensor | None = None,
+        route_tokens: bool = False,
     ) -> tuple[list[_MicroBatch], tuple[int, int]]:
+        """`routes` [B, S, L, k] (host columns) go with the rows into each micro-batch, in the order
+        the routers see its tokens; `route_tokens` (implied by `routes`) marks the padding there."""
+        if routes is not None and self.route_replay is None:
+            raise RuntimeError("routes to replay, but no RouteReplay is attached to the runner")
         spans = RowSpans.from_attention_mask(attention_mask)
         packed = batching.packed or batching.max_tokens is not None
         plan = plan_micro_batches(
@@ -195,6 +210,12 @@ class ModelRunner:
             real_tokens = None
             if self.router_metrics is not None:
                 real_tokens = local(real_token_mask(model_in)).to(self.device)
+            mb_routes = None
+            if routes is not None or route_tokens:
+                # [B, S, L, k] host columns -> this rank's tokens, in the order its routers see them
+                order = self.route_replay.router_order
+                own = None if routes is None else order(local(model_in.from_host_layout(routes[rows], NO_ROUTE)))
+                mb_routes = RouteTargets.of(own, order(local(~real_token_mask(model_in))), self.device)
             micro_batches.append(
                 _MicroBatch(
                     inputs=model_in,
@@ -205,6 +226,7 @@ class ModelRunner:
                     response=sliced,
                     cp_split=split,
                     real_tokens=real_tokens,
+                    routes=mb_routes,
                 )
             )
         return micro_batches, shape
@@ -223,7 +245,7 @@ class ModelRunner:
 
     # -- model call -------------------------------------------------------------------------------
 
-    def _forward_fn(self, temperature: float, with_entropy: bool) -> Callable:
+    def _forward_fn(self, temperature: float, with_entropy: bool, record_routes: bool = False) -> Callable:
         processor = LogprobOutputProcessor(
             temperature=temperature,
             with_entropy=with_entropy,
@@ -234,6 +256,8 @@ class ModelRunner:
         def forward(model, mb: _MicroBatch):
             if self.router_metrics is not None:
                 self.router_metrics.start_forward(model, mb.real_tokens)
+            if mb.routes is not None:
+                self.route_replay.set_targets(model, mb.routes)
             out = model(
                 mb.model_input_ids,
                 mb.model_position_ids,
@@ -242,6 +266,8 @@ class ModelRunner:
                 output_processor=processor,
                 output_processor_context=mb.targets,
             )
+            if record_routes:
+                mb.recorded = {**(mb.recorded or {}), **self.route_replay.take_recorded(model)}
             if isinstance(out, torch.Tensor):  # an inner pipeline stage: hidden states for the next one
                 return out
             # the schedules pass one tensor to the loss function: stack logprobs and entropy
@@ -275,21 +301,34 @@ class ModelRunner:
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routes: torch.Tensor | None = None,
+        record_routes: RouteStore | None = None,
     ) -> torch.Tensor | None:
-        """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere."""
+        """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere.
+
+        MoE routing replay (an attached `route_replay`): `routes` [B, S, L, k] (host columns, this
+        rank's route layers) are replayed; `record_routes` receives the routes this pass chose, on
+        every rank (each for its own layers).
+        """
         for chunk in self.chunks:
             chunk.eval()
+        record = record_routes is not None and self.replays_routes
         with _mark("skyrl_megatron.prepare_micro_batches"):
-            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching)
-        with _mark("skyrl_megatron.schedule"):
+            micro_batches, shape = self._micro_batches(
+                sequences, attention_mask, batching, routes=routes, route_tokens=record
+            )
+        with _mark("skyrl_megatron.schedule"), self._routing(routes is not None or record):
             outputs = forward_only(
                 self.chunks,
                 micro_batches,
-                self._forward_fn(temperature, with_entropy),
+                self._forward_fn(temperature, with_entropy, record_routes=record),
                 lambda output, mb: (mb.rows, self._response_values(output.float(), mb, response_length)),
                 seq_length=shape[1],
                 micro_batch_size=shape[0],
             )
+        if record:
+            with _mark("skyrl_megatron.record_routes"):
+                record_routes.put(sequences, attention_mask, self._recorded_host_routes(micro_batches, sequences.shape))
         if not outputs:
             return None
         with _mark("skyrl_megatron.collect"):
@@ -309,9 +348,11 @@ class ModelRunner:
         *,
         temperature: float = 1.0,
         dp_group=None,
+        routes: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Forward + backward of one mini-batch; returns its metrics summed over micro-batches and DP
-        ranks (each micro-batch's metrics are already its share of the mini-batch)."""
+        ranks (each micro-batch's metrics are already its share of the mini-batch). `routes`
+        [B, S, L, k] (host columns): MoE routes every micro-batch replays (an attached `route_replay`)."""
         from megatron.core import parallel_state as ps
 
         self.gradients.restore()
@@ -323,7 +364,7 @@ class ModelRunner:
         response_length = response["loss_mask"].shape[1]
         totals = MiniBatchTotals.of(response["loss_mask"], dp_group, device=self.device)
         with _mark("skyrl_megatron.prepare_micro_batches"):
-            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response)
+            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response, routes)
         with_entropy = True  # the host always reports policy_entropy
         # Megatron divides each micro-batch loss by their number and averages gradients over DP;
         # our losses are already shares of the whole mini-batch, so undo both.
@@ -341,7 +382,7 @@ class ModelRunner:
                 loss, metrics = objective(log_probs, entropy, mb.response, totals)
                 return loss * scale, metrics
 
-        with _mark("skyrl_megatron.schedule"):
+        with _mark("skyrl_megatron.schedule"), self._routing(routes is not None, training=True):
             per_micro_batch = forward_backward(
                 self.chunks,
                 micro_batches,
@@ -352,6 +393,43 @@ class ModelRunner:
             )
         with _mark("skyrl_megatron.metrics"):
             return _sum_metrics(per_micro_batch, dp_group, self.device)
+
+    # -- routing replay ---------------------------------------------------------------------------
+
+    @property
+    def replays_routes(self) -> bool:
+        """Whether routes can be recorded and replayed here (a RouteReplay with routers on this rank)."""
+        return self.route_replay is not None and self.route_replay.num_layers > 0
+
+    @contextlib.contextmanager
+    def _routing(self, active: bool, training: bool = False):
+        """Routers follow each micro-batch's routes inside the block (when `active`); as usual after it."""
+        if not active or not self.replays_routes:
+            yield
+            return
+        self.route_replay.activate(True, training)
+        try:
+            yield
+        finally:
+            self.route_replay.activate(False)
+
+    def _recorded_host_routes(self, micro_batches: list[_MicroBatch], batch_shape) -> torch.Tensor:
+        """The routes recorded per micro-batch -> [B, S, L, k] in the host's columns (this rank's
+        route layers; gathered over SP and CP, so every rank of a stage holds whole rows)."""
+        from megatron.core import parallel_state as ps
+
+        replay = self.route_replay
+        dtype = route_dtype(int(replay.config.num_moe_experts) - 1)
+        out = torch.full((*batch_shape, replay.num_layers, replay.topk), NO_ROUTE, dtype=dtype)
+        for mb in micro_batches:  # the same order on every rank: the gathers below pair up
+            local_shape = mb.model_input_ids.shape
+            routes = replay.model_order(mb.recorded, (local_shape[0], local_shape[1]))
+            if mb.cp_split is not None:
+                routes = mb.cp_split.gather(routes, ps.get_context_parallel_group(), dim=1)
+            if mb.rows.numel():
+                out[mb.rows] = mb.inputs.to_host_layout(routes.cpu(), NO_ROUTE).to(dtype)
+            mb.recorded = None
+        return out
 
 
 def _params_on(params, device):

@@ -40,7 +40,7 @@ _HOST_MOE_FIELDS = {
 _HOST_ONLY_FIELDS = (
     "fp8", "fp8_recipe", "fp8_param", "fp8_amax_compute_algo", "mtp_num_layers", "freeze_dsa_indexer",
     "async_dist_ckpt_save", "async_save_prestage_to_cpu", "dist_ckpt_optim_fully_reshardable",
-    "moe_per_layer_logging", "moe_enable_routing_replay", "hf_export_config", "moe_router_score_function",
+    "moe_per_layer_logging", "hf_export_config", "moe_router_score_function",
     "moe_grouped_gemm", "mtp_loss_weight", "mtp_loss_chunk_size", "mtp_loss_topk",
 )
 
@@ -258,6 +258,9 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
         value = ours.pop(host_key, None)
         if value is not None and value != host_defaults.get(host_key) and our_key not in moe:
             moe[our_key] = value
+    # the host's router replay with its own scoring pass is our R2 (its R3 needs engine routes we do not read yet)
+    if ours.pop("moe_enable_routing_replay", False) and "routing_replay" not in moe:
+        moe["routing_replay"] = "r2"
     ours["moe_config"] = moe
     lora = dict(ours.get("lora_config") or {})
     merge = lora.pop("merge_lora", True)

@@ -139,10 +139,15 @@ class MegatronWorkerMixin:
             response_length,
             self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
             temperature=float(self.host_cfg.generator.sampling_params.temperature),
+            record_routes=self._scoring_route_store(),
         )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here
             logprobs = torch.zeros(data["sequences"].shape[0], response_length)
         return host_api.scoring_output("logprobs", logprobs.cpu(), dict(data.metadata))
+
+    def _scoring_route_store(self):
+        """Where `forward` records MoE routes (the policy under routing replay); None: nowhere."""
+        return None
 
     # -- memory -----------------------------------------------------------------------------------
 

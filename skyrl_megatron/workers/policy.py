@@ -10,6 +10,7 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
@@ -40,6 +41,11 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.runner.attach_optimizer(self.optimizer)
         self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
         self.runner.attach_router_metrics(self.router_metrics)
+        # R2 routing replay: `forward` (old logprobs) records each row's routes, training replays them
+        self.route_store: RouteStore | None = None
+        if self.megatron_cfg.moe_config.routing_replay == "r2" and self.router_metrics.is_moe:
+            self.runner.attach_route_replay(RouteReplay(built.chunks))
+            self.route_store = RouteStore()
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_api.algorithm_config(self.cfg)))
         self.skipped_steps = 0
         self.lora_metrics: dict[str, float] = {}
@@ -55,12 +61,18 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
 
     # -- training: one mini-batch, then one optimizer step ----------------------------------------
 
-    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None) -> dict[str, float]:
-        """Forward + backward of rows [start, stop) of `data`; gradients stay for `_optimizer_step`."""
+    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None, scored_routes=None) -> dict[str, float]:
+        """Forward + backward of rows [start, stop) of `data`; gradients stay for `_optimizer_step`.
+
+        `scored_routes`: every row of `data`'s MoE routes from this step's scoring (routing replay).
+        """
         from megatron.core import parallel_state as ps
 
         rows = slice(start, stop)
         response = {k: data[k][rows] for k in RESPONSE_KEYS if k in data and data[k] is not None}
+        routes = None
+        if scored_routes is not None:
+            routes = host_columns(scored_routes[rows], data["attention_mask"][rows])
         self.router_metrics.reset()
         metrics = self.runner.train_mini_batch(
             data["sequences"][rows],
@@ -70,6 +82,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
             temperature=float(self.host_cfg.generator.sampling_params.temperature),
             dp_group=ps.get_data_parallel_group(),
+            routes=routes,
         )
         metrics.update(self.router_metrics.summary())  # collective: every rank
         return metrics
@@ -94,17 +107,21 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                 "(trainer.policy_mini_batch_size x generator.n_samples_per_prompt / DP size); adjust "
                 "trainer.train_batch_size or trainer.policy_mini_batch_size"
             )
+        # every row's routes from this step's scoring, matched by its tokens (rows may come reordered)
+        scored_routes = self._scored_routes(train_data)
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         for _ in range(int(trainer.update_epochs_per_batch)):
             for start in range(0, rows, mini):
-                metrics = self._train_mini_batch(train_data, start, start + mini)
+                metrics = self._train_mini_batch(train_data, start, start + mini, scored_routes)
                 metrics.update(self._optimizer_step())
                 steps += 1
                 for name, value in metrics.items():
                     history[name].append(value)
         # the step is applied: until the next ppo_train the gradients are dead weight (4 B/param)
         self.runner.gradients.release()
+        if self.route_store is not None:
+            self.route_store.clear()
         status = {name: sum(values) / len(values) for name, values in history.items()}
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
@@ -118,7 +135,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                 "forward_backward with a loss_fn/loss_fn_config override (the Tinker API) is not implemented "
                 "by skyrl-megatron; the policy trains with trainer.algorithm.policy_loss_type"
             )
-        metrics = self._train_mini_batch(data)
+        metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
         return host_api.training_status(metrics)
 
@@ -130,6 +147,23 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
 
     def get_lr(self) -> float:
         return current_lr(self.optimizer) or 0.0
+
+    def _scoring_route_store(self) -> RouteStore | None:
+        if self.route_store is None:
+            return None
+        self.route_store.clear()  # one step's scoring at a time
+        return self.route_store
+
+    def _scored_routes(self, train_data) -> list[torch.Tensor] | None:
+        if self.route_store is None or not self.runner.replays_routes:
+            return None  # (a pipeline stage without MoE layers has no routes)
+        try:
+            return self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
+        except KeyError as missing:
+            raise RuntimeError(
+                f"{missing.args[0]}; with megatron_config.moe_config.routing_replay=r2 the policy's forward must score "
+                "the rows of a step before ppo_train trains on them"
+            ) from None
 
     # -- weight sync ------------------------------------------------------------------------------
 

@@ -173,3 +173,8 @@ def test_the_cli_reports_a_bad_key_and_exits_2(tmp_path, hf_config_dir):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "skyrl-megatron: invalid skyrl-megatron config: trainer.policy.megatron_config.tensor_model_paralel_size: unknown key. Fix: did you mean 'tensor_model_parallel_size'?" in out.stderr
     assert not (tmp_path / "ckpts").exists()
+
+
+def test_the_hosts_router_replay_is_our_r2(base):
+    cfg = compose_config(base + [f"{MC}.moe_enable_routing_replay=true"])
+    assert MegatronWorkerConfig.from_host_config(current().our_view(cfg), "policy").moe_config.routing_replay == "r2"
