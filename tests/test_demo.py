@@ -68,3 +68,18 @@ def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path)
     assert "set trainer.placement.colocate_all=False" in message
     with pytest.raises(ConfigError, match="generator.engine.*unknown engine 'gpu'"):
         validate_config(compose_config(overrides + ["generator.engine=gpu"]), run_host_checks=False)
+
+
+def test_the_reward_plot_title_fits_the_figure(tmp_path):
+    import json
+
+    from skyrl_megatron.demo.experiment import REWARD, reward_figure
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, REWARD: s / 10}) + "\n" for s in range(1, 11)))
+    fig = reward_figure(metrics)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title = fig.axes[0].title.get_window_extent(renderer)
+    width, height = fig.bbox.width, fig.bbox.height
+    assert 0 <= title.x0 and title.x1 <= width and title.y1 <= height, (title, width, height)

@@ -93,6 +93,8 @@ def _quiet_console() -> None:
     """One line per step and nothing a user cannot act on; each setting is read where the noise starts,
     so it is set before those libraries load."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # the host trainer's bar, datasets' and transformers' bars
+    # Ray reads its config flags when it loads: no metrics exporter in a local run (launch sets it too)
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
     # Ray's notice that it will stop clearing CUDA_VISIBLE_DEVICES for num_gpus=0 tasks: opt in (CPU run)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     # Megatron-Core's import-time notices that TE/Apex are absent: the TE-free path is ours on purpose

@@ -87,7 +87,7 @@ def read_metrics(metrics_file: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
 
 
-def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
+def reward_figure(metrics_file: Path):
     """Reward per step (the last record of each step wins, so resumed runs draw one curve)."""
     import matplotlib
 
@@ -100,10 +100,17 @@ def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
     ax.plot(steps, [by_step[s] for s in steps], marker="o")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean reward (digit share of reply)")
-    ax.set_title("skyrl-megatron CPU demo: Megatron policy (TP=2) + ref, CPU engine")
+    ax.set_title("skyrl-megatron CPU demo (GRPO)\nMegatron policy (TP=2) + ref, CPU engine", fontsize=10)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = reward_figure(metrics_file)
     fig.savefig(out_file, dpi=120)
     plt.close(fig)
     return out_file
