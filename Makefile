@@ -1,23 +1,36 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first (idempotent).
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up their environments first (idempotent).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The second host leg: skyrl 0.4 in its own environment (scripts/setup.sh skyrl04).
+VENV04 ?= .venv-skyrl04
+PY04 := $(VENV04)/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup setup-skyrl04 demo test test-skyrl04 test-fast lint clean
 
 setup:
 	@bash scripts/setup.sh
 
+setup-skyrl04:
+	@SKYRL_MEGATRON_VENV=$(VENV04) bash scripts/setup.sh skyrl04
+
 demo: setup
 	$(PY) -m skyrl_megatron.demo
 
+# Both host legs: skyrl-train 0.3.1 (.venv, the whole suite) and skyrl 0.4 (.venv-skyrl04, tests/host04).
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
-test: setup
+test: setup setup-skyrl04
 	@$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests; rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
+	  if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; \
+	  $(PY04) -m pytest -q -p no:cacheprovider tests/host04; rc04=$$?; \
+	  if [ $$rc04 -eq 5 ]; then echo "make test: no skyrl 0.4 tests were collected" >&2; exit 1; fi; \
+	  if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$rc04
+
+test-skyrl04: setup-skyrl04
+	$(PY04) -m pytest -q -p no:cacheprovider tests/host04
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(VENV04) build dist *.egg-info

@@ -73,11 +73,11 @@ def write_checkpoint(directory: Path) -> Path:
 def receiver_main(conn, hf_dir: str, gpu: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
     from skyrl_megatron.weights import tensor_sha256
 
     _watchdog()
-    host.activate()  # the host's compat fixes (its broadcast group helper fails on torch >= 2.10)
+    activate()  # the host's compat fixes (its broadcast group helper fails on torch >= 2.10)
     torch.cuda.set_device(gpu)
     # vLLM's workers have a default group; the host's broadcast receiver computes its rank from it
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
@@ -229,10 +229,10 @@ def trainer_main(rank: int, world: int, port: int, hf_dir: str, conn, results: d
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
 
     _watchdog()
-    host.activate()
+    activate()
     init_distributed("cuda")
     _progress(f"trainer rank {rank}/{world}: process group up")
     parallel = ParallelConfig(tensor=world, sequence_parallel=world > 1)

@@ -336,7 +336,7 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
 def compose(case: Case, s: Settings):
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.validation import validate_config
-    from skyrl_megatron.host import validate_host_config
+    from skyrl_megatron.validation import validate_host_config
 
     cfg = compose_config(host_overrides(case, s))
     validate_config(cfg)
@@ -497,12 +497,12 @@ def measured_policy_class(backend: str):
 def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor], arch, peak_tflops) -> dict:
     import ray
 
-    from skyrl_megatron import host
+    from skyrl_megatron.launch import initialize_ray
     from skyrl_megatron.testing.host_trainer import host_trainer, training_input
 
     cfg = compose(case, s)
     with environment(case_environment(case, s)):
-        host.initialize_ray(cfg, log_to_driver=False)
+        initialize_ray(cfg, log_to_driver=False)
     try:
         trainer = host_trainer(cfg, tokenizer, total_training_steps=100)
         started = time.perf_counter()
@@ -791,7 +791,7 @@ def flash_attn_for_fsdp2(choice: str, workdir: Path) -> tuple[str | None, str]:
     """Where fsdp2's workers find flash_attn: (a directory for the front of PYTHONPATH or None, what it is)."""
     import importlib.util
 
-    placeholder = sys.modules.get("flash_attn_2_cuda")  # skyrl_megatron.host registers one without a file
+    placeholder = sys.modules.get("flash_attn_2_cuda")  # the host adapter's compat fixes register one without a file
     built = (getattr(placeholder, "__file__", None) is not None if placeholder is not None
              else importlib.util.find_spec("flash_attn_2_cuda") is not None)
     if choice == "installed" or (choice == "auto" and built):

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Idempotent set-up of .venv (Python 3.12) in the order that works on a CPU-only box
+# Idempotent set-up of a virtual environment (Python 3.12) in the order that works on a CPU-only box
 # (docs/install.md explains each step). A second run with unchanged inputs takes seconds.
+#
+#   scripts/setup.sh            .venv          with the host skyrl-train 0.3.1 (requirements/host.txt)
+#   scripts/setup.sh skyrl04    .venv-skyrl04  with the host skyrl 0.4 (requirements/host04.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${SKYRL_MEGATRON_VENV:-.venv}
+HOST_LEG=${1:-skyrl-train}
+case "$HOST_LEG" in
+  skyrl-train) DEFAULT_VENV=.venv;         HOST_REQUIREMENTS=requirements/host.txt ;;
+  skyrl04)     DEFAULT_VENV=.venv-skyrl04; HOST_REQUIREMENTS=requirements/host04.txt ;;
+  *) echo "setup: unknown host '$HOST_LEG'; use skyrl-train (0.3.1) or skyrl04 (0.4)" >&2; exit 2 ;;
+esac
+VENV=${SKYRL_MEGATRON_VENV:-$DEFAULT_VENV}
 STAMP="$VENV/.skyrl-megatron-setup"
 
 find_python312() {
@@ -41,8 +50,9 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
   "${PIP[@]}" --no-build-isolation --no-deps -r requirements/flash_attn.txt
 # 3. the host, megatron-core and the rest.
-"${PIP[@]}" -r requirements/host.txt
-# 4. Megatron-Bridge without its metadata deps (they pin hydra-core>=1.3.4 and CUDA-only packages).
+"${PIP[@]}" -r "$HOST_REQUIREMENTS"
+# 4. Megatron-Bridge without its metadata deps (they pin transformers/hydra-core/wandb versions and
+#    CUDA-only packages; docs/install.md lists what was checked instead).
 "${PIP[@]}" --no-deps -r requirements/bridge.txt
 # 5. this package, editable.
 "${PIP[@]}" --no-deps -e .

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def activate() -> None:
     """Route the host's ``trainer.strategy=megatron`` to skyrl-megatron's workers (idempotent)."""
-    from skyrl_megatron.host import activate as _activate
+    from skyrl_megatron.activation import activate as _activate
 
     _activate()
 

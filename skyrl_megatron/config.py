@@ -1,5 +1,7 @@
 """Typed view of the ``megatron_config`` group and up-front validation.
 
+Imports nothing heavy (no torch, no Megatron): a bad config is reported in about a second.
+
 The YAML lives in ``config/megatron/{policy,ref,critic}.yaml`` and is composed into the host's config
 at ``trainer.<role>.megatron_config``. :func:`check_config` runs before Ray or any model is
 touched, collects every problem it finds, and raises one :class:`ConfigError` whose lines each name
@@ -14,10 +16,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from skyrl_megatron.parallel import ParallelConfig
-from skyrl_megatron.runtime import quiet_megatron_import
+from skyrl_megatron.megatron_fields import section_fields
+from skyrl_megatron.model.lora_spec import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
+
+if TYPE_CHECKING:
+    from skyrl_megatron.parallel import ParallelConfig
 
 ROLES = ("policy", "ref", "critic")
 KNOWN_STRATEGIES = ("fsdp", "fsdp2", "deepspeed", "megatron")
@@ -87,6 +92,8 @@ TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 FLEX_BACKENDS = ("deepep", "hybridep")
 ROUTER_DTYPES = ("fp32", "fp64")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
+# r2: the policy's scoring pass records routes, training replays them; r3: the inference engine's routes
+ROUTING_REPLAYS = ("r2", "r3")
 
 
 @dataclass
@@ -105,6 +112,7 @@ class MoeSettings:
     freeze_router: bool = False
     expert_bias: bool | None = None  # null: the checkpoint's; true/false must match it
     expert_bias_update_rate: float = 0.0
+    routing_replay: str | None = None  # null | r2 | r3 (compute/route_replay.py); the policy's only
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -144,6 +152,15 @@ class MoeSettings:
         non_negative("expert_bias_update_rate", self.expert_bias_update_rate)
         boolean("freeze_router", self.freeze_router)
         boolean("expert_bias", self.expert_bias, nullable=True)
+        one_of("routing_replay", self.routing_replay, ROUTING_REPLAYS, nullable=True)
+        if self.routing_replay is not None and self.load_balancing_type in ("sinkhorn", "quantile_balancing"):
+            found.append(
+                Problem(
+                    f"{prefix}.routing_replay",
+                    f"{self.load_balancing_type!r} routing does not choose experts by top-k, so there is no choice to replay",
+                    "use a top-k load_balancing_type (aux_loss, seq_aux_loss, global_aux_loss, none) or routing_replay=null",
+                )
+            )
         if self.load_balancing_type in ("sinkhorn", "quantile_balancing", "none") and _positive(self.aux_loss_coeff):
             found.append(
                 Problem(
@@ -211,6 +228,8 @@ class MegatronWorkerConfig:
         return cls.from_mapping(data)
 
     def parallel(self) -> ParallelConfig:
+        from skyrl_megatron.parallel import ParallelConfig  # torch: only where a worker builds groups
+
         return ParallelConfig(
             tensor=self.tensor_model_parallel_size,
             pipeline=self.pipeline_model_parallel_size,
@@ -279,23 +298,6 @@ def read_model_shape(path: str) -> ModelShape | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _megatron_dataclass_fields() -> dict[str, tuple[str, set[str]]]:
-    """Pass-through section -> (Megatron dataclass name, its field names)."""
-    with quiet_megatron_import():
-        from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig
-        from megatron.core.transformer import TransformerConfig
-
-    def names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    return {
-        "ddp_config": ("DistributedDataParallelConfig", names(DistributedDataParallelConfig)),
-        "optimizer_config_kwargs": ("OptimizerConfig", names(OptimizerConfig)),
-        "transformer_config_kwargs": ("TransformerConfig", names(TransformerConfig)),
-    }
-
-
 def active_roles(cfg) -> list[str]:
     """The worker roles the host trainer will build for this config."""
     roles = ["policy"]
@@ -333,7 +335,7 @@ def check_critic(cfg) -> list[Problem]:
     """What the Megatron critic worker needs beyond its `megatron_config` (checked like every role's).
 
     Its layout, sizes and model are checked by `check_megatron_role`; the critic's mini-batch against
-    its DP size by the host's own rules (`host.validate_host_config` gives them our DP size).
+    its DP size by the host's own rules (the 0.3.1 adapter's `validate` gives them our DP size).
     """
     critic = cfg.trainer.critic
     if cfg.trainer.strategy != "megatron" or not critic.model.get("path"):
@@ -410,7 +412,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     for key in data:
         if key not in known:
             problems.append(Problem(f"{prefix}.{key}", "unknown key", _did_you_mean(key, known)))
-    for section, (cls_name, fields) in _megatron_dataclass_fields().items():
+    for section, (cls_name, fields) in section_fields().items():
         for key in data.get(section) or {}:
             if key not in fields:
                 problems.append(
@@ -489,12 +491,41 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     problems += mc.moe_config.problems(f"{prefix}.moe_config")
     if shape is None or shape.num_experts:  # a dense model ignores moe_config
         problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
+        problems += _routing_replay_problems(cfg, role, prefix, mc)
     problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
 
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
+    return problems
+
+
+def _routing_replay_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """Where `moe_config.routing_replay` can work: the policy, routers through the top-k hook, and
+    for r3 an inference engine that returns its routes through the host."""
+    replay = mc.moe_config.routing_replay
+    key = f"{prefix}.moe_config.routing_replay"
+    if replay is None:
+        return []
+    if role != "policy":
+        return [Problem(key, f"routing replay is for the policy's scoring and training passes; the {role} model only scores",
+                        "set trainer.policy.megatron_config.moe_config.routing_replay instead, and null here")]
+    problems = []
+    if mc.transformer_config_kwargs.get("moe_router_fusion"):
+        problems.append(Problem(f"{prefix}.transformer_config_kwargs.moe_router_fusion",
+                                "Transformer Engine's fused router picks experts inside its kernel, where no route can be replayed",
+                                "drop moe_router_fusion, or set moe_config.routing_replay=null"))
+    if replay == "r3":
+        engine = cfg.generator.get("engine", "auto")
+        if engine == "cpu":
+            why = ("the CPU engine returns its routes, but no host path brings them to our workers yet (skyrl-train "
+                   "0.3.1's generator keeps only tokens and logprobs; on skyrl 0.4 our workers do not read the batch's "
+                   "rollout_expert_indices yet)")
+        else:
+            why = ("no engine's routes reach our workers yet (skyrl-train 0.3.1's vLLM and SGLang engines return none; "
+                   "skyrl 0.4's vLLM routes in rollout_expert_indices are not read by our workers yet)")
+        problems.append(Problem(key, why, "use routing_replay=r2 (the policy's scoring routes replayed in training)"))
     return problems
 
 
@@ -511,6 +542,8 @@ def _fused_kernel_problems(key: str, names) -> list[Problem]:
 
 def flex_backend_available(backend: str) -> bool:
     """Whether Megatron found the flex dispatcher's communication library (DeepEP ships both backends)."""
+    from skyrl_megatron.runtime import quiet_megatron_import
+
     with quiet_megatron_import():
         from megatron.core.transformer.moe import fused_a2a
 
@@ -537,8 +570,6 @@ def _moe_backend_problems(prefix: str, settings: MoeSettings) -> list[Problem]:
 
 def check_lora(cfg, role: str, mc: MegatronWorkerConfig, shape: ModelShape | None) -> list[Problem]:
     """`megatron_config.lora_config` and the host's `model.lora` keys map onto Megatron-Bridge's PEFT."""
-    from skyrl_megatron.model.lora import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
-
     prefix = f"trainer.{role}.megatron_config.lora_config"
     settings = mc.lora_config
     problems = []
@@ -546,7 +577,7 @@ def check_lora(cfg, role: str, mc: MegatronWorkerConfig, shape: ModelShape | Non
         problems.append(Problem(f"{prefix}.lora_type", f"unknown LoRA type {settings.lora_type!r}", "use lora or canonical_lora"))
     if settings.weight_sync not in WEIGHT_SYNC_MODES:
         problems.append(Problem(f"{prefix}.weight_sync", f"unknown mode {settings.weight_sync!r}", "use merged or adapters"))
-    if problems or "lora" not in cfg.trainer[role].model:
+    if problems or int((cfg.trainer[role].model.get("lora") or {}).get("rank") or 0) <= 0:
         return problems
     try:
         spec = LoraSpec.from_host_config(cfg, role)

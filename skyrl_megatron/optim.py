@@ -175,7 +175,7 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     group) and the step is skipped on all ranks alike. Gradients must already be finalised
     (`finalize_model_grads`).
     """
-    lr = _current_lr(optimizer)
+    lr = current_lr(optimizer)
     # prepare_grads (grads -> main grads) is idempotent for the bf16/fp32 optimizers, so calling
     # it here and again inside step() only costs an extra copy and an extra norm reduction.
     found_inf = optimizer.prepare_grads()
@@ -193,7 +193,7 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     )
 
 
-def _current_lr(optimizer) -> float | None:
+def current_lr(optimizer) -> float | None:
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
     lr = get_canonical_lr_for_logging(optimizer.param_groups)

@@ -1,17 +1,35 @@
 """Up-front validation of a composed config: ours first (`config.check_config`, every problem named
-with its key and fix), then the host's own (`host.validate_host_config`). Nothing heavy runs before.
+with its key and fix), then the host's own (through its adapter). Nothing heavy runs before.
 
-It sits above both: `config.py` knows nothing of the host, and `host.py` nothing of our rules.
+It sits above both: `config.py` knows nothing of the host, and the host adapters nothing of our rules.
 """
 
 from __future__ import annotations
 
-from skyrl_megatron import host
-from skyrl_megatron.config import check_config
+from skyrl_megatron.config import ConfigError, Problem, check_config
+from skyrl_megatron.hosts import current
 
 
 def validate_config(cfg, *, run_host_checks: bool = True) -> None:
-    """Raise ConfigError (ours) or the host's error for a bad config; return None for a good one."""
-    check_config(cfg)
+    """Raise ConfigError for a bad config (ours or the host's checks); return None for a good one."""
+    host = current()
+    unsupported = host.unsupported_settings(cfg)
+    if unsupported:
+        fix = f"remove it, or run the host's built-in Megatron backend ({host.host_main}, without skyrl-megatron)"
+        raise ConfigError(
+            Problem(key, f"{value!r}: a setting of {host.release.label}'s built-in Megatron backend that skyrl-megatron does not implement", fix)
+            for key, value in unsupported
+        )
+    check_config(host.our_view(cfg))
     if run_host_checks:
-        host.validate_host_config(cfg)
+        validate_host_config(cfg)
+
+
+def validate_host_config(cfg) -> None:
+    """The host's own checks; its assertions are re-raised as ConfigError so every problem reads the same."""
+    host = current()
+    try:
+        host.validate(cfg)
+    except (AssertionError, ValueError, NotImplementedError) as err:
+        fix = f"see {host.release.label}'s config docs"
+        raise ConfigError([Problem("(host check)", str(err) or repr(err), fix)]) from err

@@ -218,3 +218,20 @@ def test_every_problem_is_reported_at_once(compose, hf_config_dir):
 def test_host_rules_still_apply(compose, hf_config_dir):
     msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", "trainer.train_batch_size=100", "trainer.policy_mini_batch_size=64"))
     assert "(host check)" in msg and "train_batch_size" in msg
+
+
+def test_megatron_field_names_read_from_source_equal_the_dataclasses():
+    """Validation reads the pass-through sections' field names without importing Megatron."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from skyrl_megatron.megatron_fields import section_fields
+
+    classes = {c.__name__: c for c in (DistributedDataParallelConfig, OptimizerConfig, TransformerConfig)}
+    fields = section_fields()
+    assert set(fields) == {"ddp_config", "optimizer_config_kwargs", "transformer_config_kwargs"}
+    for section, (name, names) in fields.items():
+        assert names == {f.name for f in dataclasses.fields(classes[name])}, section

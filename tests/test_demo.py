@@ -84,3 +84,18 @@ def test_ppo_demo_config_composes_and_passes_every_check(tmp_path):
     assert cfg.trainer.algorithm.advantage_estimator == "gae"
     assert cfg.trainer.critic.model.path == cfg.trainer.policy.model.path
     assert active_roles(cfg) == ["policy", "ref", "critic"]
+
+
+def test_the_reward_plot_title_fits_the_figure(tmp_path):
+    import json
+
+    from skyrl_megatron.demo.experiment import REWARD, reward_figure
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, REWARD: s / 10}) + "\n" for s in range(1, 11)))
+    fig = reward_figure(metrics)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title = fig.axes[0].title.get_window_extent(renderer)
+    width, height = fig.bbox.width, fig.bbox.height
+    assert 0 <= title.x0 and title.x1 <= width and title.y1 <= height, (title, width, height)

@@ -15,7 +15,8 @@ Asserted:
 * the logprobs the engine reported while sampling equal the trainer's ``forward`` on the same tokens
   within 1e-4 (fp32);
 * the mean reward of the last three steps beats the first three by REWARD_MARGIN;
-* the final HF export loads in transformers and holds the trained (not the initial) weights.
+* the final HF export loads in transformers and holds the trained (not the initial) weights;
+* the console shows the banner, the step table and the summary, and at most CONSOLE_EXTRA_LINES others.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ REWARD_MARGIN = 0.3
 LOGPROB_TOLERANCE = 1e-4
 NUM_EXPORTED_TENSORS = 47  # tiny Qwen3: 4 layers x 11 + embeddings, final norm, lm_head
 TIMEOUT = 900
+CONSOLE_EXTRA_LINES = 10
+_SUMMARY_PREFIXES = ("skyrl-megatron demo:", "run directory:", "done in ", "weight sync bitwise equal", "checkpoint:",
+                     "HF export:", "reward plot:")
 
 
 def _demo(run_dir: Path) -> subprocess.Popen:
@@ -105,6 +109,7 @@ def interrupted_then_resumed(tmp_path_factory):
         "checkpoint_at_failure": checkpoint_at_failure,
         "all_records": _records(run_dir),
         "second_stdout": second_stdout,
+        "second_stderr": second_stderr,
     }
 
 
@@ -187,3 +192,20 @@ def test_lora_demo_syncs_adapters_to_the_engine_by_one_override_more(tmp_path):
         assert record["sync/rollout_logprob_max_diff"] <= LOGPROB_TOLERANCE
         assert 0 < record["policy/lora/trainable_fraction"] < 0.2
     assert (run_dir / "lora_sync" / "adapter_config.json").exists()
+
+
+def _is_demo_line(line: str) -> bool:
+    """The banner, the step table (header and one row of numbers per step) and the summary."""
+    words = line.split()
+    if line.startswith(_SUMMARY_PREFIXES) or words[:2] == ["step", "reward"]:
+        return True
+    return bool(words) and words[0].isdigit() and len(words) > 4
+
+
+def test_the_console_shows_the_step_table_and_little_else(interrupted_then_resumed):
+    run = interrupted_then_resumed
+    lines = [line for line in (run["second_stdout"] + run["second_stderr"]).splitlines() if line.strip()]
+    steps = [line for line in lines if line.split() and line.split()[0].isdigit()]
+    assert len(steps) >= STEPS - interrupted_then_resumed["checkpoint_at_failure"], lines
+    extra = [line for line in lines if not _is_demo_line(line)]
+    assert len(extra) <= CONSOLE_EXTRA_LINES, "\n".join(extra)

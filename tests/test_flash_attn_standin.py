@@ -124,9 +124,9 @@ result["padding"] = {"roundtrip": bool(torch.equal(pad_input(packed, indices, 3,
                      "cu_seqlens": cu_seqlens.tolist(), "max_seqlen": int(max_seqlen), "tokens": packed.shape[0]}
 # the host's own sample-packing path (HFModelWrapper: unpad, position ids, flash_attention_2, pad
 # back) against its padded path, same weights, bf16; logprobs by torch (Triton needs a GPU)
-from skyrl_megatron import host
+from skyrl_megatron.activation import activate
 from skyrl_megatron.testing import make_tiny_hf_model
-host.activate()
+activate()
 mfa.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["supported_devices"] = ((lambda: True, "cuda"),)  # CPU weights allowed
 torch_utils.FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE = False
 model_dir = make_tiny_hf_model("qwen3", sys.argv[3], seed=0)

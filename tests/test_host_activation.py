@@ -118,7 +118,7 @@ _COMPAT_PROBE = textwrap.dedent(
     from skyrl_megatron.testing import make_tiny_tokenizer
     import skyrl_train.distributed.utils as host_distributed_utils
     import skyrl_train.entrypoints.main_base as main_base
-    from skyrl_megatron.host_api import standalone_process_group
+    from skyrl_megatron.hosts.skyrl_train_0_3 import standalone_process_group
 
     tokenizer = make_tiny_tokenizer()
     chat = [{"role": "user", "content": "hi"}]

@@ -240,10 +240,10 @@ def test_first_frame_is_ours_megatrons_or_the_hosts():
 def test_host_fsdp2_baseline_loads_hf_sdpa_where_it_would_pick_eager(tmp_path):
     """The host's HFModelWrapper picks flash_attention_2 or eager; the benchmark's FSDP2 baseline
     is HF SDPA (eager's [heads, L, L] scores ran out of memory on the GPU)."""
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    host.activate()  # the host's model wrapper imports flash_attn's padding helpers (host compat fixes)
+    activate()  # the host's model wrapper imports flash_attn's padding helpers (host compat fixes)
     from skyrl_train.model_wrapper import HFModelWrapper
 
     bench = _bench_module()

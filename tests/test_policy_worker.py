@@ -38,9 +38,9 @@ MOE_LAYOUTS = {"ep2": (2, {"expert": 2})}
 
 def _host_logprobs(hf_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The host's own logprob path (HFModelWrapper, eager attention, fp32) on the same batch."""
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
 
-    host.activate()
+    activate()
     import skyrl_train.utils.torch_utils as torch_utils
     from skyrl_train.model_wrapper import HFModelWrapper
 
@@ -141,11 +141,11 @@ def test_layout_matches_world1(models, family, name, world, layout):
 
 def _host_loss_terms(hf_dir: str, overrides: list[str], noise: float) -> dict[str, float]:
     """The host's loss math on the host's own HF logprobs/entropy of the same batch."""
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.testing.rl_batches import perturb_logprobs
 
-    host.activate()
+    activate()
     import skyrl_train.utils.torch_utils as torch_utils
     from skyrl_train.model_wrapper import HFModelWrapper
     from skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl, masked_mean

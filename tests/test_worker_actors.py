@@ -76,9 +76,9 @@ class Actors:
 
 
 def _host_hf_logprobs(hf_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
 
-    host.activate()
+    activate()
     import skyrl_train.utils.torch_utils as torch_utils
     from skyrl_train.model_wrapper import HFModelWrapper
 
@@ -91,7 +91,7 @@ def _host_hf_logprobs(hf_dir: str, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 def _config(hf_dir: str, workdir):
     from skyrl_megatron.cli import compose_config
-    from skyrl_megatron.host import validate_host_config
+    from skyrl_megatron.validation import validate_host_config
 
     cache = workdir / "conversion_cache"
     cfg = compose_config(

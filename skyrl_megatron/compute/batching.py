@@ -111,6 +111,40 @@ class ModelInputs:
         return out.scatter(1, columns, torch.where(valid, source, torch.zeros_like(source)))
 
 
+    def real_token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions in the model layout [b' * s'], flat positions in the host's [b * S]) of
+        the real tokens, in the same order: the map between the two layouts for per-token data of
+        any trailing shape (routes, masks)."""
+        if self.packed is not None:
+            return self.packed.packed_index.cpu(), self.packed.padded_index.cpu()
+        start, length = self.spans.start.cpu(), self.spans.length.cpu()
+        if length.numel() == 0:
+            empty = torch.zeros(0, dtype=torch.long)
+            return empty, empty
+        width = self.input_ids.shape[1]
+        steps = torch.arange(int(length.max()))
+        rows, columns = (steps.unsqueeze(0) < length.unsqueeze(1)).nonzero(as_tuple=True)
+        return rows * width + columns, rows * self.host_columns + start[rows] + columns
+
+    def from_host_layout(self, per_token: torch.Tensor, fill_value) -> torch.Tensor:
+        """[b, S, ...] in the host's columns -> the model layout [b', s', ...]; `fill_value` at padding."""
+        model_index, host_index = self.real_token_positions()
+        features = per_token.shape[2:]
+        out = per_token.new_full((self.input_ids.numel(), *features), fill_value)
+        device = per_token.device
+        out[model_index.to(device)] = per_token.reshape(-1, *features)[host_index.to(device)]
+        return out.reshape(*self.input_ids.shape, *features)
+
+    def to_host_layout(self, per_token: torch.Tensor, fill_value) -> torch.Tensor:
+        """[b', s', ...] in the model layout -> [b, S, ...] in the host's columns; `fill_value` at padding."""
+        model_index, host_index = self.real_token_positions()
+        features = per_token.shape[2:]
+        out = per_token.new_full((self.spans.length.numel() * self.host_columns, *features), fill_value)
+        device = per_token.device
+        out[host_index.to(device)] = per_token.reshape(-1, *features)[model_index.to(device)]
+        return out.reshape(self.spans.length.numel(), self.host_columns, *features)
+
+
 def _host_labels(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, S] next-token labels in the host's columns: the following token where it is real."""
     labels = torch.full_like(sequences, IGNORE_LABEL)

@@ -96,9 +96,14 @@ class PolicyObjective:
         loss_mask = batch["loss_mask"]
         token_share = totals.share(loss_mask, "tokens")
         sequence_share = totals.share(loss_mask, "sequences")
-        policy_share = token_share if _REDUCTION_UNIT[s.loss_reduction] == "tokens" else sequence_share
+        if host_api.policy_losses_are_presummed:
+            # the host scaled the advantages so that summing every token's loss over the mini-batch
+            # gives its reduction: a micro-batch's sum already is its share
+            policy_share = 1.0
+        else:
+            policy_share = token_share if _REDUCTION_UNIT[s.loss_reduction] == "tokens" else sequence_share
 
-        policy_loss, clip_ratio = self.policy_loss_fn(
+        policy_loss, loss_metrics = self.policy_loss_fn(
             log_probs,
             batch["action_log_probs"],
             batch["advantages"],
@@ -106,6 +111,8 @@ class PolicyObjective:
             loss_mask=loss_mask,
             rollout_logprobs=batch.get("rollout_logprobs"),
         )
+        # 0.3.1's losses return the clip ratio, 0.4's a dict of metrics holding it
+        clip_ratio = loss_metrics.get("clip_ratio", 0.0) if isinstance(loss_metrics, Mapping) else loss_metrics
         loss = policy_loss * policy_share
         with torch.no_grad():
             # the first mini-batch of a step must see log_probs == old log_probs: ratio 1, ppo_kl 0

@@ -17,6 +17,7 @@ tensor exists. The host-facing workers (policy, ref, critic) wrap a runner.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -37,6 +38,7 @@ from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor, LogprobTargets
 from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective, ValueObjective
 from skyrl_megatron.compute.packing import ContextParallelSplit
+from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, RouteTargets, route_dtype
 from skyrl_megatron.compute.router_metrics import RouterMetrics, real_token_mask
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
 from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
@@ -72,6 +74,8 @@ class _MicroBatch:
     response: dict[str, torch.Tensor]  # [rows, A] slices of the response tensors
     cp_split: ContextParallelSplit | None = None
     real_tokens: torch.Tensor | None = None  # this CP rank's [b, s] real-token mask, for router metrics
+    routes: RouteTargets | None = None  # MoE routes to replay or record, in the routers' token order
+    recorded: dict[int, torch.Tensor] | None = None  # routes recorded by this rank's routers {layer: [tokens, k]}
 
 
 class _GatherContextParallel(torch.autograd.Function):
@@ -110,6 +114,7 @@ class ModelRunner:
         self.fused_logprobs = fused_logprobs  # the head's generated kernels (`BuiltModel.fused_logprobs`)
         self.optimizer = None
         self.router_metrics: RouterMetrics | None = None
+        self.route_replay: RouteReplay | None = None
         self.device = current_runtime().torch_device
         self.equal_token_counts = dispatch_needs_equal_token_counts(chunks)
         # DDP's gradient storage: the worker releases it outside training, training brings it back
@@ -142,6 +147,10 @@ class ModelRunner:
         """Tell `metrics` which tokens of each micro-batch are real (MoE router statistics exclude padding)."""
         self.router_metrics = metrics
 
+    def attach_route_replay(self, replay: RouteReplay) -> None:
+        """Let scoring record MoE routes and training (or scoring) replay them (compute/route_replay.py)."""
+        self.route_replay = replay
+
     # -- batching ---------------------------------------------------------------------------------
 
     def _packing(self, packed: bool) -> PackingSettings:
@@ -154,7 +163,13 @@ class ModelRunner:
         attention_mask: torch.Tensor,
         batching: MicroBatching,
         response: Mapping[str, torch.Tensor] | None = None,
+        routes: torch.Tensor | None = None,
+        route_tokens: bool = False,
     ) -> tuple[list[_MicroBatch], tuple[int, int]]:
+        """`routes` [B, S, L, k] (host columns) go with the rows into each micro-batch, in the order
+        the routers see its tokens; `route_tokens` (implied by `routes`) marks the padding there."""
+        if routes is not None and self.route_replay is None:
+            raise RuntimeError("routes to replay, but no RouteReplay is attached to the runner")
         spans = RowSpans.from_attention_mask(attention_mask)
         packed = batching.packed or batching.max_tokens is not None
         plan = plan_micro_batches(
@@ -201,6 +216,12 @@ class ModelRunner:
             real_tokens = None
             if self.router_metrics is not None:
                 real_tokens = local(real_token_mask(model_in)).to(self.device)
+            mb_routes = None
+            if routes is not None or route_tokens:
+                # [B, S, L, k] host columns -> this rank's tokens, in the order its routers see them
+                order = self.route_replay.router_order
+                own = None if routes is None else order(local(model_in.from_host_layout(routes[rows], NO_ROUTE)))
+                mb_routes = RouteTargets.of(own, order(local(~real_token_mask(model_in))), self.device)
             micro_batches.append(
                 _MicroBatch(
                     inputs=model_in,
@@ -211,6 +232,7 @@ class ModelRunner:
                     response=sliced,
                     cp_split=split,
                     real_tokens=real_tokens,
+                    routes=mb_routes,
                 )
             )
         return micro_batches, shape
@@ -229,7 +251,7 @@ class ModelRunner:
 
     # -- model call -------------------------------------------------------------------------------
 
-    def _forward_fn(self, temperature: float, with_entropy: bool) -> Callable:
+    def _forward_fn(self, temperature: float, with_entropy: bool, record_routes: bool = False) -> Callable:
         processor = LogprobOutputProcessor(
             temperature=temperature,
             with_entropy=with_entropy,
@@ -242,19 +264,22 @@ class ModelRunner:
             parts = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
             return torch.stack(parts, dim=-1)
 
-        return self._model_call(processor, per_token)
+        return self._model_call(processor, per_token, record_routes)
 
     def _value_forward_fn(self) -> Callable:
         """The critic's model call: per-token values [b, s] from the value head (model/value_head.py)."""
         return self._model_call(ValueOutputProcessor(), lambda out: out.values)
 
-    def _model_call(self, processor, per_token: Callable) -> Callable:
+    def _model_call(self, processor, per_token: Callable, record_routes: bool = False) -> Callable:
         """forward(model_chunk, micro_batch) for the schedules: hidden states on inner pipeline
-        stages, `per_token(processor's result)` on the last one."""
+        stages, `per_token(processor's result)` on the last one; `record_routes`: keep the MoE routes
+        each micro-batch chose (routing replay)."""
 
         def forward(model, mb: _MicroBatch):
             if self.router_metrics is not None:
                 self.router_metrics.start_forward(model, mb.real_tokens)
+            if mb.routes is not None:
+                self.route_replay.set_targets(model, mb.routes)
             out = model(
                 mb.model_input_ids,
                 mb.model_position_ids,
@@ -263,6 +288,8 @@ class ModelRunner:
                 output_processor=processor,
                 output_processor_context=mb.targets,
             )
+            if record_routes:
+                mb.recorded = {**(mb.recorded or {}), **self.route_replay.take_recorded(model)}
             if isinstance(out, torch.Tensor):  # an inner pipeline stage: hidden states for the next one
                 return out
             return per_token(out)
@@ -294,11 +321,20 @@ class ModelRunner:
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        routes: torch.Tensor | None = None,
+        record_routes: RouteStore | None = None,
     ) -> torch.Tensor | None:
-        """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere."""
+        """Logprobs [B, A] (with entropy: [B, A, 2]) on the last pipeline stage; None elsewhere.
+
+        MoE routing replay (an attached `route_replay`): `routes` [B, S, L, k] (host columns, this
+        rank's route layers) are replayed; `record_routes` receives the routes this pass chose, on
+        every rank (each for its own layers).
+        """
+        record = record_routes is not None and self.replays_routes
         result = self._score(
             sequences, attention_mask, response_length, batching,
-            self._forward_fn(temperature, with_entropy), width=2 if with_entropy else 1,
+            self._forward_fn(temperature, with_entropy, record_routes=record), width=2 if with_entropy else 1,
+            routes=routes, record_routes=record_routes if record else None,
         )
         if result is None:
             return None
@@ -316,12 +352,16 @@ class ModelRunner:
         result = self._score(sequences, attention_mask, response_length, batching, self._value_forward_fn(), width=1)
         return None if result is None else result.squeeze(-1)
 
-    def _score(self, sequences, attention_mask, response_length, batching, forward_fn, *, width: int):
+    def _score(self, sequences, attention_mask, response_length, batching, forward_fn, *, width: int,
+               routes: torch.Tensor | None = None, record_routes: RouteStore | None = None):
         for chunk in self.chunks:
             chunk.eval()
+        record = record_routes is not None
         with _mark("skyrl_megatron.prepare_micro_batches"):
-            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching)
-        with _mark("skyrl_megatron.schedule"):
+            micro_batches, shape = self._micro_batches(
+                sequences, attention_mask, batching, routes=routes, route_tokens=record
+            )
+        with _mark("skyrl_megatron.schedule"), self._routing(routes is not None or record):
             outputs = forward_only(
                 self.chunks,
                 micro_batches,
@@ -330,6 +370,9 @@ class ModelRunner:
                 seq_length=shape[1],
                 micro_batch_size=shape[0],
             )
+        if record:
+            with _mark("skyrl_megatron.record_routes"):
+                record_routes.put(sequences, attention_mask, self._recorded_host_routes(micro_batches, sequences.shape))
         if not outputs:
             return None
         with _mark("skyrl_megatron.collect"):
@@ -348,17 +391,19 @@ class ModelRunner:
         *,
         temperature: float = 1.0,
         dp_group=None,
+        routes: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Forward + backward of one mini-batch with the policy objective; returns its metrics summed
         over micro-batches and DP ranks (each micro-batch's metrics are already its share of the
-        mini-batch)."""
+        mini-batch). `routes` [B, S, L, k] (host columns): MoE routes every micro-batch replays (an
+        attached `route_replay`)."""
 
         def loss(values: torch.Tensor, mb: _MicroBatch, totals: MiniBatchTotals):
             return objective(values[..., 0], values[..., 1], mb.response, totals)
 
         # the host always reports policy_entropy
         forward_fn = self._forward_fn(temperature, with_entropy=True)
-        return self._train(sequences, attention_mask, response, batching, forward_fn, loss, dp_group)
+        return self._train(sequences, attention_mask, response, batching, forward_fn, loss, dp_group, routes)
 
     def train_value_mini_batch(
         self,
@@ -378,7 +423,8 @@ class ModelRunner:
 
         return self._train(sequences, attention_mask, response, batching, self._value_forward_fn(), loss, dp_group)
 
-    def _train(self, sequences, attention_mask, response, batching, forward_fn, micro_batch_loss, dp_group):
+    def _train(self, sequences, attention_mask, response, batching, forward_fn, micro_batch_loss, dp_group,
+               routes: torch.Tensor | None = None):
         from megatron.core import parallel_state as ps
 
         self.gradients.restore()
@@ -390,7 +436,7 @@ class ModelRunner:
         response_length = response["loss_mask"].shape[1]
         totals = MiniBatchTotals.of(response["loss_mask"], dp_group, device=self.device)
         with _mark("skyrl_megatron.prepare_micro_batches"):
-            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response)
+            micro_batches, shape = self._micro_batches(sequences, attention_mask, batching, response, routes)
         # Megatron divides each micro-batch loss by their number and averages gradients over DP;
         # our losses are already shares of the whole mini-batch, so undo both.
         dp_size = ps.get_data_parallel_world_size()
@@ -406,7 +452,7 @@ class ModelRunner:
                 loss, metrics = micro_batch_loss(values, mb, totals)
                 return loss * scale, metrics
 
-        with _mark("skyrl_megatron.schedule"):
+        with _mark("skyrl_megatron.schedule"), self._routing(routes is not None, training=True):
             per_micro_batch = forward_backward(
                 self.chunks,
                 micro_batches,
@@ -417,6 +463,43 @@ class ModelRunner:
             )
         with _mark("skyrl_megatron.metrics"):
             return _sum_metrics(per_micro_batch, dp_group, self.device)
+
+    # -- routing replay ---------------------------------------------------------------------------
+
+    @property
+    def replays_routes(self) -> bool:
+        """Whether routes can be recorded and replayed here (a RouteReplay with routers on this rank)."""
+        return self.route_replay is not None and self.route_replay.num_layers > 0
+
+    @contextlib.contextmanager
+    def _routing(self, active: bool, training: bool = False):
+        """Routers follow each micro-batch's routes inside the block (when `active`); as usual after it."""
+        if not active or not self.replays_routes:
+            yield
+            return
+        self.route_replay.activate(True, training)
+        try:
+            yield
+        finally:
+            self.route_replay.activate(False)
+
+    def _recorded_host_routes(self, micro_batches: list[_MicroBatch], batch_shape) -> torch.Tensor:
+        """The routes recorded per micro-batch -> [B, S, L, k] in the host's columns (this rank's
+        route layers; gathered over SP and CP, so every rank of a stage holds whole rows)."""
+        from megatron.core import parallel_state as ps
+
+        replay = self.route_replay
+        dtype = route_dtype(int(replay.config.num_moe_experts) - 1)
+        out = torch.full((*batch_shape, replay.num_layers, replay.topk), NO_ROUTE, dtype=dtype)
+        for mb in micro_batches:  # the same order on every rank: the gathers below pair up
+            local_shape = mb.model_input_ids.shape
+            routes = replay.model_order(mb.recorded, (local_shape[0], local_shape[1]))
+            if mb.cp_split is not None:
+                routes = mb.cp_split.gather(routes, ps.get_context_parallel_group(), dim=1)
+            if mb.rows.numel():
+                out[mb.rows] = mb.inputs.to_host_layout(routes.cpu(), NO_ROUTE).to(dtype)
+            mb.recorded = None
+        return out
 
 
 def _params_on(params, device):

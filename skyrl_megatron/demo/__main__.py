@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from skyrl_megatron.demo.task import write_prompts
@@ -108,7 +109,20 @@ def prepare(run_dir: Path, steps: int) -> tuple[Path, Path]:
     return model_dir, prompts
 
 
+def _quiet_console() -> None:
+    """One line per step and nothing a user cannot act on; each setting is read where the noise starts,
+    so it is set before those libraries load."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the host trainer's bar, datasets' and transformers' bars
+    # Ray reads its config flags when it loads: no metrics exporter in a local run (launch sets it too)
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    # Ray's notice that it will stop clearing CUDA_VISIBLE_DEVICES for num_gpus=0 tasks: opt in (CPU run)
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    # Megatron-Core's import-time notices that TE/Apex are absent: the TE-free path is ours on purpose
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*not installed")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="run directory (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps of a fresh run (default: %(default)s)")
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
     )
     from skyrl_megatron.failures import WorkerFailure
-    from skyrl_megatron.host import run_experiment
+    from skyrl_megatron.launch import run_experiment
 
     run_dir: Path = args.out
     if args.fresh and run_dir.exists():
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all {steps} steps were trained already; showing that run (--fresh starts over)")
     else:
         try:
-            run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False)
+            run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False, quiet=True)
         except WorkerFailure as failure:
             print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
             return 1

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 import torch
 
-from skyrl_megatron import host
+from skyrl_megatron.hosts import current
 from skyrl_megatron.demo.task import register_environment
 from skyrl_megatron.weights import tensor_sha256
 
@@ -54,7 +54,7 @@ class StepReporter:
         from tqdm import tqdm
 
         self.metrics_file = metrics_file
-        self.write = write or tqdm.write  # keeps the host's progress bar below the lines
+        self.write = write or tqdm.write  # keeps a progress bar (when one is on) below the lines
         self._header_done = False
 
     def log(self, data: dict[str, Any], step: int, commit: bool = False) -> None:
@@ -94,7 +94,7 @@ def read_metrics(metrics_file: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
 
 
-def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
+def reward_figure(metrics_file: Path):
     """Reward per step (the last record of each step wins, so resumed runs draw one curve)."""
     import matplotlib
 
@@ -107,10 +107,17 @@ def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
     ax.plot(steps, [by_step[s] for s in steps], marker="o")
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward (digit share of reply)")
-    ax.set_title("skyrl-megatron CPU demo: Megatron workers, CPU engine")
+    ax.set_title("skyrl-megatron CPU demo\nMegatron workers, CPU engine", fontsize=10)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = reward_figure(metrics_file)
     fig.savefig(out_file, dpi=120)
     plt.close(fig)
     return out_file
@@ -180,7 +187,7 @@ def _trainer_class():
 
 def experiment_class(run_dir: Path):
     """A BasePPOExp whose trainer is the checked one and whose tracker is the step reporter."""
-    base = host.base_experiment_class()
+    base = current().base_experiment_class()
     trainer_class = _trainer_class()
 
     class DemoExperiment(base):

@@ -15,6 +15,12 @@ greedy): the definition the trainer uses for ``action_log_probs``, so with equal
 two agree to rounding. Sampling filters (top-k/p, min-p, penalties, min_tokens) shape the sampling
 distribution only, as in vLLM's default ``raw_logprobs`` mode.
 
+With ``return_routed_experts=True`` (an MoE model) the output also carries
+``rollout_expert_indices``: per row, the top-k experts its tokens were routed to in every MoE layer,
+[prompt + response - 1 tokens, L, k] as SkyRL 0.4 names and shapes them (the last sampled token is
+never fed back, so it has none), captured from the HF routers' own top-k. MoE routing replay R3
+replays them in scoring and training (``compute/route_replay.py``).
+
 Weight updates arrive two ways, both validated before anything is written:
 
 * through the host's own broadcast strategy over gloo (``generator.weight_sync_backend=gloo``): the
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -197,6 +204,7 @@ class _Response:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None  # None while still generating
+    routes: list[torch.Tensor] = field(default_factory=list)  # [tokens, L, k] per forward that routed this row
     text_end: int | None = None  # where a matched stop string cuts the decoded text
 
     @property
@@ -218,9 +226,15 @@ class _Decoder:
     """KV-cached decoding of a left-padded batch with a causal LM; one forward per token for all rows."""
 
     def __init__(
-        self, model: torch.nn.Module, vocab: _Vocabulary, settings: SamplingSettings, generator: torch.Generator
+        self,
+        model: torch.nn.Module,
+        vocab: _Vocabulary,
+        settings: SamplingSettings,
+        generator: torch.Generator,
+        routes: _RouteCapture | None = None,
     ):
         self.model = model
+        self.routes = routes
         self.vocab = vocab
         self.settings = settings
         self.generator = generator
@@ -249,6 +263,8 @@ class _Decoder:
                 logits_to_keep=1,
             )
             cache = output.past_key_values
+            if self.routes is not None:
+                self._keep_routes(responses, attention_mask[:, -input_ids.shape[1] :], step)
             logits = output.logits[:, -1, :].float()
             suppressed = sorted(self.stop_ids) if step < self.settings.min_tokens else ()
             tokens = choose_tokens(
@@ -267,6 +283,16 @@ class _Decoder:
             attention_mask = torch.cat([attention_mask, torch.ones_like(input_ids)], dim=-1)
             position_ids = position_ids[:, -1:] + 1
         return responses
+
+    def _keep_routes(self, responses: list[_Response], new_mask: torch.Tensor, step: int) -> None:
+        """The experts this forward chose for each row's new real tokens: the prompt, then each sampled
+        token fed back (the last sampled token is never fed, so it has no route)."""
+        routes = self.routes.take(tuple(new_mask.shape))  # [b, new, L, k]
+        for row, response in enumerate(responses):
+            if step == 0:
+                response.routes.append(routes[row][new_mask[row].bool()])
+            elif not response.finished:  # its input was the token it sampled in the previous step
+                response.routes.append(routes[row])
 
     def _limit(self, prompt: list[int]) -> int:
         room = self.vocab.max_positions - len(prompt)
@@ -311,6 +337,45 @@ class _Decoder:
         for response in responses:
             if not response.finished:
                 response.stop_reason = reason
+
+
+class _RouteCapture:
+    """The top-k expert indices a Hugging Face MoE model's routers return, layer by layer (a forward
+    hook on each router; Qwen3-MoE's returns (logits, weights, indices))."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts") and m is not model]
+        if not self.routers:
+            raise ValueError("return_routed_experts needs an MoE model; this one has no top-k routers")
+        self._last: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._handles = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.routers)]
+
+    def _hook(self, layer: int):
+        def hook(module, args, output) -> None:
+            indices = output[-1] if isinstance(output, tuple) else None
+            if indices is None or indices.is_floating_point():
+                raise TypeError(f"router {type(module).__name__} returns no top-k indices; routes cannot be captured")
+            self._last[layer] = indices.detach()
+
+        return hook
+
+    def take(self, shape: tuple[int, int]) -> torch.Tensor:
+        """The last forward's routes as [b, new tokens, L, k] for its input of `shape`."""
+        per_layer = [indices.reshape(*shape, -1) for indices in self._last]
+        self._last = [None] * len(self.routers)
+        return torch.stack(per_layer, dim=2)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _compact(routes: list[torch.Tensor]) -> np.ndarray:
+    """A row's routes [tokens, L, k] in the smallest of the integer types SkyRL 0.4 carries them in."""
+    joined = torch.cat(routes) if routes else torch.zeros(0, 0, 0, dtype=torch.long)
+    top = int(joined.max()) if joined.numel() else 0
+    dtype = np.uint8 if top < 2**8 else np.int16 if top < 2**15 else np.int32
+    return joined.numpy().astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,10 +466,14 @@ class CpuInferenceEngine(host_api.inference_engine_interface()):
         dtype: str | torch.dtype = "float32",
         seed: int = 0,
         attn_implementation: str = "sdpa",
+        return_routed_experts: bool = False,
     ):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
         ).eval()
+        # MoE routing replay (R3): each output row's experts per token and layer, as SkyRL 0.4's
+        # `rollout_expert_indices` ([prompt + response - 1 tokens, L, k]; see compute/route_replay.py)
+        self._routes = _RouteCapture(self.model) if return_routed_experts else None
         if not isinstance(tokenizer, PreTrainedTokenizerBase):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_path)
         self.tokenizer = tokenizer
@@ -461,7 +530,7 @@ class CpuInferenceEngine(host_api.inference_engine_interface()):
     def _generate_blocking(self, prompts: list[list[int]], settings: SamplingSettings, abort: threading.Event):
         generator = self._generator if settings.seed is None else torch.Generator().manual_seed(settings.seed)
         with self._lock:
-            responses = _Decoder(self.model, self._vocab, settings, generator).run(prompts, abort)
+            responses = _Decoder(self.model, self._vocab, settings, generator, self._routes).run(prompts, abort)
         texts = []
         for response in responses:
             text = self.tokenizer.decode(response.token_ids, skip_special_tokens=settings.skip_special_tokens)
@@ -471,6 +540,7 @@ class CpuInferenceEngine(host_api.inference_engine_interface()):
             "response_ids": [response.token_ids for response in responses],
             "stop_reasons": [response.stop_reason for response in responses],
             "response_logprobs": None if settings.logprobs is None else [response.logprobs for response in responses],
+            **({"rollout_expert_indices": [_compact(r.routes) for r in responses]} if self._routes is not None else {}),
         }
 
     async def abort_generation(self) -> None:

@@ -19,14 +19,14 @@ def start_ray_for_cpu_workers(num_gpus: int, num_cpus: int, object_store_mb: int
 
     Our actor classes ask for one GPU each, as on a GPU cluster, and the host's placement groups
     bundle GPUs; Ray schedules them only where it believes GPUs exist, so the CPU box declares
-    them. `host.activate()` first, so its `ray.init` wrapper activates every Ray worker process.
+    them. `activate()` first, so its `ray.init` wrapper activates every Ray worker process.
     """
     import ray
 
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import activate
     from skyrl_megatron.runtime import RUNTIME_ENV_VAR
 
-    host.activate()
+    activate()
     ray.init(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -36,20 +36,20 @@ def start_ray_for_cpu_workers(num_gpus: int, num_cpus: int, object_store_mb: int
     )
 
 
-def training_input(batch: Mapping[str, torch.Tensor], response_length: int, global_step: int = 0):
-    """A host `TrainingInputBatch` with the metadata its workers read."""
-    from skyrl_train.training_batch import TrainingInputBatch
+def training_input(batch: Mapping[str, torch.Tensor], response_length: int, global_step: int = 0, **metadata):
+    """A host `TrainingInputBatch` with the metadata its workers (and, with `metadata`, its trainer) read."""
+    from skyrl_megatron.hosts import current
 
-    data = TrainingInputBatch({k: v.clone() for k, v in batch.items()})
-    data.metadata = {"response_length": response_length, "global_step": global_step}
+    data = current().training_input_class()({k: v.clone() for k, v in batch.items()})
+    data.metadata = {"response_length": response_length, "global_step": global_step, **metadata}
     return data
 
 
 def host_trainer(cfg, tokenizer, total_training_steps: int) -> Any:
     """A `RayPPOTrainer` with no dataset, tracker, inference engines or generator."""
-    from skyrl_train.trainer import RayPPOTrainer
+    from skyrl_megatron.hosts import current
 
-    class _TrainerWithoutData(RayPPOTrainer):
+    class _TrainerWithoutData(current().trainer_class()):
         def _build_train_dataloader_and_compute_training_steps(self):
             # the host's hook for custom dataloaders; the step count sizes the workers' LR schedule
             self.train_dataloader = None
@@ -62,7 +62,8 @@ def host_trainer(cfg, tokenizer, total_training_steps: int) -> Any:
 
 def build_worker_groups(trainer) -> None:
     """The host's `build_models` with the worker classes it picks for `trainer.strategy=megatron`."""
-    from skyrl_megatron import host
+    from skyrl_megatron.activation import STRATEGY
+    from skyrl_megatron.hosts import current
 
-    policy, critic, ref = host.worker_classes(host.STRATEGY)
+    policy, critic, ref = current().worker_classes(STRATEGY)
     trainer.build_models(policy, critic, ref)

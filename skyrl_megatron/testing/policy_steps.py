@@ -33,13 +33,28 @@ def policy_steps(
     spec_overrides: dict[str, Any] | None = None,
     router_metrics: bool = False,
     inspect: Callable[[list], Any] | None = None,
+    routing_replay: bool = False,
+    score_batching: dict[str, Any] | None = None,
+    prepare: Callable[[list], Any] | None = None,
+    ratio_check: bool = False,
+    batch: dict[str, torch.Tensor] | None = None,
+    engine_routes: list | None = None,
 ) -> dict[str, Any]:
     """Returns per-step metrics (all ranks agree on them), the logprobs scored before training (on
     the last pipeline stage, else None) and which rows of the batch this rank's DP group had.
 
     `spec_overrides` replaces ModelSpec fields (e.g. `moe`, `transformer_overrides`);
     `router_metrics` adds the MoE router metrics of each step's mini-batch to its metrics;
-    `inspect(chunks)` runs before and after training, its results under "inspected".
+    `inspect(chunks)` runs before and after training, its results under "inspected";
+    `routing_replay` records MoE routes while scoring and replays them in training (R2), and scores
+    once more replaying them (their routes under "replayed_routes", the recorded ones under
+    "recorded_routes", [rows, S, L, k] of this rank's DP share and route layers);
+    `score_batching` scores in another micro-batch plan than training's; `prepare(chunks)` runs once
+    the runner is set up; `ratio_check` adds the metric "abs_log_ratio_sum": sum over response
+    tokens of |log-prob - old log-prob| (0 exactly when every importance ratio is exactly 1);
+    `batch` replaces the synthetic one (`sequences`, `attention_mask`, `loss_mask`, `advantages`);
+    `engine_routes` (R3, with `routing_replay`): an inference engine's routes per row of the batch,
+    replayed in scoring, whose routes training then replays.
     """
     from megatron.core import parallel_state as ps
 
@@ -50,6 +65,7 @@ def policy_steps(
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch, perturb_logprobs
+    from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns, rollout_routes
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
     init_distributed("cpu")
@@ -71,14 +87,42 @@ def policy_steps(
     if collector is not None:
         runner.attach_router_metrics(collector)
     objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(cfg.trainer.algorithm))
+    if ratio_check:
+        objective = _with_ratio_check(objective)
     micro = MicroBatching(**batching)
+    score_micro = MicroBatching(**score_batching) if score_batching is not None else micro
+    store = RouteStore() if routing_replay else None
+    replay = RouteReplay(built.chunks) if routing_replay else None
+    if replay is not None:
+        runner.attach_route_replay(replay)
+    if prepare is not None:
+        prepare(built.chunks)
 
-    full = make_rl_batch(rows, prompt_length, response_length, seed=seed)
+    full = batch if batch is not None else make_rl_batch(rows, prompt_length, response_length, seed=seed)
+    rows, response_length = full["sequences"].shape[0], full["loss_mask"].shape[1]
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
     batch = {k: v[share] for k, v in full.items()}
     runner.gradients.release()  # as the worker scores: without gradient storage
-    old = runner.response_logprobs(batch["sequences"], batch["attention_mask"], response_length, micro)
+    from_engine = None
+    if engine_routes is not None:
+        from_engine = host_columns(
+            rollout_routes(engine_routes[share], batch["attention_mask"], replay), batch["attention_mask"]
+        )
+    old = runner.response_logprobs(
+        batch["sequences"], batch["attention_mask"], response_length, score_micro, routes=from_engine,
+        record_routes=store,
+    )
+    routes = None
+    replay_check = {}
+    if store is not None:
+        routes = host_columns(store.lookup(batch["sequences"], batch["attention_mask"]), batch["attention_mask"])
+        again = RouteStore()
+        runner.response_logprobs(
+            batch["sequences"], batch["attention_mask"], response_length, micro, routes=routes, record_routes=again
+        )
+        replayed = host_columns(again.lookup(batch["sequences"], batch["attention_mask"]), batch["attention_mask"])
+        replay_check = {"recorded_routes": routes, "replayed_routes": replayed, "engine_routes": from_engine}
     old_full = torch.zeros(rows, response_length)
     if old is not None:
         old_full[share] = old
@@ -99,6 +143,7 @@ def policy_steps(
             objective,
             micro,
             dp_group=ps.get_data_parallel_group(),
+            routes=routes,
         )
         result = optimizer_step(optimizer, scheduler)
         metrics["grad_norm"] = result.grad_norm
@@ -107,7 +152,10 @@ def policy_steps(
         history.append(metrics)
     if inspect is not None:
         inspected.append(inspect(built.chunks))
-    return {"history": history, "initial_logprobs": old, "rows": (share.start, share.stop), "inspected": inspected}
+    return {
+        "history": history, "initial_logprobs": old, "rows": (share.start, share.stop), "inspected": inspected,
+        **replay_check,
+    }
 
 
 def policy_gradient_objective(log_probs, entropy, batch, totals):
@@ -150,3 +198,12 @@ def train_one_mini_batch(
         MicroBatching(micro_batch_size=micro_batch_size),
     )
     return built, metrics
+
+
+def _with_ratio_check(objective):
+    def checked(log_probs, entropy, batch, totals):
+        loss, metrics = objective(log_probs, entropy, batch, totals)
+        gap = ((log_probs.detach() - batch["action_log_probs"]).abs() * batch["loss_mask"]).sum()
+        return loss, {**metrics, "abs_log_ratio_sum": gap.double()}
+
+    return checked

@@ -35,11 +35,20 @@ class MegatronWorkerMixin:
 
     # -- set-up -----------------------------------------------------------------------------------
 
+    @property
+    def host_cfg(self):
+        """The host's config for this worker in the shape we read (``trainer.*``, ``generator.*``), whatever
+        the host release handed the worker (``self.cfg``)."""
+        view = self.__dict__.get("_host_cfg")
+        if view is None:
+            view = self.__dict__["_host_cfg"] = host_api.worker_view(self.cfg)
+        return view
+
     def _init_parallel(self) -> MeshCoordinates:
-        self.megatron_cfg = MegatronWorkerConfig.from_host_config(self.cfg, self.role)
+        self.megatron_cfg = MegatronWorkerConfig.from_host_config(self.host_cfg, self.role)
         self.runtime = init_distributed(self.megatron_cfg.runtime)
         self.parallel_config = self.megatron_cfg.parallel()
-        coords = initialize_model_parallel(self.parallel_config, seed=self.cfg.trainer.seed)
+        coords = initialize_model_parallel(self.parallel_config, seed=self.host_cfg.trainer.seed)
         self.mesh_rank = host_api.make_mesh_rank(
             dp=coords.dp,
             cp=coords.cp,
@@ -74,7 +83,7 @@ class MegatronWorkerMixin:
         return ModelSpec(
             hf_path=model_path,
             parallel=self.parallel_config,
-            dtype="bf16" if self.cfg.trainer.bf16 else "fp32",
+            dtype="bf16" if self.host_cfg.trainer.bf16 else "fp32",
             transformer_overrides=m.transformer_overrides(),
             wrap_with_ddp=self.trains,
             ddp_config=dict(m.ddp_config),
@@ -82,7 +91,7 @@ class MegatronWorkerMixin:
             moe=m.moe_config,
             fused_kernels=tuple(m.fused_kernels),
             # only a trained role gets adapters; the reference model is the frozen base
-            lora=LoraSpec.from_host_config(self.cfg, self.role) if self.trains else None,
+            lora=LoraSpec.from_host_config(self.host_cfg, self.role) if self.trains else None,
         )
 
     def _build(self, model_path: str) -> BuiltModel:
@@ -112,23 +121,33 @@ class MegatronWorkerMixin:
         return MicroBatching(
             micro_batch_size=int(micro_batch_size),
             max_tokens=self.megatron_cfg.max_tokens_per_microbatch,
-            packed=bool(self.cfg.trainer.use_sample_packing),
+            packed=bool(self.host_cfg.trainer.use_sample_packing),
         )
 
-    def forward(self, data):
-        """Logprobs of the response tokens at the sampling temperature: {"output": [B, A]}."""
+    def forward(self, data, loss_fn: str | None = None, loss_fn_config=None, **kwargs: Any):
+        """Logprobs of the response tokens at the sampling temperature, [B, A], in the host's output type."""
+        if loss_fn is not None:
+            raise NotImplementedError(
+                f"forward(loss_fn={loss_fn!r}): skyrl-megatron scores logprobs only; a loss in forward "
+                "(the Tinker API's forward with a loss) is not implemented"
+            )
         response_length = int(data.metadata["response_length"])
         self.runner.gradients.release()  # scoring needs no gradients (the first score follows the build)
         logprobs = self.runner.response_logprobs(
             data["sequences"],
             data["attention_mask"],
             response_length,
-            self._batching(self.cfg.trainer.micro_forward_batch_size_per_gpu),
-            temperature=float(self.cfg.generator.sampling_params.temperature),
+            self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
+            temperature=float(self.host_cfg.generator.sampling_params.temperature),
+            record_routes=self._scoring_route_store(),
         )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here
             logprobs = torch.zeros(data["sequences"].shape[0], response_length)
-        return host_api.training_output({"output": logprobs.cpu()}, dict(data.metadata))
+        return host_api.scoring_output("logprobs", logprobs.cpu(), dict(data.metadata))
+
+    def _scoring_route_store(self):
+        """Where `forward` records MoE routes (the policy under routing replay); None: nowhere."""
+        return None
 
     # -- memory -----------------------------------------------------------------------------------
 

@@ -33,15 +33,15 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
     trains = True
 
     def _value_head_prefix(self) -> str:
-        return str(self.cfg.trainer.algorithm.get("value_head_prefix") or DEFAULT_VALUE_HEAD_PREFIX)
+        return str(self.host_cfg.trainer.algorithm.get("value_head_prefix") or DEFAULT_VALUE_HEAD_PREFIX)
 
     def _model_spec(self, model_path: str) -> ModelSpec:
         spec = super()._model_spec(model_path)
         spec.value_head = ValueHeadInit.for_checkpoint(
             model_path,
-            policy_path=self.cfg.trainer.policy.model.get("path"),
+            policy_path=self.host_cfg.trainer.policy.model.get("path"),
             prefix=self._value_head_prefix(),
-            seed=int(self.cfg.trainer.seed),
+            seed=int(self.host_cfg.trainer.seed),
         )
         spec.lora = None  # validation refuses LoRA on the Megatron critic
         self._value_head_source = spec.value_head.source
@@ -50,7 +50,7 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
     def init_model(self, model_path: str, num_training_steps: int | None = None):
         built = self._build(model_path)
         self._normalize_mini_batch_size()
-        trainer = self.cfg.trainer
+        trainer = self.host_cfg.trainer
         settings = OptimizerSettings.from_host_config(
             trainer.critic.optimizer_config,
             self.megatron_cfg.optimizer_config_kwargs,
@@ -75,11 +75,11 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
             data["sequences"],
             data["attention_mask"],
             response_length,
-            self._batching(self.cfg.trainer.micro_forward_batch_size_per_gpu),
+            self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
         )
         if values is None:  # not the last pipeline stage: the host does not collect from here
             values = torch.zeros(data["sequences"].shape[0], response_length)
-        return host_api.training_output({"output": values.cpu()}, dict(data.metadata))
+        return host_api.scoring_output("values", values.cpu(), dict(data.metadata))
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -88,7 +88,7 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
         per mini-batch of `critic_mini_batch_size` prompts' samples."""
         from megatron.core import parallel_state as ps
 
-        trainer = self.cfg.trainer
+        trainer = self.host_cfg.trainer
         rows = train_data["sequences"].shape[0]
         mini = int(self.critic_mini_batch_size_per_gpu)
         if mini < 1 or rows % mini:

@@ -10,10 +10,11 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
+from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
-from skyrl_megatron.optim import OptimizerSettings, optimizer_step
+from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
@@ -28,8 +29,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
 
     def init_model(self, model_path: str, num_training_steps: int | None = None):
         built = self._build(model_path)
-        self._normalize_mini_batch_size()
-        trainer = self.cfg.trainer
+        trainer = self.host_cfg.trainer
         settings = OptimizerSettings.from_host_config(
             trainer.policy.optimizer_config,
             self.megatron_cfg.optimizer_config_kwargs,
@@ -41,7 +41,12 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         self.runner.attach_optimizer(self.optimizer)
         self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
         self.runner.attach_router_metrics(self.router_metrics)
-        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(trainer.algorithm))
+        # R2 routing replay: `forward` (old logprobs) records each row's routes, training replays them
+        self.route_store: RouteStore | None = None
+        if self.megatron_cfg.moe_config.routing_replay == "r2" and self.router_metrics.is_moe:
+            self.runner.attach_route_replay(RouteReplay(built.chunks))
+            self.route_store = RouteStore()
+        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_api.algorithm_config(self.cfg)))
         self.skipped_steps = 0
         self.lora_metrics: dict[str, float] = {}
         if built.lora is not None:
@@ -54,56 +59,111 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             if torch.distributed.get_rank() == 0:
                 logger.info("LoRA: %s", self.lora_metrics)
 
-    def ppo_train(self, train_data):
-        """Epochs x mini-batches of the rank's rows; one optimizer step per mini-batch."""
+    # -- training: one mini-batch, then one optimizer step ----------------------------------------
+
+    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None, scored_routes=None) -> dict[str, float]:
+        """Forward + backward of rows [start, stop) of `data`; gradients stay for `_optimizer_step`.
+
+        `scored_routes`: every row of `data`'s MoE routes from this step's scoring (routing replay).
+        """
         from megatron.core import parallel_state as ps
 
-        trainer = self.cfg.trainer
+        rows = slice(start, stop)
+        response = {k: data[k][rows] for k in RESPONSE_KEYS if k in data and data[k] is not None}
+        routes = None
+        if scored_routes is not None:
+            routes = host_columns(scored_routes[rows], data["attention_mask"][rows])
+        self.router_metrics.reset()
+        metrics = self.runner.train_mini_batch(
+            data["sequences"][rows],
+            data["attention_mask"][rows],
+            response,
+            self.objective,
+            self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+            temperature=float(self.host_cfg.generator.sampling_params.temperature),
+            dp_group=ps.get_data_parallel_group(),
+            routes=routes,
+        )
+        metrics.update(self.router_metrics.summary())  # collective: every rank
+        return metrics
+
+    def _optimizer_step(self) -> dict[str, float]:
+        with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
+            step = optimizer_step(self.optimizer, self.scheduler)
+        self.skipped_steps += int(step.skipped)
+        return {
+            "raw_grad_norm": step.grad_norm if step.grad_norm is not None else float("nan"),
+            "policy_lr": step.lr if step.lr is not None else 0.0,
+        }
+
+    def ppo_train(self, train_data):
+        """skyrl-train 0.3.1's contract: epochs x mini-batches of the rank's rows, one optimizer step each."""
+        trainer = self.host_cfg.trainer
         rows = train_data["sequences"].shape[0]
-        mini = int(self.policy_mini_batch_size_per_gpu)
+        mini = int(trainer.policy_mini_batch_size) * int(self.host_cfg.generator.n_samples_per_prompt) // self.mesh_rank.dp_size
         if mini < 1 or rows % mini:
             raise ValueError(
                 f"policy worker got {rows} rows per DP rank, not a multiple of the per-rank mini-batch {mini} "
                 "(trainer.policy_mini_batch_size x generator.n_samples_per_prompt / DP size); adjust "
                 "trainer.train_batch_size or trainer.policy_mini_batch_size"
             )
-        temperature = float(self.cfg.generator.sampling_params.temperature)
+        # every row's routes from this step's scoring, matched by its tokens (rows may come reordered)
+        scored_routes = self._scored_routes(train_data)
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         for _ in range(int(trainer.update_epochs_per_batch)):
             for start in range(0, rows, mini):
-                batch = {k: train_data[k][start : start + mini] for k in ("sequences", "attention_mask")}
-                response = {
-                    k: train_data[k][start : start + mini]
-                    for k in RESPONSE_KEYS
-                    if k in train_data and train_data[k] is not None
-                }
-                self.router_metrics.reset()
-                metrics = self.runner.train_mini_batch(
-                    batch["sequences"],
-                    batch["attention_mask"],
-                    response,
-                    self.objective,
-                    self._batching(trainer.micro_train_batch_size_per_gpu),
-                    temperature=temperature,
-                    dp_group=ps.get_data_parallel_group(),
-                )
-                with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
-                    step = optimizer_step(self.optimizer, self.scheduler)
-                metrics.update(self.router_metrics.summary())  # collective: every rank
+                metrics = self._train_mini_batch(train_data, start, start + mini, scored_routes)
+                metrics.update(self._optimizer_step())
                 steps += 1
-                self.skipped_steps += int(step.skipped)
-                metrics["raw_grad_norm"] = step.grad_norm if step.grad_norm is not None else float("nan")
-                metrics["policy_lr"] = step.lr if step.lr is not None else 0.0
                 for name, value in metrics.items():
                     history[name].append(value)
         # the step is applied: until the next ppo_train the gradients are dead weight (4 B/param)
         self.runner.gradients.release()
+        if self.route_store is not None:
+            self.route_store.clear()
         status = {name: sum(values) / len(values) for name, values in history.items()}
         status["policy_update_steps"] = steps
         status["policy_skipped_steps"] = self.skipped_steps
         status.update(self.lora_metrics)
         return host_api.training_output(metadata={"train_status": status})
+
+    def forward_backward(self, data, loss_fn: str | None = None, loss_fn_config=None, **kwargs):
+        """skyrl 0.4's contract: one mini-batch (this rank's rows of it); ``optim_step`` follows."""
+        if loss_fn is not None or loss_fn_config:
+            raise NotImplementedError(
+                "forward_backward with a loss_fn/loss_fn_config override (the Tinker API) is not implemented "
+                "by skyrl-megatron; the policy trains with trainer.algorithm.policy_loss_type"
+            )
+        metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
+        metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
+        return host_api.training_status(metrics)
+
+    def optim_step(self) -> float | None:
+        """skyrl 0.4's contract: apply the gradients of the last ``forward_backward``; the grad norm."""
+        metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
+        grad_norm = metrics["raw_grad_norm"]
+        return None if grad_norm != grad_norm else float(grad_norm)
+
+    def get_lr(self) -> float:
+        return current_lr(self.optimizer) or 0.0
+
+    def _scoring_route_store(self) -> RouteStore | None:
+        if self.route_store is None:
+            return None
+        self.route_store.clear()  # one step's scoring at a time
+        return self.route_store
+
+    def _scored_routes(self, train_data) -> list[torch.Tensor] | None:
+        if self.route_store is None or not self.runner.replays_routes:
+            return None  # (a pipeline stage without MoE layers has no routes)
+        try:
+            return self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
+        except KeyError as missing:
+            raise RuntimeError(
+                f"{missing.args[0]}; with megatron_config.moe_config.routing_replay=r2 the policy's forward must score "
+                "the rows of a step before ppo_train trains on them"
+            ) from None
 
     # -- weight sync ------------------------------------------------------------------------------
 
@@ -116,7 +176,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         the placement.
         """
         reset_prefix_cache = None
-        if self.cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
+        if self.host_cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
             reset_prefix_cache = inference_engine_client.reset_prefix_cache()
         if self.built.lora is not None and self.built.lora.weight_sync == "adapters":
             await self._send_adapters(inference_engine_client)
@@ -152,7 +212,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         The engines must have loaded the base weights (they start from the same checkpoint) and, for
         vLLM, run with LoRA enabled.
         """
-        path = self.cfg.trainer.policy.model.lora.lora_sync_path
+        path = self.host_cfg.trainer.policy.model.lora.lora_sync_path
         save_hf_model(path, self.built, adapters_only=True)  # collective; rank 0 writes, atomically
         if torch.distributed.get_rank() == 0:
             await inference_engine_client.update_named_weights(host_api.lora_load_request_class()(lora_path=str(path)))

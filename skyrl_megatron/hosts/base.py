@@ -1,0 +1,192 @@
+"""The one interface between skyrl-megatron and a host release (skyrl-train 0.3.1, skyrl 0.4.x).
+
+Each host release gets one :class:`HostAdapter` subclass in this package. Everything that names a
+host module, a host class or a host config key lives in that subclass; the rest of the package asks
+:func:`skyrl_megatron.hosts.current` for the adapter and never imports the host itself.
+
+Adapters import the host lazily (inside methods): choosing an adapter, and activation inside Ray's
+worker set-up hook, must not import the host's trainer modules.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class HostRelease:
+    """A host release line we support: the distribution, the version prefix, a user-facing label."""
+
+    distribution: str
+    version_prefix: str
+    label: str
+    install: str
+
+    def matches(self, version: str) -> bool:
+        return version == self.version_prefix or version.startswith(self.version_prefix + ".")
+
+
+class HostFeatureMissing(NotImplementedError):
+    """A touch point this host adapter does not provide yet: names the feature and the host that has it."""
+
+    def __init__(self, adapter: "HostAdapter", feature: str, alternative: str):
+        super().__init__(f"{feature} is not available on {adapter.release.label} yet; {alternative}")
+
+
+class HostAdapter(ABC):
+    """What skyrl-megatron takes from one host release.
+
+    Three groups of touch points:
+
+    * activation: which module the host imports its Megatron workers from, which host modules need
+      a fix the moment they are imported, and fixes applied once per process;
+    * the driver side: the host's config validation, Ray environment, registries, experiment class;
+    * the worker side: worker bases, MeshRank, batch and output types, losses, weight-sync types.
+    """
+
+    release: HostRelease
+    #: the module the host's entrypoint imports ``PolicyWorker``/``RefWorker``/``CriticWorker`` from
+    megatron_worker_module: str
+    #: the module holding the host's experiment class (``BasePPOExp``) and its engine factory
+    entrypoint_module: str
+    #: the host's own command line, for the log line that says how to get its built-in backend back
+    host_main: str
+    strategies: tuple[str, ...]
+    #: True where the host pre-scales advantages so that a policy loss is a plain sum over the
+    #: mini-batch's tokens (0.4); False where each loss call reduces over what it gets (0.3.1)
+    policy_losses_are_presummed: bool = False
+
+    # -- activation ------------------------------------------------------------------------------
+
+    def apply_compat_fixes(self) -> None:
+        """Fixes for the host's own imports on our dependency set (once per process). Default: none."""
+
+    def import_patches(self, cpu_engines: Callable[..., list]) -> dict[str, Callable[[Any], None]]:
+        """Host modules to patch right after they are imported, in every activated process.
+
+        `cpu_engines(num_engines, model_path, *, dtype, seed)` creates our CPU engines where the
+        config asks for them (``generator.engine=cpu``); it is passed in because the engines sit
+        above the host adapters.
+        """
+        return {}
+
+    # -- config -----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def compose_config(self, overrides: list[str]):
+        """The host's config with our keys, from ``key=value`` overrides (no side effects)."""
+
+    def unsupported_settings(self, cfg) -> list[tuple[str, Any]]:
+        """(key, value) of host settings for its own Megatron backend that ours does not implement."""
+        return []
+
+    def our_view(self, cfg):
+        """`cfg` in the shape our checks and workers read (skyrl-train 0.3.1's composed OmegaConf)."""
+        return cfg
+
+    def worker_view(self, worker_cfg):
+        """What a worker was given (`self.cfg`) in the shape our workers read (the 0.3.1 composed config)."""
+        return worker_cfg
+
+    def algorithm_config(self, worker_cfg):
+        """The host's algorithm config object, as its own loss functions expect it."""
+        return worker_cfg.trainer.algorithm
+
+    # -- driver side ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def validate(self, cfg) -> None:
+        """The host's own config checks, minus the ones that only hold for its built-in Megatron path."""
+
+    @abstractmethod
+    def ray_env_vars(self, cfg, *, on_cpu: bool) -> dict[str, str]:
+        """The environment the host gives its Ray processes."""
+
+    def sync_registries(self) -> None:
+        """Make user-registered losses/estimators visible in Ray processes (after ``ray.init``)."""
+
+    def check_can_train(self) -> None:
+        """Raise HostFeatureMissing where our workers cannot train through this host's trainer yet."""
+
+    @abstractmethod
+    def base_experiment_class(self) -> type:
+        """The host's experiment class (``BasePPOExp``): builds the trainer from a config and runs it."""
+
+    @abstractmethod
+    def trainer_class(self) -> type:
+        """The host's ``RayPPOTrainer``."""
+
+    @abstractmethod
+    def training_input_class(self) -> type:
+        """The host's ``TrainingInputBatch`` (what its trainer hands the workers)."""
+
+    @abstractmethod
+    def worker_classes(self, strategy: str) -> tuple[Any, Any, Any]:
+        """(policy, critic, ref) classes the host would build for `strategy`."""
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def worker_bases(self) -> tuple[type, type, type]:
+        """(PolicyWorkerBase, RefWorkerBase, CriticWorkerBase): the host's worker contract."""
+
+    @abstractmethod
+    def make_mesh_rank(self, *, dp: int, cp: int, tp: int, pp: int, world_size: int, dp_size: int, pp_size: int):
+        """The host's MeshRank; the host collects from ``sp == 0``, so a Megatron rank puts its CP rank there."""
+
+    @abstractmethod
+    def training_output(self, tensors: dict | None = None, metadata: dict | None = None):
+        """The host's ``TrainingOutputBatch`` holding `tensors`, with `metadata`."""
+
+    def scoring_output(self, key: str, values, metadata: dict):
+        """What a worker's ``forward`` returns for per-token `values` [B, A] (``key``: logprobs or values)."""
+        return self.training_output({"output": values}, metadata)
+
+    @abstractmethod
+    def policy_loss_function(self, name: str) -> Callable:
+        """The host's registered policy loss `name` (regular, dual_clip, gspo, cispo, ... or a user's)."""
+
+    def critic_loss_function(self) -> Callable:
+        """The host's value loss, ``(values, old_values, returns, config, loss_mask) -> (loss, clipfrac)``."""
+        raise HostFeatureMissing(self, "the Megatron critic", "use skyrl-train 0.3.1 for PPO with a critic")
+
+    @abstractmethod
+    def masked_mean(self, tensor, mask, dim=None):
+        """The host's masked mean (its loss reductions are built on it)."""
+
+    @abstractmethod
+    def approx_kl(self, log_probs, base_log_probs, loss_mask, estimator: str):
+        """The host's KL estimator, with gradients."""
+
+    def weight_chunk(self, bucket):
+        raise HostFeatureMissing(self, "weight sync through the host's transfer strategies", "use skyrl-train 0.3.1")
+
+    def inference_engine_interface(self) -> type:
+        raise HostFeatureMissing(self, "the CPU generation engine", "use skyrl-train 0.3.1")
+
+    def weight_update_request_base(self) -> type:
+        raise HostFeatureMissing(self, "the CPU generation engine", "use skyrl-train 0.3.1")
+
+    def lora_load_request_class(self) -> type:
+        raise HostFeatureMissing(self, "LoRA adapter sync", "use skyrl-train 0.3.1")
+
+    def ray_wrapped_inference_engine(self, actor):
+        raise HostFeatureMissing(self, "the CPU generation engine", "use skyrl-train 0.3.1")
+
+    def broadcast_init_info_class(self) -> type:
+        raise HostFeatureMissing(self, "broadcast weight sync", "use skyrl-train 0.3.1")
+
+    def broadcast_update_request_class(self) -> type:
+        raise HostFeatureMissing(self, "broadcast weight sync", "use skyrl-train 0.3.1")
+
+    def join_weight_broadcast_group(self, init_info):
+        raise HostFeatureMissing(self, "broadcast weight sync", "use skyrl-train 0.3.1")
+
+    def weight_sync_bucket_bytes(self, cfg, strategy_cls) -> int:
+        raise HostFeatureMissing(self, "weight sync through the host's transfer strategies", "use skyrl-train 0.3.1")
+
+    @abstractmethod
+    def generator_dtype(self, cfg):
+        """The dtype the inference engines hold their weights in."""

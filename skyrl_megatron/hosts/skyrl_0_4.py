@@ -1,0 +1,272 @@
+"""The adapter for skyrl 0.4.x (October 2026): the trainer lives in ``skyrl.train`` and
+``skyrl.backends.skyrl_train``, configs are typed dataclasses, workers train through
+``forward_backward`` + ``optim_step``, and inference runs behind HTTP servers.
+
+Our config keys ride on the host's dataclasses (``hosts/skyrl_0_4_config.py``). Our workers and
+checks read a config in one shape, the one skyrl-train 0.3.1 composes; :meth:`SkyRL04.our_view`
+builds that view from a 0.4 config, so the translation between the two lives here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Any
+
+from skyrl_megatron.hosts.base import HostAdapter, HostFeatureMissing, HostRelease
+from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
+from skyrl_megatron.hosts.skyrl_train_0_3 import RELEASE as SkyRLTrain03Release
+
+RELEASE = HostRelease(
+    distribution="skyrl",
+    version_prefix="0.4",
+    label="skyrl 0.4.x",
+    install='pip install "skyrl[skyrl-train]>=0.4,<0.5"',
+)
+
+_MEGATRON_KEY = re.compile(r"^\+*trainer\.(policy|ref|critic)\.megatron_config\.([A-Za-z_0-9]+)[.=]")
+
+# The host's flat MoE fields and the moe_config keys of ours that carry the same meaning.
+_HOST_MOE_FIELDS = {
+    "moe_token_dispatcher_type": "token_dispatcher",
+    "moe_router_dtype": "router_dtype",
+    "moe_router_load_balancing_type": "load_balancing_type",
+    "moe_aux_loss_coeff": "aux_loss_coeff",
+    "freeze_moe_router": "freeze_router",
+    "moe_router_enable_expert_bias": "expert_bias",
+}
+# Host fields for features of its own backend that ours does not have: a non-default value is refused.
+_HOST_ONLY_FIELDS = (
+    "fp8", "fp8_recipe", "fp8_param", "fp8_amax_compute_algo", "mtp_num_layers", "freeze_dsa_indexer",
+    "async_dist_ckpt_save", "async_save_prestage_to_cpu", "dist_ckpt_optim_fully_reshardable",
+    "moe_per_layer_logging", "hf_export_config", "moe_router_score_function",
+    "moe_grouped_gemm", "mtp_loss_weight", "mtp_loss_chunk_size", "mtp_loss_topk",
+)
+
+
+class SkyRL04(HostAdapter):
+    release = RELEASE
+    megatron_worker_module = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
+    entrypoint_module = "skyrl.train.entrypoints.main_base"
+    host_main = "python -m skyrl.train.entrypoints.main_base"
+    strategies = ("fsdp", "fsdp2", "megatron")
+    policy_losses_are_presummed = True
+
+    def apply_compat_fixes(self) -> None:
+        allow_flash_attn_import_without_kernels()
+
+    # -- config -----------------------------------------------------------------------------------
+
+    def config_class(self) -> type:
+        from skyrl_megatron.hosts.skyrl_0_4_config import SkyRLMegatronConfig
+
+        return SkyRLMegatronConfig
+
+    def compose_config(self, overrides: list[str]):
+        """The host's strict parse into our extended config class.
+
+        An unknown key inside a worker's ``megatron_config`` is reported by us first, with the closest
+        valid key (the host's parser would list every valid field instead).
+        """
+        from skyrl_megatron.config import ConfigError, Problem, closest
+        from skyrl_megatron.hosts.skyrl_0_4_config import MegatronSettings
+
+        known = {f.name for f in dataclasses.fields(MegatronSettings)}
+        problems = []
+        for arg in overrides:
+            match = _MEGATRON_KEY.match(arg)
+            if match and match.group(2) not in known:
+                hint = closest(match.group(2), known)
+                problems.append(Problem(arg.split("=", 1)[0], "unknown key", f"did you mean '{hint}'?" if hint else "remove it"))
+        if problems:
+            raise ConfigError(problems)
+        return self.config_class().from_cli_overrides(list(overrides))
+
+    def unsupported_settings(self, cfg) -> list[tuple[str, Any]]:
+        """Host fields of its built-in Megatron backend that ours does not implement, set away from their defaults."""
+        from skyrl.train.config.config import MegatronConfig
+
+        defaults = MegatronConfig()
+        found = []
+        for role in ("policy", "ref", "critic"):
+            section = getattr(getattr(cfg.trainer, role), "megatron_config", None)
+            for name in _HOST_ONLY_FIELDS if section is not None else ():
+                value = getattr(section, name)
+                if value != getattr(defaults, name):
+                    found.append((f"trainer.{role}.megatron_config.{name}", value))
+        return found
+
+    def our_view(self, cfg):
+        """The config in skyrl-train 0.3.1's shape (an OmegaConf DictConfig) for our checks and workers."""
+        from omegaconf import OmegaConf
+
+        tree = dataclasses.asdict(cfg)
+        tree["trainer"] = _our_trainer_section(tree["trainer"])
+        generator = tree["generator"]
+        engine = generator.get("inference_engine") or {}
+        generator.setdefault("model_dtype", engine.get("model_dtype", "bfloat16"))
+        generator.setdefault("num_inference_engines", engine.get("num_engines", 1))
+        generator.setdefault("enable_prefix_caching", engine.get("enable_prefix_caching", False))
+        return OmegaConf.create(tree)
+
+    def worker_view(self, worker_cfg):
+        """A worker gets the host's ``TrainerConfig`` only (``cfg.trainer``); the sampling temperature
+        is its ``algorithm.temperature``."""
+        from omegaconf import OmegaConf
+
+        trainer = _our_trainer_section(dataclasses.asdict(worker_cfg))
+        generator = {"sampling_params": {"temperature": worker_cfg.algorithm.temperature}, "enable_prefix_caching": False}
+        return OmegaConf.create({"trainer": trainer, "generator": generator})
+
+    def algorithm_config(self, worker_cfg):
+        return worker_cfg.algorithm
+
+    # -- driver side ------------------------------------------------------------------------------
+
+    def validate(self, cfg) -> None:
+        """The host's `validate_cfg` without its Megatron section (vLLM + NCCL only, no critic:
+        limits of its built-in backend, not of ours)."""
+        from skyrl.train.utils import utils as host_utils
+
+        original = host_utils.validate_megatron_cfg
+        host_utils.validate_megatron_cfg = lambda cfg: None
+        try:
+            host_utils.validate_cfg(cfg)
+        finally:
+            host_utils.validate_megatron_cfg = original
+
+    def ray_env_vars(self, cfg, *, on_cpu: bool) -> dict[str, str]:
+        from skyrl.train.utils.utils import prepare_runtime_environment
+
+        return prepare_runtime_environment(cfg)
+
+    def sync_registries(self) -> None:
+        from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
+
+        sync_registries()
+
+    def check_can_train(self) -> None:
+        raise HostFeatureMissing(
+            self,
+            "a whole training run through the host's trainer with skyrl-megatron (our workers implement 0.4's "
+            "forward / forward_backward / optim_step contract, but no generation engine behind 0.4's inference "
+            "interface and no weight sync to it are built yet)",
+            f"install skyrl-train 0.3.1 for training ({SkyRLTrain03Release.install})",
+        )
+
+    def base_experiment_class(self) -> type:
+        from skyrl.train.entrypoints.main_base import BasePPOExp
+
+        return BasePPOExp
+
+    def trainer_class(self) -> type:
+        from skyrl.train.trainer import RayPPOTrainer
+
+        return RayPPOTrainer
+
+    def training_input_class(self) -> type:
+        from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+        return TrainingInputBatch
+
+    def worker_classes(self, strategy: str):
+        if strategy == "megatron":
+            module = importlib.import_module(self.megatron_worker_module)
+        elif strategy in ("fsdp", "fsdp2"):
+            module = importlib.import_module("skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker")
+        else:
+            raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(self.strategies)}")
+        return module.PolicyWorker, module.CriticWorker, module.RefWorker
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def worker_bases(self):
+        from skyrl.backends.skyrl_train.workers.worker import CriticWorkerBase, PolicyWorkerBase, RefWorkerBase
+
+        return PolicyWorkerBase, RefWorkerBase, CriticWorkerBase
+
+    def make_mesh_rank(self, *, dp, cp, tp, pp, world_size, dp_size, pp_size):
+        from skyrl.backends.skyrl_train.distributed.dispatch import MeshRank
+
+        return MeshRank(dp=dp, sp=cp, tp=tp, pp=pp, world_size=world_size, dp_size=dp_size, pp_size=pp_size)
+
+    def training_output(self, tensors=None, metadata=None):
+        from skyrl.backends.skyrl_train.training_batch import TrainingOutputBatch
+
+        out = TrainingOutputBatch(tensors or {})
+        out.metadata = metadata or {}
+        return out
+
+    def scoring_output(self, key: str, values, metadata: dict):
+        """0.4 collects per-sample lists (``loss_fn_outputs``) and pads them back into a tensor."""
+        from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+
+        return WorkerOutput(loss_fn_outputs=[{key: row.tolist()} for row in values], metrics={})
+
+    def training_status(self, metrics: dict[str, float]):
+        """0.4's ``forward_backward`` result: scalar metrics, already reduced over DP ranks."""
+        from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+
+        return WorkerOutput(loss_fn_outputs=[], metrics=dict(metrics))
+
+    def policy_loss_function(self, name: str):
+        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+        return PolicyLossRegistry.get(name)
+
+    def masked_mean(self, tensor, mask, dim=None):
+        from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
+
+        return masked_mean(tensor, mask, dim=dim)
+
+    def approx_kl(self, log_probs, base_log_probs, loss_mask, estimator: str):
+        from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
+
+        fn = getattr(compute_approx_kl, "__wrapped__", compute_approx_kl)
+        return fn(log_probs, base_log_probs, loss_mask=loss_mask, kl_estimator_type=estimator)
+
+    def generator_dtype(self, cfg):
+        from skyrl.train.utils.utils import str_to_torch_dtype
+
+        return str_to_torch_dtype(cfg.generator.inference_engine.model_dtype)
+
+
+def _our_trainer_section(trainer: dict[str, Any]) -> dict[str, Any]:
+    trainer["use_sample_packing"] = trainer.pop("remove_microbatch_padding", False)
+    for role in ("policy", "ref", "critic"):
+        section = trainer[role].get("megatron_config")
+        if section is not None:
+            trainer[role]["megatron_config"] = our_megatron_section(section)
+    return trainer
+
+
+def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
+    """A 0.4 ``megatron_config`` (as a dict) in our schema.
+
+    The host's flat MoE fields become our ``moe_config`` keys unless ``moe_config`` sets them itself;
+    ``lora_config.merge_lora`` becomes ``weight_sync`` unless that is set; the host-only fields are
+    dropped (a user's non-default value is refused by :meth:`SkyRL04.unsupported_settings`; the host's
+    own validation may set some, e.g. ``mtp_num_layers``).
+    """
+    from skyrl.train.config.config import MegatronConfig
+
+    host_defaults = dataclasses.asdict(MegatronConfig())
+    ours = dict(section)
+    moe = dict(ours.get("moe_config") or {})
+    for host_key, our_key in _HOST_MOE_FIELDS.items():
+        value = ours.pop(host_key, None)
+        if value is not None and value != host_defaults.get(host_key) and our_key not in moe:
+            moe[our_key] = value
+    # the host's router replay with its own scoring pass is our R2 (its R3 needs engine routes we do not read yet)
+    if ours.pop("moe_enable_routing_replay", False) and "routing_replay" not in moe:
+        moe["routing_replay"] = "r2"
+    ours["moe_config"] = moe
+    lora = dict(ours.get("lora_config") or {})
+    merge = lora.pop("merge_lora", True)
+    if lora.get("weight_sync") is None:
+        lora["weight_sync"] = "merged" if merge else "adapters"
+    ours["lora_config"] = {k: v for k, v in lora.items() if k in ("lora_type", "weight_sync")}
+    for key in _HOST_ONLY_FIELDS:  # set away from its default, validation refused it already (unsupported_settings)
+        ours.pop(key, None)
+    return ours

@@ -1,0 +1,100 @@
+"""skyrl 0.4's typed config, extended with skyrl-megatron's keys (imports the host: load it lazily).
+
+skyrl 0.4 parses the command line strictly into dataclasses (``SkyRLTrainConfig``) and tells
+integrations to subclass them for their own fields. Our worker sections subclass the host's
+``MegatronConfig``: every host field keeps its meaning, and our fields are added with the names and
+defaults they have on skyrl-train 0.3.1 (read from ``config/megatron/<role>.yaml``, one source).
+
+No ``from __future__ import annotations`` here: the host builds nested configs from real field types.
+"""
+
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Dict, Optional
+
+import yaml
+from skyrl.train.config.config import (
+    CriticConfig,
+    MegatronConfig,
+    MegatronLoraConfig,
+    PolicyConfig,
+    RefConfig,
+    SkyRLTrainConfig,
+    TrainerConfig,
+)
+
+
+def _our_defaults(role: str) -> dict[str, Any]:
+    text = resources.files("skyrl_megatron.conf").joinpath("megatron", f"{role}.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+@dataclass
+class MegatronLoraSettings(MegatronLoraConfig):
+    weight_sync: Optional[str] = None
+    """merged | adapters (skyrl-megatron's name); null follows the host's ``merge_lora``."""
+
+
+def _megatron_settings_class() -> type:
+    """The host's MegatronConfig plus every key of ours it lacks, with our defaults.
+
+    ``ddp_config`` becomes a mapping: ours is a pass-through to Megatron's DistributedDataParallelConfig
+    (any of its fields), the host's a fixed five-field dataclass that only its own validator reads.
+    """
+    host_fields = {f.name for f in dataclasses.fields(MegatronConfig)}
+    ours = _our_defaults("policy")
+    ddp_defaults = {**dataclasses.asdict(MegatronConfig().ddp_config), **ours["ddp_config"]}
+    # moe_config starts empty: MoeSettings supplies our defaults, and the host's flat moe_* fields,
+    # when set, fill the keys that moe_config leaves out
+    ours["moe_config"] = {}
+    extra = [
+        (name, Any, field(default_factory=lambda value=value: copy.deepcopy(value)))
+        for name, value in ours.items()
+        if name not in host_fields
+    ]
+    extra.append(("ddp_config", Dict[str, Any], field(default_factory=lambda: copy.deepcopy(ddp_defaults))))
+    extra.append(("lora_config", MegatronLoraSettings, field(default_factory=MegatronLoraSettings)))
+
+    def __post_init__(self) -> None:
+        MegatronConfig.__post_init__(self)
+        # a `ddp_config.<key>=...` override arrives as a mapping of that key alone: keep the other defaults
+        self.ddp_config = {**copy.deepcopy(ddp_defaults), **(self.ddp_config or {})}
+
+    return dataclasses.make_dataclass(
+        "MegatronSettings", extra, bases=(MegatronConfig,), namespace={"__post_init__": __post_init__}
+    )
+
+
+MegatronSettings = _megatron_settings_class()
+
+
+@dataclass
+class MegatronPolicyConfig(PolicyConfig):
+    megatron_config: MegatronSettings = field(default_factory=MegatronSettings)  # type: ignore[valid-type]
+
+
+@dataclass
+class MegatronRefConfig(RefConfig):
+    megatron_config: MegatronSettings = field(default_factory=MegatronSettings)  # type: ignore[valid-type]
+
+
+@dataclass
+class MegatronCriticConfig(CriticConfig):
+    megatron_config: MegatronSettings = field(default_factory=MegatronSettings)  # type: ignore[valid-type]
+
+
+@dataclass
+class MegatronTrainerConfig(TrainerConfig):
+    policy: MegatronPolicyConfig = field(default_factory=MegatronPolicyConfig)
+    ref: MegatronRefConfig = field(default_factory=MegatronRefConfig)
+    critic: MegatronCriticConfig = field(default_factory=MegatronCriticConfig)
+
+
+@dataclass
+class SkyRLMegatronConfig(SkyRLTrainConfig):
+    """``SkyRLTrainConfig`` with skyrl-megatron's keys under ``trainer.<role>.megatron_config``."""
+
+    trainer: MegatronTrainerConfig = field(default_factory=MegatronTrainerConfig)
