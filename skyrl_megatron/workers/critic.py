@@ -15,22 +15,20 @@ from collections import defaultdict
 import torch
 
 from skyrl_megatron import host_api
-from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
+from skyrl_megatron.checkpoint import save_hf_model
 from skyrl_megatron.compute.losses import ValueObjective
 from skyrl_megatron.compute.runner import VALUE_KEYS
 from skyrl_megatron.model.build import ModelSpec
 from skyrl_megatron.model.value_head import DEFAULT_VALUE_HEAD_PREFIX, ValueHeadInit
-from skyrl_megatron.optim import OptimizerSettings, optimizer_step
-from skyrl_megatron.workers.base import MegatronWorkerMixin
+from skyrl_megatron.workers.training import TrainedRoleMixin
 
 logger = logging.getLogger(__name__)
 
 _, _, CriticWorkerBase = host_api.worker_bases()
 
 
-class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
+class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
     role = "critic"
-    trains = True
 
     def _value_head_prefix(self) -> str:
         return str(self.host_cfg.trainer.algorithm.get("value_head_prefix") or DEFAULT_VALUE_HEAD_PREFIX)
@@ -48,20 +46,11 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
         return spec
 
     def init_model(self, model_path: str, num_training_steps: int | None = None):
-        built = self._build(model_path)
+        self._build(model_path)
         self._normalize_mini_batch_size()
         trainer = self.host_cfg.trainer
-        settings = OptimizerSettings.from_host_config(
-            trainer.critic.optimizer_config,
-            self.megatron_cfg.optimizer_config_kwargs,
-            int(num_training_steps or 1_000_000_000),
-            "bf16" if trainer.bf16 else "fp32",
-        )
-        self.optimizer = settings.build_optimizer(built.chunks)
-        self.scheduler = settings.build_scheduler(self.optimizer)
-        self.runner.attach_optimizer(self.optimizer)
+        self._init_optimizer(trainer.critic.optimizer_config, num_training_steps)
         self.objective = ValueObjective(trainer.algorithm)
-        self.skipped_steps = 0
         if torch.distributed.get_rank() == 0:
             logger.info("critic value head: %s", self._value_head_source)
 
@@ -114,12 +103,8 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
                     self._batching(trainer.micro_train_batch_size_per_gpu),
                     dp_group=ps.get_data_parallel_group(),
                 )
-                with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
-                    step = optimizer_step(self.optimizer, self.scheduler)
+                metrics.update(self._optimizer_step())
                 steps += 1
-                self.skipped_steps += int(step.skipped)
-                metrics["raw_grad_norm"] = step.grad_norm if step.grad_norm is not None else float("nan")
-                metrics["critic_lr"] = step.lr if step.lr is not None else 0.0
                 for name, value in metrics.items():
                     history[name].append(value)
         self.runner.gradients.release()
@@ -128,30 +113,7 @@ class MegatronCriticWorker(MegatronWorkerMixin, CriticWorkerBase):
         status["critic_skipped_steps"] = self.skipped_steps
         return host_api.training_output(metadata={"train_status": status})
 
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    def save_checkpoint(self, ckpt_dir, tokenizer=None):
-        save_checkpoint(
-            ckpt_dir,
-            self.built.chunks,
-            self.optimizer,
-            self.scheduler,
-            step=int(self.scheduler.num_steps),
-            extra={"skipped_steps": self.skipped_steps},
-            tokenizer=tokenizer,
-        )
-
-    def load_checkpoint(self, ckpt_dir, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
-        state = load_checkpoint(
-            ckpt_dir,
-            self.built.chunks,
-            self.optimizer if load_optimizer_states else None,
-            self.scheduler if load_lr_scheduler_states else None,
-        )
-        if not load_optimizer_states:
-            self.optimizer.reload_model_params()
-        self.skipped_steps = int(state.extra.get("skipped_steps", 0))
-        return {"step": state.step, **state.extra}
+    # -- HF export --------------------------------------------------------------------------------
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
         """The host's critic layout: the trunk under its HF names and `<value_head_prefix>.weight`

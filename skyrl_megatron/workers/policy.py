@@ -8,37 +8,28 @@ from collections import defaultdict
 import torch
 
 from skyrl_megatron import host_api
-from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint, save_hf_model
+from skyrl_megatron.checkpoint import save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
 from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
-from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
+from skyrl_megatron.optim import current_lr
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
-from skyrl_megatron.workers.base import MegatronWorkerMixin
+from skyrl_megatron.workers.training import TrainedRoleMixin
 
 logger = logging.getLogger(__name__)
 
 PolicyWorkerBase, _, _ = host_api.worker_bases()
 
 
-class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
+class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
     role = "policy"
-    trains = True
 
     def init_model(self, model_path: str, num_training_steps: int | None = None):
         built = self._build(model_path)
         trainer = self.host_cfg.trainer
-        settings = OptimizerSettings.from_host_config(
-            trainer.policy.optimizer_config,
-            self.megatron_cfg.optimizer_config_kwargs,
-            int(num_training_steps or 1_000_000_000),
-            "bf16" if trainer.bf16 else "fp32",
-        )
-        self.optimizer = settings.build_optimizer(built.chunks)
-        self.scheduler = settings.build_scheduler(self.optimizer)
-        self.runner.attach_optimizer(self.optimizer)
+        self._init_optimizer(trainer.policy.optimizer_config, num_training_steps)
         self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
         self.runner.attach_router_metrics(self.router_metrics)
         # R2 routing replay: `forward` (old logprobs) records each row's routes, training replays them
@@ -47,7 +38,6 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
             self.runner.attach_route_replay(RouteReplay(built.chunks))
             self.route_store = RouteStore()
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_api.algorithm_config(self.cfg)))
-        self.skipped_steps = 0
         self.lora_metrics: dict[str, float] = {}
         if built.lora is not None:
             footprint = measure_footprint(
@@ -86,15 +76,6 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
         )
         metrics.update(self.router_metrics.summary())  # collective: every rank
         return metrics
-
-    def _optimizer_step(self) -> dict[str, float]:
-        with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
-            step = optimizer_step(self.optimizer, self.scheduler)
-        self.skipped_steps += int(step.skipped)
-        return {
-            "raw_grad_norm": step.grad_norm if step.grad_norm is not None else float("nan"),
-            "policy_lr": step.lr if step.lr is not None else 0.0,
-        }
 
     def ppo_train(self, train_data):
         """skyrl-train 0.3.1's contract: epochs x mini-batches of the rank's rows, one optimizer step each."""
@@ -230,31 +211,7 @@ class MegatronPolicyWorker(MegatronWorkerMixin, PolicyWorkerBase):
                 digests[name] = tensor_sha256(tensor)
         return digests
 
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    def save_checkpoint(self, ckpt_dir, tokenizer=None):
-        save_checkpoint(
-            ckpt_dir,
-            self.built.chunks,
-            self.optimizer,
-            self.scheduler,
-            step=int(self.scheduler.num_steps),
-            extra={"skipped_steps": self.skipped_steps},
-            tokenizer=tokenizer,  # inside the atomic save
-        )
-
-    def load_checkpoint(self, ckpt_dir, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
-        state = load_checkpoint(
-            ckpt_dir,
-            self.built.chunks,
-            self.optimizer if load_optimizer_states else None,
-            self.scheduler if load_lr_scheduler_states else None,
-        )
-        if not load_optimizer_states:
-            # bf16: the optimizer's fp32 main params would overwrite the loaded weights at the next step
-            self.optimizer.reload_model_params()
-        self.skipped_steps = int(state.extra.get("skipped_steps", 0))
-        return {"step": state.step, **state.extra}
+    # -- HF export --------------------------------------------------------------------------------
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
         save_hf_model(export_dir, self.built, tokenizer)
