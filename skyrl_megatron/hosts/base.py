@@ -10,6 +10,7 @@ worker set-up hook, must not import the host's trainer modules.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -54,6 +55,8 @@ class HostAdapter(ABC):
     #: the host's own command line, for the log line that says how to get its built-in backend back
     host_main: str
     strategies: tuple[str, ...]
+    #: the module holding the host's own workers for each of its other strategies
+    strategy_worker_modules: dict[str, str]
     #: True where the host pre-scales advantages so that a policy loss is a plain sum over the
     #: mini-batch's tokens (0.4); False where each loss call reduces over what it gets (0.3.1)
     policy_losses_are_presummed: bool = False
@@ -122,9 +125,13 @@ class HostAdapter(ABC):
     def training_input_class(self) -> type:
         """The host's ``TrainingInputBatch`` (what its trainer hands the workers)."""
 
-    @abstractmethod
     def worker_classes(self, strategy: str) -> tuple[Any, Any, Any]:
         """(policy, critic, ref) classes the host would build for `strategy`."""
+        if strategy not in self.strategies:
+            raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(self.strategies)}")
+        module_name = self.megatron_worker_module if strategy == "megatron" else self.strategy_worker_modules[strategy]
+        module = importlib.import_module(module_name)
+        return module.PolicyWorker, module.CriticWorker, module.RefWorker
 
     # -- worker side ------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ builds that view from a 0.4 config, so the translation between the two lives her
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from typing import Any
 
@@ -51,6 +50,10 @@ class SkyRL04(HostAdapter):
     entrypoint_module = "skyrl.train.entrypoints.main_base"
     host_main = "python -m skyrl.train.entrypoints.main_base"
     strategies = ("fsdp", "fsdp2", "megatron")
+    strategy_worker_modules = {
+        "fsdp": "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker",
+        "fsdp2": "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker",
+    }
     policy_losses_are_presummed = True
 
     def apply_compat_fixes(self) -> None:
@@ -169,15 +172,6 @@ class SkyRL04(HostAdapter):
         from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
         return TrainingInputBatch
-
-    def worker_classes(self, strategy: str):
-        if strategy == "megatron":
-            module = importlib.import_module(self.megatron_worker_module)
-        elif strategy in ("fsdp", "fsdp2"):
-            module = importlib.import_module("skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker")
-        else:
-            raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(self.strategies)}")
-        return module.PolicyWorker, module.CriticWorker, module.RefWorker
 
     # -- worker side ------------------------------------------------------------------------------
 

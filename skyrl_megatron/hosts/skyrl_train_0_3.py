@@ -59,6 +59,11 @@ class SkyRLTrain03(HostAdapter):
     entrypoint_module = "skyrl_train.entrypoints.main_base"
     host_main = "python -m skyrl_train.entrypoints.main_base"
     strategies = ("fsdp", "fsdp2", "deepspeed", "megatron")
+    strategy_worker_modules = {
+        "fsdp": "skyrl_train.workers.fsdp.fsdp_worker",
+        "fsdp2": "skyrl_train.workers.fsdp.fsdp_worker",
+        "deepspeed": "skyrl_train.workers.deepspeed.deepspeed_worker",
+    }
 
     def __init__(self) -> None:
         self._compat_done = False
@@ -161,17 +166,6 @@ class SkyRLTrain03(HostAdapter):
         from skyrl_train.training_batch import TrainingInputBatch
 
         return TrainingInputBatch
-
-    def worker_classes(self, strategy: str):
-        if strategy == "megatron":
-            module = importlib.import_module(self.megatron_worker_module)
-        elif strategy in ("fsdp", "fsdp2"):
-            module = importlib.import_module("skyrl_train.workers.fsdp.fsdp_worker")
-        elif strategy == "deepspeed":
-            module = importlib.import_module("skyrl_train.workers.deepspeed.deepspeed_worker")
-        else:
-            raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(self.strategies)}")
-        return module.PolicyWorker, module.CriticWorker, module.RefWorker
 
     # -- worker side ------------------------------------------------------------------------------
 
