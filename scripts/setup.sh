@@ -41,8 +41,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "setup: creating $VENV with $PY"
   "$PY" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
-"${PIP[@]}" -q --upgrade pip
+# -q: the log of a fresh set-up would bury the demo; pip still prints warnings and errors
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
 
 # 1. torch and the build helpers first: flash-attn's setup.py imports torch.
 "${PIP[@]}" -r requirements/base.txt
