@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from skyrl_megatron.hosts import current
+from skyrl_megatron.hosts.base import LocalEngineFactories
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +89,19 @@ class _PatchingLoader(importlib.abc.Loader):
         self.patch(module)
 
 
-def _cpu_engines(num_engines: int, model_path: str, *, dtype: str, seed: int) -> list:
-    from skyrl_megatron.engines import create_ray_wrapped_cpu_engines
+def _ray_wrapped_engines(num_engines: int, model_path: str, *, dtype: str, seed: int) -> list:
+    from skyrl_megatron.engines.cpu_engine import create_ray_wrapped_cpu_engines
 
     return create_ray_wrapped_cpu_engines(num_engines, model_path, dtype=dtype, seed=seed)
+
+
+def _engine_client(num_engines: int, model_path: str, *, dtype: str, seed: int):
+    from skyrl_megatron.engines.client import create_engine_client
+
+    return create_engine_client(num_engines, model_path, dtype=dtype, seed=seed)
+
+
+_LOCAL_ENGINES = LocalEngineFactories(ray_wrapped_engines=_ray_wrapped_engines, engine_client=_engine_client)
 
 
 _ALIAS: _WorkerModuleAlias | None = None
@@ -112,7 +122,7 @@ def activate() -> None:
     host.apply_compat_fixes()
     if _ALIAS is None:
         _ALIAS = _WorkerModuleAlias(host.megatron_worker_module)
-        _PATCHER = _PatchAfterImport(host.import_patches(cpu_engines=_cpu_engines))
+        _PATCHER = _PatchAfterImport(host.import_patches(_LOCAL_ENGINES))
     for finder in (_ALIAS, _PATCHER):
         if not any(existing is finder for existing in sys.meta_path):
             sys.meta_path.insert(0, finder)

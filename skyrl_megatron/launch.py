@@ -41,6 +41,7 @@ def initialize_ray(cfg, log_to_driver: bool = True, quiet: bool = False) -> None
         # Ray's config flag, read by the raylet, GCS and workers this init starts: nothing collects
         # metrics in a local run, and each process would report that it found no exporter
         os.environ.setdefault("RAY_enable_metrics_collection", "0")
+        host.without_metrics_scraping(cfg)  # the host's scraper of Ray's (now absent) metrics agents
     logging_level = logging.WARNING if quiet else logging.INFO
     ray.init(runtime_env={"env_vars": env_vars}, log_to_driver=log_to_driver, logging_level=logging_level, **resources)
     host.sync_registries()
@@ -78,7 +79,6 @@ def run_experiment(
     """
     import ray
 
-    current().check_can_train()  # before Ray starts
     initialize_ray(cfg, log_to_driver=log_to_driver, quiet=quiet)
     if in_driver:
         _run_experiment_in_task(cfg, experiment_cls)

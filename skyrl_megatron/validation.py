@@ -6,6 +6,8 @@ It sits above both: `config.py` knows nothing of the host, and the host adapters
 
 from __future__ import annotations
 
+import re
+
 from skyrl_megatron.config import ConfigError, Problem, check_config
 from skyrl_megatron.hosts import current
 
@@ -20,7 +22,14 @@ def validate_config(cfg, *, run_host_checks: bool = True) -> None:
             Problem(key, f"{value!r}: a setting of {host.release.label}'s built-in Megatron backend that skyrl-megatron does not implement", fix)
             for key, value in unsupported
         )
-    check_config(host.our_view(cfg))
+    view = host.our_view(cfg)
+    engine_problems = [Problem(*problem) for problem in host.engine_problems(view)]
+    if engine_problems:
+        raise ConfigError(engine_problems)
+    try:
+        check_config(view)
+    except ConfigError as error:
+        raise ConfigError(_in_host_names(error.problems, host.host_key_names())) from None
     if run_host_checks:
         validate_host_config(cfg)
 
@@ -33,3 +42,16 @@ def validate_host_config(cfg) -> None:
     except (AssertionError, ValueError, NotImplementedError) as err:
         fix = f"see {host.release.label}'s config docs"
         raise ConfigError([Problem("(host check)", str(err) or repr(err), fix)]) from err
+
+
+def _in_host_names(problems: list[Problem], names: dict[str, str]) -> list[Problem]:
+    """Our checks name keys as our view has them; the user set them under the host's names."""
+    if not names:
+        return problems
+
+    def rename(text: str) -> str:
+        for ours, theirs in names.items():
+            text = re.sub(rf"(?<![\w.]){re.escape(ours)}(?![\w])", theirs, text)
+        return text
+
+    return [Problem(rename(p.key), rename(p.message), rename(p.fix)) for p in problems]

@@ -80,6 +80,18 @@ def demo_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ck
     ]
 
 
+def in_host_names(overrides: list[str]) -> list[str]:
+    """The demo's overrides (skyrl-train 0.3.1's key names) under the installed host's names."""
+    from skyrl_megatron.hosts import current
+
+    names = current().host_key_names()
+    renamed = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        renamed.append(f"{names.get(key, key)}={value}")
+    return renamed
+
+
 def ppo_overrides(model_dir: Path) -> list[str]:
     """PPO with GAE: a Megatron critic on 1 rank from the policy's checkpoint (value head drawn as the
     host draws it), its own optimizer, one value-loss step per policy step's mini-batch."""
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, prompts = prepare(run_dir, args.steps)
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
     overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval)
-    overrides += (ppo_overrides(model_dir) if args.ppo else []) + args.overrides
+    overrides = in_host_names(overrides + (ppo_overrides(model_dir) if args.ppo else [])) + args.overrides
     try:
         cfg = compose_config(overrides)
         validate_config(cfg)

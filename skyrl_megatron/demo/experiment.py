@@ -2,8 +2,9 @@
 
 Nothing here changes what the host trainer does; it observes:
 
-* after every weight sync the engine's weights are compared with a fresh export of the policy
-  (SHA-256 per tensor, so "equal" means bitwise), reported as ``sync/bitwise_equal``;
+* before each step's scoring, the weights the engine sampled that step's rollouts with (those of the
+  last sync) are compared with a fresh export of the policy (SHA-256 per tensor, so "equal" means
+  bitwise), reported as ``sync/bitwise_equal``;
 * the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
   same tokens, reported as ``sync/rollout_logprob_max_diff``;
 * each step's prompt ids and token count are recorded, so a resumed run's data order can be checked;
@@ -78,6 +79,9 @@ class StepReporter:
     def finish(self) -> None:
         pass
 
+    def log_exception(self, error: BaseException, step: int | None = None) -> None:
+        pass  # the run's error reaches the console from the demo itself
+
 
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -124,30 +128,27 @@ def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
 
 
 def host_value_loss(values, old_values, returns, loss_mask, algorithm) -> float:
-    """The host's value loss (`ppo_critic_loss`, clipped around `old_values`) over a whole batch."""
-    from skyrl_train.utils.ppo_utils import ppo_critic_loss
-
-    loss, _ = ppo_critic_loss(values.float(), old_values.float(), returns.float(), config=algorithm,
-                              loss_mask=loss_mask.float())
+    """The host's value loss (clipped around `old_values`) over a whole batch."""
+    critic_loss = current().critic_loss_function()
+    loss, _ = critic_loss(values.float(), old_values.float(), returns.float(), config=algorithm,
+                          loss_mask=loss_mask.float())
     return float(loss)
 
 
+def engine_actors(inference_engine_client) -> list:
+    """Our engines' Ray actors behind either host's client (0.3.1 wraps each in RayWrappedInferenceEngine)."""
+    return [getattr(engine, "inference_engine_actor", engine) for engine in inference_engine_client.engines]
+
+
 def _trainer_class():
-    from skyrl_train.trainer import RayPPOTrainer
-
-    class CheckedTrainer(RayPPOTrainer):
+    class CheckedTrainer(current().trainer_class()):
         """The host trainer plus the demo's observations (see the module docstring)."""
-
-        def sync_policy_weights_to_inference_engines(self):
-            ray.get(super().sync_policy_weights_to_inference_engines())
-            self._check_engine_weights()
-            return []
 
         def _check_engine_weights(self) -> None:
             exported = ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
             equal = True
-            for engine in self.inference_engine_client.engines:
-                held = ray.get(engine.inference_engine_actor.named_weights.remote())
+            for actor in engine_actors(self.inference_engine_client):
+                held = ray.get(actor.named_weights.remote())
                 equal &= {name: tensor_sha256(held[name]) for name in exported} == exported
             self.all_metrics["sync/bitwise_equal"] = float(equal)
             self.all_metrics["sync/tensors"] = len(exported)
@@ -173,6 +174,7 @@ def _trainer_class():
                                                          self.cfg.trainer.algorithm)
 
         def fwd_logprobs_values_reward(self, training_input):
+            self._check_engine_weights()  # the policy is still where the last sync left it
             training_input = super().fwd_logprobs_values_reward(training_input)
             self.all_metrics["throughput/tokens"] = int(training_input["attention_mask"].sum())
             rollout = training_input["rollout_logprobs"]

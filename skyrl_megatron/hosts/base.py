@@ -29,6 +29,14 @@ class HostRelease:
         return version == self.version_prefix or version.startswith(self.version_prefix + ".")
 
 
+@dataclass(frozen=True)
+class LocalEngineFactories:
+    """Our HF generation engines in each host's form; each takes ``(num_engines, model_path, *, dtype, seed)``."""
+
+    ray_wrapped_engines: Callable[..., list]  # engine actors as skyrl-train 0.3.1 holds them
+    engine_client: Callable[..., Any]  # one inference client over engine actors, as skyrl 0.4 holds it
+
+
 class HostFeatureMissing(NotImplementedError):
     """A touch point this host adapter does not provide yet: names the feature and the host that has it."""
 
@@ -66,12 +74,12 @@ class HostAdapter(ABC):
     def apply_compat_fixes(self) -> None:
         """Fixes for the host's own imports on our dependency set (once per process). Default: none."""
 
-    def import_patches(self, cpu_engines: Callable[..., list]) -> dict[str, Callable[[Any], None]]:
+    def import_patches(self, engines: LocalEngineFactories) -> dict[str, Callable[[Any], None]]:
         """Host modules to patch right after they are imported, in every activated process.
 
-        `cpu_engines(num_engines, model_path, *, dtype, seed)` creates our CPU engines where the
-        config asks for them (``generator.engine=cpu``); it is passed in because the engines sit
-        above the host adapters.
+        `engines` creates our HF engines where the config asks for them (``generator.engine=cpu``),
+        in the form this host holds engines; it is passed in because the engines sit above the
+        host adapters.
         """
         return {}
 
@@ -97,6 +105,16 @@ class HostAdapter(ABC):
         """The host's algorithm config object, as its own loss functions expect it."""
         return worker_cfg.trainer.algorithm
 
+    def engine_problems(self, view) -> list[tuple[str, str, str]]:
+        """(key, message, fix) for each inference-engine set-up our workers cannot sync weights to on
+        this host; `view` is our view of the config. Default: none."""
+        return []
+
+    def host_key_names(self) -> dict[str, str]:
+        """Keys of our view of a config (skyrl-train 0.3.1's names) that this host spells otherwise, so
+        a problem names the key a user of this host sets. Default: the same names."""
+        return {}
+
     # -- driver side ------------------------------------------------------------------------------
 
     @abstractmethod
@@ -107,11 +125,12 @@ class HostAdapter(ABC):
     def ray_env_vars(self, cfg, *, on_cpu: bool) -> dict[str, str]:
         """The environment the host gives its Ray processes."""
 
+    def without_metrics_scraping(self, cfg) -> None:
+        """Turn off (in `cfg`) whatever of the host reads Ray's metrics agents, for runs that start Ray
+        without metrics collection. Default: nothing reads them."""
+
     def sync_registries(self) -> None:
         """Make user-registered losses/estimators visible in Ray processes (after ``ray.init``)."""
-
-    def check_can_train(self) -> None:
-        """Raise HostFeatureMissing where our workers cannot train through this host's trainer yet."""
 
     @abstractmethod
     def base_experiment_class(self) -> type:

@@ -9,13 +9,18 @@ builds that view from a 0.4 config, so the translation between the two lives her
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import dataclasses
+import functools
 import re
-from typing import Any
+from typing import Any, Callable
 
-from skyrl_megatron.hosts.base import HostAdapter, HostFeatureMissing, HostRelease
+from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories
 from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
-from skyrl_megatron.hosts.skyrl_train_0_3 import RELEASE as SkyRLTrain03Release
+from skyrl_megatron.hosts.skyrl_train_0_3 import RELEASE as SKYRL_TRAIN_0_3
+
+SKYRL_TRAIN_0_3_INSTALL = SKYRL_TRAIN_0_3.install
 
 RELEASE = HostRelease(
     distribution="skyrl",
@@ -44,6 +49,22 @@ _HOST_ONLY_FIELDS = (
 )
 
 
+# 0.3.1's flat generator keys (our view of a config has them) and their 0.4 names under
+# generator.inference_engine.
+_ENGINE_KEYS = {
+    "model_dtype": "model_dtype",
+    "num_inference_engines": "num_engines",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "weight_sync_backend": "weight_sync_backend",
+    "run_engines_locally": "run_engines_locally",
+    "backend": "backend",
+    "inference_engine_tensor_parallel_size": "tensor_parallel_size",
+    "inference_engine_pipeline_parallel_size": "pipeline_parallel_size",
+    "inference_engine_data_parallel_size": "data_parallel_size",
+    "inference_engine_expert_parallel_size": "expert_parallel_size",
+}
+
+
 class SkyRL04(HostAdapter):
     release = RELEASE
     megatron_worker_module = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
@@ -58,6 +79,9 @@ class SkyRL04(HostAdapter):
 
     def apply_compat_fixes(self) -> None:
         allow_flash_attn_import_without_kernels()
+
+    def import_patches(self, engines: LocalEngineFactories) -> dict[str, Callable[[Any], None]]:
+        return {self.entrypoint_module: functools.partial(_route_local_engines, engine_client=engines.engine_client)}
 
     # -- config -----------------------------------------------------------------------------------
 
@@ -108,10 +132,23 @@ class SkyRL04(HostAdapter):
         tree["trainer"] = _our_trainer_section(tree["trainer"])
         generator = tree["generator"]
         engine = generator.get("inference_engine") or {}
-        generator.setdefault("model_dtype", engine.get("model_dtype", "bfloat16"))
-        generator.setdefault("num_inference_engines", engine.get("num_engines", 1))
-        generator.setdefault("enable_prefix_caching", engine.get("enable_prefix_caching", False))
+        for ours, theirs in _ENGINE_KEYS.items():
+            generator.setdefault(ours, engine.get(theirs))
         return OmegaConf.create(tree)
+
+    def engine_problems(self, view) -> list[tuple[str, str, str]]:
+        if view.trainer.strategy != "megatron" or view.generator.get("engine", "auto") == "cpu":
+            return []
+        return [(
+            "generator.engine",
+            "skyrl-megatron's workers cannot send weights to skyrl 0.4's vLLM servers yet (0.4 syncs through "
+            "vLLM's own weight-transfer engines, which we have not built a source for)",
+            "set generator.engine=cpu (skyrl-megatron's HF engine), or run vLLM on skyrl-train 0.3.1 "
+            f"({SKYRL_TRAIN_0_3_INSTALL})",
+        )]
+
+    def host_key_names(self) -> dict[str, str]:
+        return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}
 
     def worker_view(self, worker_cfg):
         """A worker gets the host's ``TrainerConfig`` only (``cfg.trainer``); the sampling temperature
@@ -142,21 +179,22 @@ class SkyRL04(HostAdapter):
     def ray_env_vars(self, cfg, *, on_cpu: bool) -> dict[str, str]:
         from skyrl.train.utils.utils import prepare_runtime_environment
 
+        if on_cpu:
+            # the host probes GPU peer access when a role spans several GPUs of a node, by starting Ray
+            # and waiting for two GPUs; a CPU run has none, so it is asked as if each role had one
+            cfg = copy.deepcopy(cfg)
+            cfg.generator.inference_engine.tensor_parallel_size = 1
+            for role in ("policy", "critic", "ref"):
+                setattr(cfg.trainer.placement, f"{role}_num_gpus_per_node", 1)
         return prepare_runtime_environment(cfg)
+
+    def without_metrics_scraping(self, cfg) -> None:
+        cfg.generator.inference_engine.enable_ray_prometheus_stats = False
 
     def sync_registries(self) -> None:
         from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
 
         sync_registries()
-
-    def check_can_train(self) -> None:
-        raise HostFeatureMissing(
-            self,
-            "a whole training run through the host's trainer with skyrl-megatron (our workers implement 0.4's "
-            "forward / forward_backward / optim_step contract, but no generation engine behind 0.4's inference "
-            "interface and no weight sync to it are built yet)",
-            f"install skyrl-train 0.3.1 for training ({SkyRLTrain03Release.install})",
-        )
 
     def base_experiment_class(self) -> type:
         from skyrl.train.entrypoints.main_base import BasePPOExp
@@ -220,6 +258,11 @@ class SkyRL04(HostAdapter):
         fn = getattr(compute_approx_kl, "__wrapped__", compute_approx_kl)
         return fn(log_probs, base_log_probs, loss_mask=loss_mask, kl_estimator_type=estimator)
 
+    def inference_engine_interface(self) -> type:
+        from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInterface
+
+        return InferenceEngineInterface
+
     def generator_dtype(self, cfg):
         from skyrl.train.utils.utils import str_to_torch_dtype
 
@@ -264,3 +307,30 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
     for key in _HOST_ONLY_FIELDS:  # set away from its default, validation refused it already (unsupported_settings)
         ours.pop(key, None)
     return ours
+
+
+def _route_local_engines(main_base, engine_client) -> None:
+    """Let ``generator.engine=cpu`` give the host our engine client where it would start vLLM servers.
+
+    ``BasePPOExp.get_inference_client`` is the host's hook for custom clients; wrapping it on the class
+    serves the host's experiment and users' subclasses alike (a subclass that overrides it wins).
+    """
+    experiment = main_base.BasePPOExp
+    original = experiment.get_inference_client
+    if getattr(original, "_skyrl_megatron_routed", False):
+        return
+
+    @functools.wraps(original)
+    def get_inference_client(self):
+        cfg = self.cfg
+        if getattr(cfg.generator, "engine", "auto") != "cpu":
+            return original(self)
+        engine = cfg.generator.inference_engine
+        client = engine_client(engine.num_engines, cfg.trainer.policy.model.path, dtype=engine.model_dtype,
+                               seed=cfg.trainer.seed)
+        if cfg.trainer.placement.colocate_all:
+            asyncio.run(client.sleep())  # as the host leaves its own engines after start-up
+        return client
+
+    get_inference_client._skyrl_megatron_routed = True  # type: ignore[attr-defined]
+    experiment.get_inference_client = get_inference_client

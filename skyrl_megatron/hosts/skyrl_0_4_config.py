@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional
 import yaml
 from skyrl.train.config.config import (
     CriticConfig,
+    GeneratorConfig,
     MegatronConfig,
     MegatronLoraConfig,
     PolicyConfig,
@@ -88,13 +89,26 @@ class MegatronCriticConfig(CriticConfig):
 
 @dataclass
 class MegatronTrainerConfig(TrainerConfig):
+    # as the `skyrl-megatron` command's primary config has them on skyrl-train 0.3.1 (the host defaults
+    # to fsdp and to wandb, which needs an account and WANDB_API_KEY)
+    strategy: str = "megatron"
+    logger: str = "console"
     policy: MegatronPolicyConfig = field(default_factory=MegatronPolicyConfig)
     ref: MegatronRefConfig = field(default_factory=MegatronRefConfig)
     critic: MegatronCriticConfig = field(default_factory=MegatronCriticConfig)
 
 
 @dataclass
+class MegatronGeneratorConfig(GeneratorConfig):
+    engine: str = "auto"
+    """auto: the host's engines (vLLM servers) | cpu: skyrl-megatron's HF engine on CPU, for machines
+    without vLLM or GPUs (the same key as on skyrl-train 0.3.1)."""
+
+
+@dataclass
 class SkyRLMegatronConfig(SkyRLTrainConfig):
-    """``SkyRLTrainConfig`` with skyrl-megatron's keys under ``trainer.<role>.megatron_config``."""
+    """``SkyRLTrainConfig`` with skyrl-megatron's keys under ``trainer.<role>.megatron_config`` and
+    ``generator.engine``."""
 
     trainer: MegatronTrainerConfig = field(default_factory=MegatronTrainerConfig)
+    generator: MegatronGeneratorConfig = field(default_factory=MegatronGeneratorConfig)

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from skyrl_megatron.hosts.base import HostAdapter, HostRelease
+from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories
 from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
 
 RELEASE = HostRelease(
@@ -70,9 +70,9 @@ class SkyRLTrain03(HostAdapter):
 
     # -- activation ------------------------------------------------------------------------------
 
-    def import_patches(self, cpu_engines: Callable[..., list]) -> dict[str, Callable[[Any], None]]:
+    def import_patches(self, engines: LocalEngineFactories) -> dict[str, Callable[[Any], None]]:
         return {
-            self.entrypoint_module: functools.partial(_route_local_engines, cpu_engines=cpu_engines),
+            self.entrypoint_module: functools.partial(_route_local_engines, cpu_engines=engines.ray_wrapped_engines),
             _TOKENIZER_MODULE: _legacy_chat_template_for_host,
             _FSDP_STRATEGY_MODULE: _rebind_fsdp2_wrap,
             _TRAINER_UTILS_MODULE: _size_dataloader_workers_to_the_machine,

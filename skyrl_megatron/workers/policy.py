@@ -13,9 +13,12 @@ from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
 from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
+from skyrl_megatron.engines.weight_updates import torch_dtype
 from skyrl_megatron.model.lora import measure_footprint
 from skyrl_megatron.optim import current_lr
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
+from skyrl_megatron.workers.engine_sync import BUCKET_BYTES as ENGINE_SYNC_BUCKET_BYTES
+from skyrl_megatron.workers.engine_sync import EngineBroadcastSender, is_engine_client
 from skyrl_megatron.workers.training import TrainedRoleMixin
 
 logger = logging.getLogger(__name__)
@@ -148,14 +151,28 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
 
     # -- weight sync ------------------------------------------------------------------------------
 
-    async def broadcast_to_inference_engines(self, inference_engine_client):
-        """Send the current weights, HF-named full tensors, through the host's transfer strategy.
+    _engine_sender: EngineBroadcastSender | None = None  # our own sync, to our HF engines
 
-        Every rank runs the export (its gathers are collectives); the host's sender decides who
-        transmits: rank 0 over the broadcast group, or each rank's CUDA IPC handles. The sender was
-        created by the host's ``init_weight_sync_state`` from ``generator.weight_sync_backend`` and
-        the placement.
+    async def init_weight_sync_state(self, inference_engine_client, *host_args, **host_kwargs):
+        """Our HF engines (skyrl 0.4's ``generator.engine=cpu``) get our broadcast sender; any other
+        client gets the host's own sender set-up (skyrl-train 0.3.1: its transfer strategies)."""
+        if is_engine_client(inference_engine_client):
+            self._engine_sender = await EngineBroadcastSender.connect(
+                inference_engine_client, on_gpu=self.runtime.torch_device.type == "cuda"
+            )
+            return
+        return await super().init_weight_sync_state(inference_engine_client, *host_args, **host_kwargs)
+
+    async def broadcast_to_inference_engines(self, inference_engine_client, inference_engine_cfg=None, model_id=None):
+        """Send the current weights, HF-named full tensors, through the sender ``init_weight_sync_state`` made.
+
+        Every rank runs the export (its gathers are collectives); the sender decides who transmits:
+        rank 0 over a broadcast group, or each rank's CUDA IPC handles (the host's strategies, chosen
+        from ``generator.weight_sync_backend`` and the placement). skyrl 0.4 passes the client once, at
+        ``init_weight_sync_state``, and None here.
         """
+        if self._engine_sender is not None:
+            inference_engine_client = self._engine_sender.client
         reset_prefix_cache = None
         if self.host_cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
             reset_prefix_cache = inference_engine_client.reset_prefix_cache()
@@ -169,13 +186,15 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         return sent
 
     async def _send_full_weights(self) -> dict:
-        buckets = iter_weight_buckets(
-            self.built,
-            host_api.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls),
-            dtype=host_api.generator_dtype(self.cfg),
-            device=self.runtime.torch_device,
-        )
-        await self._weight_transfer_sender.send_chunks(host_api.weight_chunk(bucket) for bucket in buckets)
+        if self._engine_sender is not None:
+            bucket_bytes = ENGINE_SYNC_BUCKET_BYTES
+        else:
+            bucket_bytes = host_api.weight_sync_bucket_bytes(self.cfg, self._transfer_strategy_cls)
+        buckets = iter_weight_buckets(self.built, bucket_bytes, dtype=self._engine_dtype(), device=self.runtime.torch_device)
+        if self._engine_sender is not None:
+            await self._engine_sender.send(buckets)
+        else:
+            await self._weight_transfer_sender.send_chunks(host_api.weight_chunk(bucket) for bucket in buckets)
         self.empty_cache()
         torch.distributed.barrier()
         report = buckets.report
@@ -196,8 +215,17 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         path = self.host_cfg.trainer.policy.model.lora.lora_sync_path
         save_hf_model(path, self.built, adapters_only=True)  # collective; rank 0 writes, atomically
         if torch.distributed.get_rank() == 0:
-            await inference_engine_client.update_named_weights(host_api.lora_load_request_class()(lora_path=str(path)))
+            if self._engine_sender is not None:
+                await inference_engine_client.load_lora_adapter(self.role, str(path))
+            else:
+                await inference_engine_client.update_named_weights(host_api.lora_load_request_class()(lora_path=str(path)))
         torch.distributed.barrier()
+
+    def _engine_dtype(self) -> torch.dtype:
+        """The dtype the inference engines hold their weights in (what a sync sends)."""
+        if self._engine_sender is not None:
+            return torch_dtype(self._engine_sender.client.model_dtype)
+        return host_api.generator_dtype(self.cfg)
 
     def weight_digests(self) -> dict[str, str]:
         """SHA-256 of every exported tensor in the engines' dtype (rank 0; {} elsewhere). Collective.
@@ -206,7 +234,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         holds exactly the trainer's weights.
         """
         digests = {}
-        for name, tensor in iter_hf_weights(self.built, dtype=host_api.generator_dtype(self.cfg), device="cpu"):
+        for name, tensor in iter_hf_weights(self.built, dtype=self._engine_dtype(), device="cpu"):
             if torch.distributed.get_rank() == 0:
                 digests[name] = tensor_sha256(tensor)
         return digests
