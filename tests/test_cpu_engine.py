@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from skyrl_megatron.engines import CpuInferenceEngine, NamedTensorsUpdateRequest, SamplingSettings
+from skyrl_megatron.engines.cpu_engine import CpuInferenceEngine, NamedTensorsUpdateRequest
+from skyrl_megatron.engines.sampling import SamplingSettings
 from skyrl_megatron.testing import make_tiny_hf_model
 from skyrl_megatron.weights import WeightBucket
 
@@ -385,7 +386,7 @@ def test_host_inference_engine_client_drives_two_engines(model_dir, other_model_
 def test_engine_runs_as_a_ray_actor_behind_the_hosts_wrapper(model_dir, other_model_dir):
     import ray
 
-    from skyrl_megatron.engines import create_ray_wrapped_cpu_engines
+    from skyrl_megatron.engines.cpu_engine import create_ray_wrapped_cpu_engines
 
     params = {"temperature": 1.0, "max_tokens": 6, "logprobs": 0}
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)

@@ -132,7 +132,7 @@ def test_cpu_engine_returns_the_experts_its_tokens_went_through(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from skyrl_megatron.engines import CpuInferenceEngine
+    from skyrl_megatron.engines.cpu_engine import CpuInferenceEngine
 
     make_tiny_hf_model("qwen3_moe", tmp_path, seed=11)
     engine = CpuInferenceEngine(tmp_path, seed=0, return_routed_experts=True)
@@ -252,7 +252,7 @@ def rollout(moe_model) -> dict:
     """Rows sampled by the CPU engine with its routes, laid out as the host's training batch."""
     import asyncio
 
-    from skyrl_megatron.engines import CpuInferenceEngine
+    from skyrl_megatron.engines.cpu_engine import CpuInferenceEngine
 
     engine = CpuInferenceEngine(moe_model, seed=3, return_routed_experts=True)
     g = torch.Generator().manual_seed(7)

@@ -81,15 +81,17 @@ def demo_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ck
 
 
 def in_host_names(overrides: list[str]) -> list[str]:
-    """The demo's overrides (skyrl-train 0.3.1's key names) under the installed host's names."""
+    """The demo's overrides (skyrl-train 0.3.1's key names) under the installed host's names, and the
+    host's helpers sized to this machine."""
     from skyrl_megatron.hosts import current
 
-    names = current().host_key_names()
+    host = current()
+    names = host.host_key_names()
     renamed = []
     for override in overrides:
         key, _, value = override.partition("=")
         renamed.append(f"{names.get(key, key)}={value}")
-    return renamed
+    return renamed + host.machine_sized_overrides(os.cpu_count() or 1)
 
 
 def ppo_overrides(model_dir: Path) -> list[str]:
@@ -162,20 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
     overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval)
     overrides = in_host_names(overrides + (ppo_overrides(model_dir) if args.ppo else [])) + args.overrides
+    # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its
+    # first import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    from loguru import logger  # the host's logger in this process (the trainer runs here)
+
+    logger.remove()
+    logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
     try:
         cfg = compose_config(overrides)
         validate_config(cfg)
     except ConfigError as err:
         report_config_error(err)
         return 2
-
-    # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL); the demo
-    # prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    from loguru import logger  # the host's logger in this process (the trainer runs here)
-
-    logger.remove()
-    logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
 
     metrics_file = run_dir / "metrics.jsonl"
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)

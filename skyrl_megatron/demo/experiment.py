@@ -38,7 +38,7 @@ CONSOLE_COLUMNS = (
     ("reward", REWARD, "{:.3f}"),
     ("loss", "policy/final_loss", "{:+.4f}"),
     ("kl", "policy/policy_kl", "{:.2e}"),
-    ("grad", "policy/raw_grad_norm", "{:.3f}"),
+    ("grad", ("policy/raw_grad_norm", "policy/grad_norm"), "{:.3f}"),  # skyrl-train 0.3.1's name, skyrl 0.4's
     ("vloss", VALUE_LOSS, "{:.4f}"),
     ("resp", "generate/avg_num_tokens", "{:.1f}"),
     ("tok/s", "throughput/tokens_per_second", "{:.0f}"),
@@ -71,8 +71,8 @@ class StepReporter:
             self.write(f"{'step':>5} " + " ".join(f"{name:>10}" for name, _, _ in CONSOLE_COLUMNS))
             self._header_done = True
         cells = []
-        for _, key, fmt in CONSOLE_COLUMNS:
-            value = data.get(key)
+        for _, keys, fmt in CONSOLE_COLUMNS:
+            value = next((data[key] for key in _names(keys) if key in data), None)
             cells.append(f"{fmt.format(value) if isinstance(value, (int, float)) else '-':>10}")
         self.write(f"{step:>5} " + " ".join(cells))
 
@@ -81,6 +81,10 @@ class StepReporter:
 
     def log_exception(self, error: BaseException, step: int | None = None) -> None:
         pass  # the run's error reaches the console from the demo itself
+
+
+def _names(keys: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (keys,) if isinstance(keys, str) else keys
 
 
 def _plain(value: Any) -> Any:

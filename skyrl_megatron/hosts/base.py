@@ -110,6 +110,11 @@ class HostAdapter(ABC):
         this host; `view` is our view of the config. Default: none."""
         return []
 
+    def machine_sized_overrides(self, cpus: int) -> list[str]:
+        """Overrides that size the host's helpers (data loader workers) to a machine of `cpus` cores,
+        where the host has keys for them. Default: none."""
+        return []
+
     def host_key_names(self) -> dict[str, str]:
         """Keys of our view of a config (skyrl-train 0.3.1's names) that this host spells otherwise, so
         a problem names the key a user of this host sets. Default: the same names."""

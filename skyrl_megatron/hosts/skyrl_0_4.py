@@ -49,6 +49,9 @@ _HOST_ONLY_FIELDS = (
 )
 
 
+# what 0.4's prompt loader starts when data.dataloader.num_workers is unset
+_HOST_LOADER_WORKERS = 8
+
 # 0.3.1's flat generator keys (our view of a config has them) and their 0.4 names under
 # generator.inference_engine.
 _ENGINE_KEYS = {
@@ -146,6 +149,9 @@ class SkyRL04(HostAdapter):
             "set generator.engine=cpu (skyrl-megatron's HF engine), or run vLLM on skyrl-train 0.3.1 "
             f"({SKYRL_TRAIN_0_3_INSTALL})",
         )]
+
+    def machine_sized_overrides(self, cpus: int) -> list[str]:
+        return [f"data.dataloader.num_workers={min(_HOST_LOADER_WORKERS, cpus)}"]
 
     def host_key_names(self) -> dict[str, str]:
         return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}
