@@ -287,6 +287,52 @@ def test_bad_updates_are_rejected_and_load_nothing(engine, other_model_dir, chan
     assert not torch.equal(original, good["model.norm.weight"])  # the good entry would have changed it
 
 
+def test_our_broadcast_group_delivers_buckets_bitwise_and_a_bad_bucket_loads_nothing(engine, other_model_dir):
+    """skyrl 0.4's sync path (workers/engine_sync.py): the sender (rank 0, here this thread) announces a
+    bucket, the engine receives it over our own gloo group and checks it whole before writing."""
+    import threading
+
+    from skyrl_megatron.engines.broadcast import BroadcastGroup, BroadcastRendezvous
+    from skyrl_megatron.engines.weight_updates import TensorAnnouncement
+
+    sent = other_weights(other_model_dir)
+    rendezvous = BroadcastRendezvous.on_this_host(world_size=2, timeout_s=60)
+    joined = threading.Thread(target=run, args=(engine.join_weight_broadcast(rendezvous, rank=1),))
+    joined.start()
+    sender = BroadcastGroup(rendezvous, rank=0)
+    joined.join()
+
+    def send(tensors: dict[str, torch.Tensor]):
+        receipt = {}
+        receiver = threading.Thread(
+            target=lambda: receipt.update(result=_outcome(engine.receive_broadcast(TensorAnnouncement.of(tensors))))
+        )
+        receiver.start()
+        for tensor in tensors.values():
+            sender.broadcast(tensor.contiguous())
+        receiver.join()
+        return receipt["result"]
+
+    original_norm = engine.model.state_dict()["model.norm.weight"].clone()
+    bad = {"model.norm.weight": sent["model.norm.weight"], "lm_head.weight": sent["lm_head.weight"][:-1]}
+    outcome = send(bad)
+    assert isinstance(outcome, ValueError) and "lm_head.weight: shape [255, 64]" in str(outcome)
+    assert torch.equal(engine.model.state_dict()["model.norm.weight"], original_norm)
+
+    names = list(sent)
+    assert send({n: sent[n] for n in names[: len(names) // 2]}) == len(names) // 2
+    assert send({n: sent[n] for n in names[len(names) // 2 :]}) == len(names) - len(names) // 2
+    state = engine.model.state_dict()
+    assert all(torch.equal(state[name], sent[name]) for name in sent)
+
+
+def _outcome(coroutine):
+    try:
+        return run(coroutine)
+    except Exception as error:  # noqa: BLE001 - returned to the test thread
+        return error
+
+
 def test_broadcast_needs_a_gloo_communicator_and_other_channels_are_refused(engine):
     from skyrl_train.weight_sync import BroadcastInitInfo, BroadcastWeightUpdateRequest, CudaIpcInitInfo
 

@@ -121,6 +121,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
             )
         metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
+        metrics.update(self.lora_metrics)
         return host_api.training_status(metrics)
 
     def optim_step(self) -> float | None:
