@@ -22,12 +22,8 @@ def validate_config(cfg, *, run_host_checks: bool = True) -> None:
             Problem(key, f"{value!r}: a setting of {host.release.label}'s built-in Megatron backend that skyrl-megatron does not implement", fix)
             for key, value in unsupported
         )
-    view = host.our_view(cfg)
-    engine_problems = [Problem(*problem) for problem in host.engine_problems(view)]
-    if engine_problems:
-        raise ConfigError(engine_problems)
     try:
-        check_config(view)
+        check_config(host.our_view(cfg))
     except ConfigError as error:
         raise ConfigError(_in_host_names(error.problems, host.host_key_names())) from None
     if run_host_checks:

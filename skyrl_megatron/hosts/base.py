@@ -105,11 +105,6 @@ class HostAdapter(ABC):
         """The host's algorithm config object, as its own loss functions expect it."""
         return worker_cfg.trainer.algorithm
 
-    def engine_problems(self, view) -> list[tuple[str, str, str]]:
-        """(key, message, fix) for each inference-engine set-up our workers cannot sync weights to on
-        this host; `view` is our view of the config. Default: none."""
-        return []
-
     def machine_sized_overrides(self, cpus: int) -> list[str]:
         """Overrides that size the host's helpers (data loader workers) to a machine of `cpus` cores,
         where the host has keys for them. Default: none."""

@@ -18,9 +18,6 @@ from typing import Any, Callable
 
 from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories
 from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
-from skyrl_megatron.hosts.skyrl_train_0_3 import RELEASE as SKYRL_TRAIN_0_3
-
-SKYRL_TRAIN_0_3_INSTALL = SKYRL_TRAIN_0_3.install
 
 RELEASE = HostRelease(
     distribution="skyrl",
@@ -138,17 +135,6 @@ class SkyRL04(HostAdapter):
         for ours, theirs in _ENGINE_KEYS.items():
             generator.setdefault(ours, engine.get(theirs))
         return OmegaConf.create(tree)
-
-    def engine_problems(self, view) -> list[tuple[str, str, str]]:
-        if view.trainer.strategy != "megatron" or view.generator.get("engine", "auto") == "cpu":
-            return []
-        return [(
-            "generator.engine",
-            "skyrl-megatron's workers cannot send weights to skyrl 0.4's vLLM servers yet (0.4 syncs through "
-            "vLLM's own weight-transfer engines, which we have not built a source for)",
-            "set generator.engine=cpu (skyrl-megatron's HF engine), or run vLLM on skyrl-train 0.3.1 "
-            f"({SKYRL_TRAIN_0_3_INSTALL})",
-        )]
 
     def machine_sized_overrides(self, cpus: int) -> list[str]:
         return [f"data.dataloader.num_workers={min(_HOST_LOADER_WORKERS, cpus)}"]

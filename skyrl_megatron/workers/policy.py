@@ -174,10 +174,16 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         """
         if self._engine_sender is not None:
             inference_engine_client = self._engine_sender.client
+        elif inference_engine_client is None:
+            inference_engine_client = self._weight_sync_inference_client  # skyrl 0.4 kept it at init
+        if self._host_sync_engine() is not None and not self._syncs_adapters():
+            # skyrl 0.4 with its own servers (vLLM): its transfer engine pulls from our weight source
+            await self._sync_weights_to_inference_engines(inference_engine_client, inference_engine_cfg)
+            return {"host_transfer": True}
         reset_prefix_cache = None
         if self.host_cfg.generator.enable_prefix_caching and torch.distributed.get_rank() == 0:
             reset_prefix_cache = inference_engine_client.reset_prefix_cache()
-        if self.built.lora is not None and self.built.lora.weight_sync == "adapters":
+        if self._syncs_adapters():
             await self._send_adapters(inference_engine_client)
             sent = {"adapters": True}
         else:
@@ -185,6 +191,19 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         if reset_prefix_cache is not None:
             await reset_prefix_cache
         return sent
+
+    def _syncs_adapters(self) -> bool:
+        return self.built.lora is not None and self.built.lora.weight_sync == "adapters"
+
+    def _host_sync_engine(self):
+        """skyrl 0.4's trainer-side transfer engine, made by its ``init_weight_sync_state`` (else None)."""
+        return getattr(self, "_weight_sync_engine", None)
+
+    def _build_weight_source(self, dtype: torch.dtype, backend: str):
+        """skyrl 0.4's hook for its transfer engine: a vLLM weight source over our HF export."""
+        from skyrl_megatron.workers.vllm_source import exported_weight_source
+
+        return exported_weight_source(self.built, dtype, backend, self.runtime.torch_device)
 
     async def _send_full_weights(self) -> dict:
         if self._engine_sender is not None:
@@ -216,7 +235,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         path = self.host_cfg.trainer.policy.model.lora.lora_sync_path
         save_hf_model(path, self.built, adapters_only=True)  # collective; rank 0 writes, atomically
         if torch.distributed.get_rank() == 0:
-            if self._engine_sender is not None:
+            if callable(getattr(inference_engine_client, "load_lora_adapter", None)):  # skyrl 0.4's clients
                 await inference_engine_client.load_lora_adapter(self.role, str(path))
             else:
                 await inference_engine_client.update_named_weights(host_api.lora_load_request_class()(lora_path=str(path)))

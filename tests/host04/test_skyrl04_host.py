@@ -17,7 +17,7 @@ import yaml
 
 from skyrl_megatron.cli import compose_config
 from skyrl_megatron.config import ConfigError, MegatronWorkerConfig
-from skyrl_megatron.hosts import HostFeatureMissing, current
+from skyrl_megatron.hosts import current
 from skyrl_megatron.validation import validate_config
 
 MC = "trainer.policy.megatron_config"
@@ -154,14 +154,13 @@ def test_the_hosts_own_checks_run_and_read_as_ours(base):
         validate_config(compose_config([a for a in base if a != "trainer.logger=console"] + ["trainer.logger=wandb"]))
 
 
-def test_a_whole_run_says_it_is_not_available_yet_before_starting_ray(base):
-    from skyrl_megatron.launch import run_experiment
-
-    with pytest.raises(HostFeatureMissing, match=r"not available on skyrl 0.4.x yet; install skyrl-train 0.3.1"):
-        run_experiment(compose_config(base))
-    import ray
-
-    assert not ray.is_initialized()
+def test_engine_settings_are_named_as_skyrl_0_4_spells_them(base):
+    """Our checks read 0.3.1's flat generator keys; a 0.4 user is told the key under inference_engine."""
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config(base + ["generator.engine=cpu", "generator.inference_engine.weight_sync_backend=nccl"]))
+    message = str(error.value)
+    assert ("generator.inference_engine.weight_sync_backend: is 'nccl' but generator.engine=cpu needs 'gloo'" in message
+            and "Fix: set generator.inference_engine.weight_sync_backend=gloo." in message), message
 
 
 def test_the_cli_reports_a_bad_key_and_exits_2(tmp_path, hf_config_dir):
