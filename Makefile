@@ -1,12 +1,13 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both set up their environments first (idempotent).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The second host leg: skyrl 0.4 in its own environment (scripts/setup.sh skyrl04).
+# skyrl 0.4 (the current SkyRL, what `make demo` runs on) in its own environment (scripts/setup.sh
+# skyrl04); .venv holds skyrl-train 0.3.1 and runs the host-independent suite.
 VENV04 ?= .venv-skyrl04
 PY04 := $(VENV04)/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-skyrl04 demo test test-skyrl04 test-fast lint clean
+.PHONY: setup setup-skyrl04 demo demo-skyrl-train test test-skyrl04 test-fast lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -14,8 +15,12 @@ setup:
 setup-skyrl04:
 	@SKYRL_MEGATRON_VENV=$(VENV04) bash scripts/setup.sh skyrl04
 
-demo: setup
-	$(PY) -m skyrl_megatron.demo
+# The main job on the current SkyRL (skyrl 0.4); `make demo-skyrl-train` runs it on skyrl-train 0.3.1.
+demo: setup-skyrl04
+	$(PY04) -m skyrl_megatron.demo
+
+demo-skyrl-train: setup
+	$(PY) -m skyrl_megatron.demo --out outputs/demo-skyrl-train
 
 # Both host legs: skyrl-train 0.3.1 (.venv, the whole suite) and skyrl 0.4 (.venv-skyrl04, tests/host04).
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
