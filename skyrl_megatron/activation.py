@@ -89,16 +89,16 @@ class _PatchingLoader(importlib.abc.Loader):
         self.patch(module)
 
 
-def _ray_wrapped_engines(num_engines: int, model_path: str, *, dtype: str, seed: int) -> list:
+def _ray_wrapped_engines(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str) -> list:
     from skyrl_megatron.engines.cpu_engine import create_ray_wrapped_cpu_engines
 
-    return create_ray_wrapped_cpu_engines(num_engines, model_path, dtype=dtype, seed=seed)
+    return create_ray_wrapped_cpu_engines(num_engines, model_path, dtype=dtype, seed=seed, device=device)
 
 
-def _engine_client(num_engines: int, model_path: str, *, dtype: str, seed: int):
+def _engine_client(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str):
     from skyrl_megatron.engines.client import create_engine_client
 
-    return create_engine_client(num_engines, model_path, dtype=dtype, seed=seed)
+    return create_engine_client(num_engines, model_path, dtype=dtype, seed=seed, device=device)
 
 
 _LOCAL_ENGINES = LocalEngineFactories(ray_wrapped_engines=_ray_wrapped_engines, engine_client=_engine_client)

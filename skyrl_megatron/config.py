@@ -518,8 +518,8 @@ def _routing_replay_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConf
                                 "drop moe_router_fusion, or set moe_config.routing_replay=null"))
     if replay == "r3":
         engine = cfg.generator.get("engine", "auto")
-        if engine == "cpu":
-            why = ("the CPU engine returns its routes, but no host path brings them to our workers yet (skyrl-train "
+        if engine in HF_ENGINES:
+            why = ("the HF engine returns its routes, but no host path brings them to our workers yet (skyrl-train "
                    "0.3.1's generator keeps only tokens and logprobs; on skyrl 0.4 our workers do not read the batch's "
                    "rollout_expert_indices yet)")
         else:
@@ -641,16 +641,18 @@ def _check_against_model(prefix: str, shape: ModelShape, tp: int, pp: int, vpp: 
     return problems
 
 
-ENGINES = ("auto", "cpu")
+# auto: the host's own engines; cpu / gpu: our HF engine (engines/hf_engine.py) on CPU, or on a GPU of its own
+ENGINES = ("auto", "cpu", "gpu")
+HF_ENGINES = ("cpu", "gpu")
 
 
 def check_inference_engine(cfg) -> list[Problem]:
-    """`generator.engine`: what serves the locally run engines, and what the CPU engine needs around it."""
+    """`generator.engine`: what serves the locally run engines, and what our HF engine needs around it."""
     generator = cfg.generator
     engine = generator.get("engine", "auto")
     if engine not in ENGINES:
         return [Problem("generator.engine", f"unknown engine {engine!r}", f"use one of {', '.join(ENGINES)}")]
-    if engine != "cpu":
+    if engine not in HF_ENGINES:
         policy = cfg.trainer.policy
         lora_sync = ((policy.get("megatron_config") or {}).get("lora_config") or {}).get("weight_sync", "merged")
         if cfg.trainer.strategy == "megatron" and int(policy.model.lora.rank or 0) > 0 and lora_sync == "adapters":
@@ -660,21 +662,22 @@ def check_inference_engine(cfg) -> list[Problem]:
                             "not do for trainer.strategy=megatron",
                             "use weight_sync=merged (the default) with vLLM/SGLang; adapters work with generator.engine=cpu")]
         return []
+    on_gpu = engine == "gpu"
     needs = [
-        ("generator.weight_sync_backend", generator.weight_sync_backend, "gloo",
-         "the CPU engine receives weights by gloo broadcast"),
+        ("generator.weight_sync_backend", generator.weight_sync_backend, "nccl" if on_gpu else "gloo",
+         f"the {engine.upper()} engine receives weights by {'NCCL' if on_gpu else 'gloo'} broadcast"),
         ("trainer.placement.colocate_all", cfg.trainer.placement.colocate_all, False,
-         "the CPU engine takes no GPU, so there is nothing to share"),
+         "the GPU engine takes a GPU of its own" if on_gpu else "the CPU engine takes no GPU, so there is nothing to share"),
         ("generator.run_engines_locally", generator.run_engines_locally, True,
-         "the CPU engine runs as a local Ray actor"),
+         "the engine runs as a local Ray actor"),
         ("generator.backend", generator.backend, "vllm",
-         "the host keys sampling parameters and its checks on the backend name; the CPU engine speaks vLLM's"),
+         "the host keys sampling parameters and its checks on the backend name; our engine speaks vLLM's"),
     ]
     for key in ("inference_engine_tensor_parallel_size", "inference_engine_pipeline_parallel_size",
                 "inference_engine_data_parallel_size", "inference_engine_expert_parallel_size"):
-        needs.append((f"generator.{key}", generator[key], 1, "a CPU engine is one process"))
+        needs.append((f"generator.{key}", generator[key], 1, "our engine is one process"))
     return [
-        Problem(key, f"is {value!r} but generator.engine=cpu needs {wanted!r} ({why})", f"set {key}={wanted}")
+        Problem(key, f"is {value!r} but generator.engine={engine} needs {wanted!r} ({why})", f"set {key}={wanted}")
         for key, value, wanted, why in needs
         if value != wanted
     ]

@@ -66,7 +66,10 @@ def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path)
     message = str(err.value)
     assert "generator.weight_sync_backend" in message and "set generator.weight_sync_backend=gloo" in message
     assert "set trainer.placement.colocate_all=False" in message
-    with pytest.raises(ConfigError, match="generator.engine.*unknown engine 'gpu'"):
+    with pytest.raises(ConfigError, match="generator.engine.*unknown engine 'tpu'"):
+        validate_config(compose_config(overrides + ["generator.engine=tpu"]), run_host_checks=False)
+    # the HF engine on a GPU of its own takes NCCL broadcast (the CPU demo's gloo is named with its fix)
+    with pytest.raises(ConfigError, match=r"is 'gloo' but generator.engine=gpu needs 'nccl'.*Fix: set generator.weight_sync_backend=nccl"):
         validate_config(compose_config(overrides + ["generator.engine=gpu"]), run_host_checks=False)
 
 
@@ -99,3 +102,17 @@ def test_the_reward_plot_title_fits_the_figure(tmp_path):
     title = fig.axes[0].title.get_window_extent(renderer)
     width, height = fig.bbox.width, fig.bbox.height
     assert 0 <= title.x0 and title.x1 <= width and title.y1 <= height, (title, width, height)
+
+
+def test_the_gpu_demo_replaces_the_cpu_settings_and_validates(tmp_path):
+    """`demo --gpu`: each CPU setting it changes is replaced, not given twice, and the result passes our checks."""
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.demo.__main__ import demo_overrides, gpu_overrides, merged, prepare
+    from skyrl_megatron.validation import validate_config
+
+    model_dir, prompts = prepare(tmp_path, steps=2)
+    overrides = merged(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1), gpu_overrides())
+    keys = [item.split("=", 1)[0] for item in overrides]
+    assert len(keys) == len(set(keys))
+    assert {"generator.engine=gpu", "generator.weight_sync_backend=nccl", "trainer.bf16=true"} <= set(overrides)
+    validate_config(compose_config(overrides), run_host_checks=False)

@@ -12,6 +12,9 @@
 ``--ppo`` trains with PPO instead: GAE advantages from a Megatron critic (one more rank, started from
 the policy's checkpoint with a fresh value head), the value loss column beside the policy's.
 
+``--gpu`` runs the same GRPO on 2 GPUs: a Qwen3-0.6B-shaped policy (random weights, bf16) with its
+reference on one GPU, our HF engine on the other, the weights sent by NCCL broadcast after every step.
+
 Rerunning the same command continues from the last checkpoint (``--fresh`` starts over). Extra
 arguments are Hydra overrides, e.g. ``trainer.policy.megatron_config.pipeline_model_parallel_size=2``.
 """
@@ -80,6 +83,36 @@ def demo_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ck
     ]
 
 
+# Qwen3-0.6B's widths and depth (the tiny tokenizer's vocabulary): the --gpu model
+QWEN3_0_6B_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+
+def gpu_overrides() -> list[str]:
+    """On 2 GPUs: the policy on one (bf16) with the reference beside it, our HF engine on the other; the
+    weights after every step by NCCL broadcast (the host's sender). They replace the CPU settings."""
+    return [
+        "trainer.placement.colocate_policy_ref=true",
+        "trainer.placement.policy_num_gpus_per_node=1",
+        "trainer.placement.ref_num_gpus_per_node=1",
+        "trainer.policy.megatron_config.runtime=cuda",
+        "trainer.ref.megatron_config.runtime=cuda",
+        "trainer.policy.megatron_config.tensor_model_parallel_size=1",
+        "trainer.bf16=true",
+        "generator.engine=gpu",
+        "generator.weight_sync_backend=nccl",
+        "generator.model_dtype=bfloat16",
+        "trainer.policy.optimizer_config.lr=1e-4",
+    ]
+
+
+def merged(overrides: list[str], replacing: list[str]) -> list[str]:
+    """`overrides` with each key that `replacing` sets taken from `replacing` (a key given twice is an error)."""
+    new = dict(item.split("=", 1) for item in replacing)
+    kept = [item for item in overrides if item.split("=", 1)[0] not in new]
+    return kept + replacing
+
+
 def in_host_names(overrides: list[str]) -> list[str]:
     """The demo's overrides (skyrl-train 0.3.1's key names) under the installed host's names, and the
     host's helpers sized to this machine."""
@@ -111,13 +144,14 @@ def ppo_overrides(model_dir: Path) -> list[str]:
     ]
 
 
-def prepare(run_dir: Path, steps: int) -> tuple[Path, Path]:
-    """The tiny checkpoint and the prompt file, created once per run directory (a rerun resumes on them)."""
+def prepare(run_dir: Path, steps: int, gpu: bool = False) -> tuple[Path, Path]:
+    """The checkpoint (tiny, or Qwen3-0.6B-shaped for --gpu; random weights) and the prompt file, created
+    once per run directory (a rerun resumes on them)."""
     from skyrl_megatron.testing import make_tiny_hf_model
 
     model_dir, prompts = run_dir / "model", run_dir / "data" / "prompts.jsonl"
     if not (model_dir / "config.json").exists():
-        make_tiny_hf_model("qwen3", model_dir, seed=0)
+        make_tiny_hf_model("qwen3", model_dir, seed=0, **(QWEN3_0_6B_SHAPE if gpu else {}))
     if not prompts.exists():
         write_prompts(prompts, steps * PROMPTS_PER_STEP)
     return model_dir, prompts
@@ -144,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="delete the run directory first")
     parser.add_argument("--ppo", action="store_true",
                         help="PPO with GAE and a Megatron critic instead of GRPO (use a run directory of its own)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="on 2 GPUs: a Qwen3-0.6B-shaped policy (bf16) + ref on one, our HF engine on the other")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
     args = parser.parse_args(argv)
 
@@ -160,9 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, prompts = prepare(run_dir, args.steps)
+    model_dir, prompts = prepare(run_dir, args.steps, gpu=args.gpu)
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
     overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval)
+    if args.gpu:
+        overrides = merged(overrides, gpu_overrides())
     overrides = in_host_names(overrides + (ppo_overrides(model_dir) if args.ppo else [])) + args.overrides
     # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its
     # first import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
@@ -180,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics_file = run_dir / "metrics.jsonl"
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
-    algorithm = "PPO (GAE), Megatron policy (TP=2+SP) + ref + critic" if args.ppo else "GRPO, Megatron policy (TP=2+SP) + ref"
-    print(f"skyrl-megatron demo: {algorithm} on CPU (gloo), CPU engine; {steps} steps")
+    policy = "Megatron policy (1 GPU, bf16) + ref" if args.gpu else "Megatron policy (TP=2+SP) + ref"
+    algorithm = f"PPO (GAE), {policy} + critic" if args.ppo else f"GRPO, {policy}"
+    where = "2 GPUs (NCCL), HF engine on its own GPU" if args.gpu else "CPU (gloo), CPU engine"
+    print(f"skyrl-megatron demo: {algorithm} on {where}; {steps} steps")
     print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
     started = time.perf_counter()
     if done_before >= steps:

@@ -208,11 +208,12 @@ def create_engine_client(
     num_cpus: float = 1,
     tokenizer: str | Path | None = None,
     model_name: str | None = None,
+    device: str = "cpu",
 ) -> EngineClient:
-    """`num_engines` HF engine actors on CPU behind one client; seeds seed, seed+1, ..."""
-    actor_class = engine_actor_class(num_cpus)
+    """`num_engines` HF engine actors behind one client, on CPU or each on a GPU of its own; seeds seed, seed+1, ..."""
+    actor_class = engine_actor_class(num_cpus, num_gpus=1 if device == "cuda" else 0)
     engines = [
-        actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index)
+        actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device)
         for index in range(num_engines)
     ]
     return EngineClient(engines, model_name or str(model_path), dtype)

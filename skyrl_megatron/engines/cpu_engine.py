@@ -82,13 +82,15 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
     # -- the host's weight-sync protocol -----------------------------------------------------------
 
     async def init_weight_update_communicator(self, init_info) -> None:
-        """Join the host's broadcast group (gloo) as rank ``init_info.rank_offset``; the trainer's rank 0 is 0."""
+        """Join the host's broadcast group (gloo; NCCL on a GPU) as rank ``init_info.rank_offset``; the trainer's rank 0 is 0."""
         broadcast_info = host_api.broadcast_init_info_class()
-        if not isinstance(init_info, broadcast_info) or init_info.backend != "gloo":
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not isinstance(init_info, broadcast_info) or init_info.backend != backend:
             raise ValueError(
-                f"CpuInferenceEngine receives weights over gloo broadcast only, got {type(init_info).__name__}"
+                f"the HF engine on {self.device.type} receives weights over {backend} broadcast only, got "
+                f"{type(init_info).__name__}"
                 f"{'' if not isinstance(init_info, broadcast_info) else f' with backend {init_info.backend!r}'}: "
-                "set generator.weight_sync_backend=gloo and trainer.placement.colocate_all=false"
+                f"set generator.weight_sync_backend={backend} and trainer.placement.colocate_all=false"
             )
         if self._host_group is not None and not init_info.override_existing_receiver:
             return
@@ -116,7 +118,7 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
             raise RuntimeError("broadcast weight update before init_weight_update_communicator")
         tensors = []
         for dtype, shape in zip(request.dtypes, request.shapes):
-            tensor = torch.empty(list(shape), dtype=torch_dtype(dtype))
+            tensor = torch.empty(list(shape), dtype=torch_dtype(dtype), device=self.device)
             torch.distributed.broadcast(tensor, 0, group=self._host_group)
             tensors.append(tensor)
         return NamedTensorsUpdateRequest(
@@ -136,11 +138,11 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
         return 1
 
 
-def cpu_engine_actor_class(num_cpus: float = 1):
+def cpu_engine_actor_class(num_cpus: float = 1, num_gpus: float = 0):
     """``ray.remote(CpuInferenceEngine)``: an async actor (its engine methods are coroutines)."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus)(CpuInferenceEngine)
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(CpuInferenceEngine)
 
 
 def create_ray_wrapped_cpu_engines(
@@ -151,12 +153,14 @@ def create_ray_wrapped_cpu_engines(
     seed: int = 0,
     num_cpus: float = 1,
     tokenizer: str | Path | None = None,
+    device: str = "cpu",
 ) -> list:
-    """Engine actors wrapped as the host holds its own (``RayWrappedInferenceEngine``); seeds seed, seed+1, ..."""
-    actor_class = cpu_engine_actor_class(num_cpus)
+    """Engine actors wrapped as the host holds its own (``RayWrappedInferenceEngine``), on CPU or each on a
+    GPU of its own; seeds seed, seed+1, ..."""
+    actor_class = cpu_engine_actor_class(num_cpus, num_gpus=1 if device == "cuda" else 0)
     return [
         host_api.ray_wrapped_inference_engine(
-            actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index)
+            actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device)
         )
         for index in range(num_engines)
     ]

@@ -31,7 +31,8 @@ class HostRelease:
 
 @dataclass(frozen=True)
 class LocalEngineFactories:
-    """Our HF generation engines in each host's form; each takes ``(num_engines, model_path, *, dtype, seed)``."""
+    """Our HF generation engines in each host's form; each takes ``(num_engines, model_path, *, dtype, seed,
+    device)``, `device` "cpu" or "cuda" (a GPU of its own per engine)."""
 
     ray_wrapped_engines: Callable[..., list]  # engine actors as skyrl-train 0.3.1 holds them
     engine_client: Callable[..., Any]  # one inference client over engine actors, as skyrl 0.4 holds it

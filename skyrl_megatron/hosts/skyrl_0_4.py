@@ -302,7 +302,7 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
 
 
 def _route_local_engines(main_base, engine_client) -> None:
-    """Let ``generator.engine=cpu`` give the host our engine client where it would start vLLM servers.
+    """Let ``generator.engine=cpu|gpu`` give the host our engine client where it would start vLLM servers.
 
     ``BasePPOExp.get_inference_client`` is the host's hook for custom clients; wrapping it on the class
     serves the host's experiment and users' subclasses alike (a subclass that overrides it wins).
@@ -315,11 +315,12 @@ def _route_local_engines(main_base, engine_client) -> None:
     @functools.wraps(original)
     def get_inference_client(self):
         cfg = self.cfg
-        if getattr(cfg.generator, "engine", "auto") != "cpu":
+        engine = getattr(cfg.generator, "engine", "auto")
+        if engine not in ("cpu", "gpu"):
             return original(self)
-        engine = cfg.generator.inference_engine
-        client = engine_client(engine.num_engines, cfg.trainer.policy.model.path, dtype=engine.model_dtype,
-                               seed=cfg.trainer.seed)
+        settings = cfg.generator.inference_engine
+        client = engine_client(settings.num_engines, cfg.trainer.policy.model.path, dtype=settings.model_dtype,
+                               seed=cfg.trainer.seed, device="cuda" if engine == "gpu" else "cpu")
         if cfg.trainer.placement.colocate_all:
             asyncio.run(client.sleep())  # as the host leaves its own engines after start-up
         return client

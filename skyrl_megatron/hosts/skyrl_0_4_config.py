@@ -101,8 +101,8 @@ class MegatronTrainerConfig(TrainerConfig):
 @dataclass
 class MegatronGeneratorConfig(GeneratorConfig):
     engine: str = "auto"
-    """auto: the host's engines (vLLM servers) | cpu: skyrl-megatron's HF engine on CPU, for machines
-    without vLLM or GPUs (the same key as on skyrl-train 0.3.1)."""
+    """auto: the host's engines (vLLM servers) | cpu / gpu: skyrl-megatron's HF engine on CPU or on a GPU
+    of its own, for machines without vLLM (the same key as on skyrl-train 0.3.1)."""
 
 
 @dataclass

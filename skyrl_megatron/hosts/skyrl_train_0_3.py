@@ -300,7 +300,7 @@ def _single_gpu_per_node(cfg):
 
 
 def _route_local_engines(main_base, cpu_engines) -> None:
-    """Let ``generator.engine=cpu`` put our CPU engine where the host would start vLLM/SGLang.
+    """Let ``generator.engine=cpu|gpu`` put our HF engine where the host would start vLLM/SGLang.
 
     The host looks the factory up as a module global at call time, so every BasePPOExp (the host's
     and users' subclasses) picks the engine from the config.
@@ -310,13 +310,15 @@ def _route_local_engines(main_base, cpu_engines) -> None:
         return
 
     def create_ray_wrapped_inference_engines_from_config(cfg, colocate_pg, tokenizer):
-        if cfg.generator.get("engine", "auto") != "cpu":
+        engine = cfg.generator.get("engine", "auto")
+        if engine not in ("cpu", "gpu"):
             return original(cfg, colocate_pg, tokenizer)
         return cpu_engines(
             cfg.generator.num_inference_engines,
             cfg.trainer.policy.model.path,
             dtype=cfg.generator.model_dtype,
             seed=cfg.trainer.seed,
+            device="cuda" if engine == "gpu" else "cpu",
         )
 
     create_ray_wrapped_inference_engines_from_config._skyrl_megatron_routed = True  # type: ignore[attr-defined]
