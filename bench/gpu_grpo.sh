@@ -1,7 +1,7 @@
 #!/bin/bash
-# GRPO through the host trainer on 2 GPUs with our workers and our HF engine (issue 20), killed once
-# and resumed: `python -m skyrl_megatron.demo --gpu` (a Qwen3-0.6B-shaped policy + ref on GPU 0, the
-# HF engine on GPU 1, NCCL weight broadcast after every step). Run after `source bench/device_setup.sh 2`.
+# GRPO through the host trainer on 1 GPU with our workers and our HF engine (issue 20), killed once
+# and resumed: `python -m skyrl_megatron.demo --gpu` (a Qwen3-0.6B-shaped policy, ref and the HF engine
+# colocated, CUDA IPC weight sync after every step). Run after `source bench/device_setup.sh 2`.
 #   GRPO_STEPS (20), GRPO_KILL_AFTER (8): the step after which a policy worker is SIGKILLed.
 set -u
 STEPS=${GRPO_STEPS:-20}

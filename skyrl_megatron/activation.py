@@ -89,10 +89,12 @@ class _PatchingLoader(importlib.abc.Loader):
         self.patch(module)
 
 
-def _ray_wrapped_engines(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str) -> list:
+def _ray_wrapped_engines(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str,
+                         colocate_pg=None) -> list:
     from skyrl_megatron.engines.cpu_engine import create_ray_wrapped_cpu_engines
 
-    return create_ray_wrapped_cpu_engines(num_engines, model_path, dtype=dtype, seed=seed, device=device)
+    return create_ray_wrapped_cpu_engines(num_engines, model_path, dtype=dtype, seed=seed, device=device,
+                                          colocate_pg=colocate_pg)
 
 
 def _engine_client(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str):

@@ -665,9 +665,13 @@ def check_inference_engine(cfg) -> list[Problem]:
     on_gpu = engine == "gpu"
     needs = [
         ("generator.weight_sync_backend", generator.weight_sync_backend, "nccl" if on_gpu else "gloo",
-         f"the {engine.upper()} engine receives weights by {'NCCL' if on_gpu else 'gloo'} broadcast"),
-        ("trainer.placement.colocate_all", cfg.trainer.placement.colocate_all, False,
-         "the GPU engine takes a GPU of its own" if on_gpu else "the CPU engine takes no GPU, so there is nothing to share"),
+         "the GPU engine receives weights by CUDA IPC when colocated, else by NCCL broadcast" if on_gpu
+         else "the CPU engine receives weights by gloo broadcast"),
+    ]
+    if not on_gpu:
+        needs.append(("trainer.placement.colocate_all", cfg.trainer.placement.colocate_all, False,
+                      "the CPU engine takes no GPU, so there is nothing to share"))
+    needs += [
         ("generator.run_engines_locally", generator.run_engines_locally, True,
          "the engine runs as a local Ray actor"),
         ("generator.backend", generator.backend, "vllm",

@@ -114,5 +114,5 @@ def test_the_gpu_demo_replaces_the_cpu_settings_and_validates(tmp_path):
     overrides = merged(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1), gpu_overrides())
     keys = [item.split("=", 1)[0] for item in overrides]
     assert len(keys) == len(set(keys))
-    assert {"generator.engine=gpu", "generator.weight_sync_backend=nccl", "trainer.bf16=true"} <= set(overrides)
-    validate_config(compose_config(overrides), run_host_checks=False)
+    assert {"generator.engine=gpu", "trainer.placement.colocate_all=true", "trainer.bf16=true"} <= set(overrides)
+    validate_config(compose_config(overrides))

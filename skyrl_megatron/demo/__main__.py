@@ -12,8 +12,8 @@
 ``--ppo`` trains with PPO instead: GAE advantages from a Megatron critic (one more rank, started from
 the policy's checkpoint with a fresh value head), the value loss column beside the policy's.
 
-``--gpu`` runs the same GRPO on 2 GPUs: a Qwen3-0.6B-shaped policy (random weights, bf16) with its
-reference on one GPU, our HF engine on the other, the weights sent by NCCL broadcast after every step.
+``--gpu`` runs the same GRPO on 1 GPU: a Qwen3-0.6B-shaped policy (random weights, bf16), its reference
+and our HF engine colocated, the weights sent by CUDA IPC after every step.
 
 Rerunning the same command continues from the last checkpoint (``--fresh`` starts over). Extra
 arguments are Hydra overrides, e.g. ``trainer.policy.megatron_config.pipeline_model_parallel_size=2``.
@@ -89,9 +89,11 @@ QWEN3_0_6B_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_lay
 
 
 def gpu_overrides() -> list[str]:
-    """On 2 GPUs: the policy on one (bf16) with the reference beside it, our HF engine on the other; the
-    weights after every step by NCCL broadcast (the host's sender). They replace the CPU settings."""
+    """On 1 GPU: the policy (bf16), the reference and our HF engine colocated (the host offloads the
+    trainers while the engine samples, and sleeps the engine while they work); the weights after every
+    step by CUDA IPC (the host's sender and receiver). They replace the CPU settings."""
     return [
+        "trainer.placement.colocate_all=true",
         "trainer.placement.colocate_policy_ref=true",
         "trainer.placement.policy_num_gpus_per_node=1",
         "trainer.placement.ref_num_gpus_per_node=1",
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppo", action="store_true",
                         help="PPO with GAE and a Megatron critic instead of GRPO (use a run directory of its own)")
     parser.add_argument("--gpu", action="store_true",
-                        help="on 2 GPUs: a Qwen3-0.6B-shaped policy (bf16) + ref on one, our HF engine on the other")
+                        help="on 1 GPU: a Qwen3-0.6B-shaped policy (bf16), ref and our HF engine colocated")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
     args = parser.parse_args(argv)
 
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
     policy = "Megatron policy (1 GPU, bf16) + ref" if args.gpu else "Megatron policy (TP=2+SP) + ref"
     algorithm = f"PPO (GAE), {policy} + critic" if args.ppo else f"GRPO, {policy}"
-    where = "2 GPUs (NCCL), HF engine on its own GPU" if args.gpu else "CPU (gloo), CPU engine"
+    where = "1 GPU, HF engine colocated (CUDA IPC)" if args.gpu else "CPU (gloo), CPU engine"
     print(f"skyrl-megatron demo: {algorithm} on {where}; {steps} steps")
     print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
     started = time.perf_counter()

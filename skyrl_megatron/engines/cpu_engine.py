@@ -72,6 +72,7 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
     """The host's InferenceEngineInterface over the HF engine (on CPU unless `device` says otherwise)."""
 
     _host_group = None  # the host's weight-broadcast process group, once joined
+    _host_receiver = None  # the host's CUDA IPC receiver (colocated on a GPU), once initialised
 
     async def chat_completion(self, request_payload: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError("the HF engine serves generate() only, not the OpenAI /chat/completions API")
@@ -83,6 +84,11 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
 
     async def init_weight_update_communicator(self, init_info) -> None:
         """Join the host's broadcast group (gloo; NCCL on a GPU) as rank ``init_info.rank_offset``; the trainer's rank 0 is 0."""
+        if self.device.type == "cuda" and isinstance(init_info, host_api.cuda_ipc_init_info_class()):
+            # colocated with the policy: the host's own receiver opens the IPC handles of its packed chunks
+            if self._host_receiver is None or init_info.override_existing_receiver:
+                self._host_receiver = init_info.strategy_type().create_receiver(init_info)
+            return
         broadcast_info = host_api.broadcast_init_info_class()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if not isinstance(init_info, broadcast_info) or init_info.backend != backend:
@@ -90,7 +96,8 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
                 f"the HF engine on {self.device.type} receives weights over {backend} broadcast only, got "
                 f"{type(init_info).__name__}"
                 f"{'' if not isinstance(init_info, broadcast_info) else f' with backend {init_info.backend!r}'}: "
-                f"set generator.weight_sync_backend={backend} and trainer.placement.colocate_all=false"
+                f"set generator.weight_sync_backend={backend}"
+                + ("" if self.device.type == "cuda" else " and trainer.placement.colocate_all=false")
             )
         if self._host_group is not None and not init_info.override_existing_receiver:
             return
@@ -105,6 +112,11 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
             raise ValueError("weight update request must not be empty")
         if isinstance(request, host_api.broadcast_update_request_class()):
             request = await asyncio.to_thread(self._receive_host_broadcast, request)
+        elif self._host_receiver is not None and isinstance(request, host_api.cuda_ipc_update_request_class()):
+            # views into the trainer's packed chunk: copied into the model before the sender reuses it
+            names, tensors = zip(*self._host_receiver.receive_weights(request))
+            await self.load_weights(list(names), list(tensors))
+            return
         elif not isinstance(request, NamedTensorsUpdateRequest):
             raise TypeError(
                 f"CpuInferenceEngine takes NamedTensorsUpdateRequest (tensors inside) or the host's "
@@ -154,13 +166,28 @@ def create_ray_wrapped_cpu_engines(
     num_cpus: float = 1,
     tokenizer: str | Path | None = None,
     device: str = "cpu",
+    colocate_pg=None,
 ) -> list:
-    """Engine actors wrapped as the host holds its own (``RayWrappedInferenceEngine``), on CPU or each on a
-    GPU of its own; seeds seed, seed+1, ..."""
+    """Engine actors wrapped as the host holds its own (``RayWrappedInferenceEngine``); seeds seed, seed+1, ...
+
+    On CPU; on a GPU of its own each; or, with `colocate_pg` (``colocate_all``), engine i on a share of
+    the GPU of bundle i, which the host's policy and reference workers share too (as it places vLLM).
+    """
     actor_class = cpu_engine_actor_class(num_cpus, num_gpus=1 if device == "cuda" else 0)
-    return [
-        host_api.ray_wrapped_inference_engine(
-            actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device)
+    engines = []
+    for index in range(num_engines):
+        options = {}
+        if colocate_pg is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options = {"num_gpus": COLOCATED_GPU_SHARE, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=colocate_pg, placement_group_bundle_index=index)}
+        actor = actor_class.options(**options).remote(
+            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device
         )
-        for index in range(num_engines)
-    ]
+        engines.append(host_api.ray_wrapped_inference_engine(actor))
+    return engines
+
+
+# The share of a GPU a colocated engine asks Ray for (the host asks the same for its vLLM engines).
+COLOCATED_GPU_SHARE = 0.2

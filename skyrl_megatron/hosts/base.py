@@ -205,6 +205,12 @@ class HostAdapter(ABC):
     def broadcast_init_info_class(self) -> type:
         raise HostFeatureMissing(self, "broadcast weight sync", "use skyrl-train 0.3.1")
 
+    def cuda_ipc_init_info_class(self) -> type:
+        raise HostFeatureMissing(self, "CUDA IPC weight sync to our engine", "use skyrl-train 0.3.1")
+
+    def cuda_ipc_update_request_class(self) -> type:
+        raise HostFeatureMissing(self, "CUDA IPC weight sync to our engine", "use skyrl-train 0.3.1")
+
     def broadcast_update_request_class(self) -> type:
         raise HostFeatureMissing(self, "broadcast weight sync", "use skyrl-train 0.3.1")
 

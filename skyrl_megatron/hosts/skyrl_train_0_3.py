@@ -239,6 +239,16 @@ class SkyRLTrain03(HostAdapter):
 
         return BroadcastInitInfo
 
+    def cuda_ipc_init_info_class(self):
+        from skyrl_train.weight_sync import CudaIpcInitInfo
+
+        return CudaIpcInitInfo
+
+    def cuda_ipc_update_request_class(self):
+        from skyrl_train.weight_sync import CudaIpcWeightUpdateRequest
+
+        return CudaIpcWeightUpdateRequest
+
     def broadcast_update_request_class(self):
         from skyrl_train.weight_sync import BroadcastWeightUpdateRequest
 
@@ -319,6 +329,7 @@ def _route_local_engines(main_base, cpu_engines) -> None:
             dtype=cfg.generator.model_dtype,
             seed=cfg.trainer.seed,
             device="cuda" if engine == "gpu" else "cpu",
+            colocate_pg=colocate_pg if engine == "gpu" else None,
         )
 
     create_ray_wrapped_inference_engines_from_config._skyrl_megatron_routed = True  # type: ignore[attr-defined]
