@@ -180,7 +180,8 @@ def create_ray_wrapped_cpu_engines(
         if colocate_pg is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            options = {"num_gpus": COLOCATED_GPU_SHARE, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            options = {"num_gpus": COLOCATED_GPU_SHARE, "num_cpus": COLOCATED_GPU_SHARE,
+                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=colocate_pg, placement_group_bundle_index=index)}
         actor = actor_class.options(**options).remote(
             str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device
