@@ -102,6 +102,7 @@ def gpu_overrides() -> list[str]:
         "trainer.policy.megatron_config.tensor_model_parallel_size=1",
         "trainer.bf16=true",
         "generator.engine=gpu",
+        "generator.batched=true",  # one generate() call for the step's prompts, not one per prompt
         "generator.weight_sync_backend=nccl",
         "generator.model_dtype=bfloat16",
         "trainer.policy.optimizer_config.lr=1e-4",

@@ -8,6 +8,8 @@ add training (policy) or nothing (ref).
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from typing import Any
@@ -165,6 +167,19 @@ class MegatronWorkerMixin:
         if self.megatron_cfg.empty_cuda_cache:
             self.empty_cache()
         return report.as_dict()
+
+    @contextlib.contextmanager
+    def model_resident(self):
+        """The model's weights on the device for the block, parked again after it if they were parked
+        (a colocated run keeps them in host memory while the engine samples)."""
+        parked = "model" in self.offloader.offloaded
+        if parked:
+            self.offloader.backload(model=True, optimizer=False)
+        try:
+            yield
+        finally:
+            if parked:
+                self.offloader.offload(model=True, optimizer=False, pin_memory=not self.runtime.is_cpu)
 
     def backload_to_gpu(self, non_blocking: bool = True, **kwargs: Any):
         report = self.offloader.backload(

@@ -254,9 +254,10 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         holds exactly the trainer's weights.
         """
         digests = {}
-        for name, tensor in iter_hf_weights(self.built, dtype=self._engine_dtype(), device="cpu"):
-            if torch.distributed.get_rank() == 0:
-                digests[name] = tensor_sha256(tensor)
+        with self.model_resident():
+            for name, tensor in iter_hf_weights(self.built, dtype=self._engine_dtype(), device="cpu"):
+                if torch.distributed.get_rank() == 0:
+                    digests[name] = tensor_sha256(tensor)
         return digests
 
     # -- HF export --------------------------------------------------------------------------------
