@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 rm -rf "$RUN"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.csv"
-LOG_LEVEL=${GRPO_LOG_LEVEL:-WARNING} timeout ${GRPO_RUN_TIMEOUT:-400} python -m skyrl_megatron.demo --gpu --out "$RUN" --steps "$STEPS" --ckpt-interval 5 > "$OUT/run1.log" 2>&1 &
+LOG_LEVEL=${GRPO_LOG_LEVEL:-WARNING} timeout ${GRPO_RUN_TIMEOUT:-400} python -m skyrl_megatron.demo --gpu --out "$RUN" --steps "$STEPS" --ckpt-interval ${GRPO_CKPT_INTERVAL:-5} > "$OUT/run1.log" 2>&1 &
 DEMO=$!
 while kill -0 $DEMO 2>/dev/null; do
   if [ -f "$RUN/metrics.jsonl" ] && python - "$RUN/metrics.jsonl" "$KILL_AFTER" <<'PY'
@@ -27,7 +27,7 @@ PY
   sleep 2
 done
 wait $DEMO; echo "first run exit code $?" >> "$OUT/run1.log"
-LOG_LEVEL=${GRPO_LOG_LEVEL:-WARNING} timeout ${GRPO_RUN_TIMEOUT:-400} python -m skyrl_megatron.demo --gpu --out "$RUN" --steps "$STEPS" --ckpt-interval 5 > "$OUT/run2.log" 2>&1
+LOG_LEVEL=${GRPO_LOG_LEVEL:-WARNING} timeout ${GRPO_RUN_TIMEOUT:-400} python -m skyrl_megatron.demo --gpu --out "$RUN" --steps "$STEPS" --ckpt-interval ${GRPO_CKPT_INTERVAL:-5} > "$OUT/run2.log" 2>&1
 echo "second run exit code $?" >> "$OUT/run2.log"
 cp "$RUN/metrics.jsonl" "$RUN/reward.png" "$OUT/" 2>/dev/null
 ls "$RUN/exports" > "$OUT/exports.txt" 2>&1
