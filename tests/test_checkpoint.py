@@ -497,6 +497,7 @@ def test_a_read_failing_on_one_data_parallel_rank_fails_the_load_on_all(tmp_path
 def _save_crashing_then_succeeding(rank, world, hf_dir, ckpt_dir):
     """Overwrite an existing checkpoint, crashing after the shards are written; then for real."""
     import skyrl_megatron.checkpoint as checkpoint
+    from skyrl_megatron.checkpoint import training
 
     built, optimizer, scheduler, micro_batches = _setup(hf_dir, WORLD1, True)
     _train_step(built.chunks, optimizer, scheduler, micro_batches)
@@ -505,15 +506,15 @@ def _save_crashing_then_succeeding(rank, world, hf_dir, ckpt_dir):
         assert (partial / checkpoint.METADATA_FILE).is_file()  # everything was written
         raise RuntimeError("simulated crash before publishing")
 
-    publish = checkpoint._commit
-    checkpoint._commit = crash
+    publish = training.commit
+    training.commit = crash
     try:
         checkpoint.save_checkpoint(ckpt_dir, built.chunks, optimizer, scheduler, step=3)
         crashed = False
     except RuntimeError:
         crashed = True
     finally:
-        checkpoint._commit = publish
+        training.commit = publish
     after_crash = checkpoint.read_checkpoint_metadata(ckpt_dir).step
     loaded = checkpoint.load_checkpoint(ckpt_dir, built.chunks, optimizer, scheduler).step
     checkpoint.save_checkpoint(ckpt_dir, built.chunks, optimizer, scheduler, step=30)

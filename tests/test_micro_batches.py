@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.compute.batching import plan_micro_batches
+from skyrl_megatron.compute.microbatch.plan import plan_micro_batches
 
 
 def _long_tailed_lengths(rows: int, seed: int = 0) -> torch.Tensor:
@@ -65,7 +65,7 @@ def _shapes_and_logprobs(rank, world_size, hf_dir):
     out = {}
     for name, batching in (("budget_48", MicroBatching(max_tokens=48)), ("budget_400", MicroBatching(max_tokens=400)),
                            ("padded_3", MicroBatching(micro_batch_size=3))):
-        micro_batches, _ = runner._micro_batches(batch["sequences"], batch["attention_mask"], batching)
+        micro_batches = runner._micro_batches(batch["sequences"], batch["attention_mask"], batching).micro_batches
         out[name] = {
             "shapes": [tuple(mb.model_input_ids.shape) for mb in micro_batches],
             "row_lengths": [batch["attention_mask"][mb.rows].sum(-1).tolist() for mb in micro_batches],

@@ -159,6 +159,29 @@ def packing_alignment(parallel: ParallelConfig) -> tuple[int, int]:
     return per_sequence, total
 
 
+@dataclass(frozen=True)
+class PackingSettings:
+    """How rows become model inputs: padded or packed, for the TP/SP/CP sizes that constrain lengths.
+
+    Under context parallelism every sequence is cut into 2 x CP equal chunks, and under sequence
+    parallelism each CP rank's share must divide among the TP ranks (see the module docstring).
+    """
+
+    packed: bool = False
+    tensor: int = 1
+    sequence_parallel: bool = False
+    context: int = 1
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor=self.tensor, context=self.context, sequence_parallel=self.sequence_parallel)
+
+    @property
+    def row_align(self) -> int:
+        """Multiple for a padded row's length (and a packed row's total length)."""
+        return packing_alignment(self.parallel)[1]
+
+
 def packed_lengths(seq_lengths: Sequence[int], parallel: ParallelConfig, min_tokens: int = 0) -> list[int]:
     """Each sequence's length in the packed row (alignment padding included; they sum to T)."""
     per_sequence, total = packing_alignment(parallel)

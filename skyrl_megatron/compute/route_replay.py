@@ -31,7 +31,7 @@ Routes are data that travel with the batch. Recorded routes are mapped back to t
 columns (through the same CP gather and packing maps as the log-probs) and kept per row, keyed by
 the row's real tokens (:class:`RouteStore`), since the training micro-batch plan, packing and CP
 shards need not be the scoring ones; the trainer looks them up for its rows and they go through the
-same row slicing, packing and CP/SP split as the tokens (``ModelRunner._micro_batches``).
+same row slicing, packing and CP/SP split as the tokens (``compute/microbatch/targets.py``).
 
 Activation recompute runs a router again in the backward pass; micro-batches are recomputed in the
 order they ran forward (per model chunk), so each router keeps the routes it replayed in a queue

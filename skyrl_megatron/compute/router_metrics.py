@@ -13,10 +13,10 @@ tallies, per MoE layer, how many real tokens each expert receives. Over a mini-b
 
 An expert's load is the number of real tokens routed to it after capacity dropping (what the
 dispatcher delivers). Only real tokens count: the runner announces each micro-batch's real-token
-mask (:func:`real_token_mask`) through :meth:`RouterMetrics.start_forward` right before the model
-call. Megatron's own ``padding_mask`` argument is not used for this, because 0.19.2 mishandles it
-(the expert-bias update broadcasts a [tokens] mask against the [tokens, experts] routing map, and
-pipeline stages after the first do not split it for sequence parallelism).
+mask (prepared with it, compute/microbatch/targets.py) through :meth:`RouterMetrics.start_forward`
+right before the model call. Megatron's own ``padding_mask`` argument is not used for this, because
+0.19.2 mishandles it (the expert-bias update broadcasts a [tokens] mask against the [tokens, experts]
+routing map, and pipeline stages after the first do not split it for sequence parallelism).
 
 Tallies count only training forwards (routers in train mode), once per micro-batch: activation
 recompute runs a router again in the backward pass, and that second call is recognised and skipped.
@@ -35,22 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.compute.batching import ModelInputs
 from skyrl_megatron.model.moe import routers
 from skyrl_megatron.runtime import current_runtime
-
-
-def real_token_mask(inputs: ModelInputs) -> torch.Tensor:
-    """[b, s] bool in the model layout of `inputs` (before any CP split): True at real tokens."""
-    mask = torch.zeros(inputs.input_ids.shape, dtype=torch.bool)
-    if inputs.packed is not None:
-        mask[0, inputs.packed.packed_index.cpu()] = True
-    elif inputs.spans.length.numel():
-        # padded rows hold their real tokens from column 0
-        width = mask.shape[1]
-        lengths = inputs.spans.length.cpu()
-        mask[: lengths.numel()] = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-    return mask
 
 
 @dataclass(frozen=True)

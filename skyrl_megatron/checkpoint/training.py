@@ -1,0 +1,215 @@
+"""Distributed checkpoints of a Megatron worker's training state: save and load.
+
+A checkpoint directory holds
+
+    skyrl_megatron_checkpoint.json   our metadata: format version, model identity, layout, step,
+                                     the caller's `extra`, and the size of every shard file
+    dist/                            a Megatron `dist_checkpointing` checkpoint: model chunks,
+                                     optimizer, LR scheduler, per-rank RNG states
+    huggingface/                     the tokenizer, when one is given
+
+Model and optimizer state are stored in Megatron's global (layout-independent) form, so a
+checkpoint saved under one parallel layout loads under another; the distributed optimizer saves
+its state `fully_reshardable` for that reason. RNG states belong to ranks and are restored only
+under the layout they were saved with. A model carrying LoRA adapters stores only the adapters
+(its base is frozen and is rebuilt from the HF checkpoint); the metadata's `model_state` says which.
+
+Saving is atomic: every rank writes into a `.<name>.partial` sibling, the metadata file is written
+last, and rank 0 renames the directory into place after all ranks finished. An existing checkpoint
+at the same path is replaced only then, so a crash mid-save leaves the previous one loadable.
+Loading checks the metadata (model identity, files present with their recorded sizes) before it
+reads a tensor, reads everything into fresh buffers, and copies into the model and optimizer only
+once every rank has read its part.
+
+Data-parallel (and context-parallel) replicas hold the same shards: each replica writes a share of
+them at save, and reads a share at load and hands it to the others, instead of the first replica
+writing everything and every replica reading everything. Saving starts no helper process, so a
+rank killed mid-save leaves nothing running behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from skyrl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, check_replaceable, commit, sibling, write_durably
+from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from skyrl_megatron.checkpoint.integrity import (
+    DIST_SUBDIR,
+    METADATA_FILE,
+    CheckpointMetadata,
+    Layout,
+    ModelIdentity,
+    check_files,
+    check_model_state,
+    check_same_model,
+    file_sizes,
+    read_checkpoint_metadata,
+    unwrap,
+)
+from skyrl_megatron.checkpoint.megatron_state import (
+    agree_on_all_ranks,
+    describe_optimizer,
+    load_model_state,
+    load_optimizer_state,
+    load_strategy,
+    model_state_of,
+    optimizer_kind,
+    restore_rng,
+    sharded_training_state,
+    use_fresh_buffers,
+)
+from skyrl_megatron.dist_io import save_strategy, writer_results_in_process
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_SUBDIR = "huggingface"
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What `load_checkpoint` restored besides the weights."""
+
+    step: int
+    extra: dict[str, Any]
+    saved_layout: Layout
+    rng_restored: bool  # only under the layout the checkpoint was saved with
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    chunks: Sequence[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    tokenizer=None,
+) -> Path:
+    """Save model chunks, optimizer, scheduler and RNG states to `ckpt_dir` (collective, all ranks).
+
+    `extra` must be JSON-serialisable; it is returned by `load_checkpoint`. A `tokenizer` is saved
+    to `<ckpt_dir>/huggingface`, where the host's FSDP checkpoints keep it. An existing checkpoint
+    at `ckpt_dir` is replaced once the new one is complete; any other non-empty directory there
+    is refused. Returns the final path.
+    """
+    final = Path(ckpt_dir).absolute()
+    extra = dict(extra or {})
+    try:
+        json.dumps(extra)
+    except TypeError as exc:
+        raise CheckpointError(f"save_checkpoint: `extra` must be JSON-serialisable ({exc})") from None
+    check_replaceable(final, marker=METADATA_FILE, what="a skyrl-megatron checkpoint")
+    partial = sibling(final, PARTIAL_SUFFIX)
+    if dist.get_rank() == 0:
+        # a leftover from a save that crashed: never published, safe to discard
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / DIST_SUBDIR).mkdir(parents=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial / TOKENIZER_SUBDIR)
+    dist.barrier()
+
+    from megatron.core import dist_checkpointing
+
+    model_state = model_state_of(chunks)  # collective: every rank takes part
+    sharded = sharded_training_state(
+        chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
+    )
+    with writer_results_in_process():
+        # returns after a barrier: every rank's shards are on disk
+        dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR), sharded_strategy=save_strategy())
+    if dist.get_rank() == 0:
+        metadata = CheckpointMetadata(
+            step=int(step),
+            extra=extra,
+            model=ModelIdentity.of(chunks),
+            layout=Layout.current(chunks),
+            optimizer=None if optimizer is None else optimizer_kind(optimizer),
+            has_scheduler=scheduler is not None,
+            files=file_sizes(partial / DIST_SUBDIR),
+            model_state=model_state,
+        )
+        write_durably(partial / METADATA_FILE, metadata.to_json())
+    commit(partial, final)
+    return final
+
+
+def load_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    chunks: Sequence[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    *,
+    strict: bool = True,
+) -> CheckpointState:
+    """Load a checkpoint written by `save_checkpoint` into `chunks` (and `optimizer`, `scheduler`
+    when given). Collective: all ranks call it. The current layout may differ from the saved one.
+
+    Raises CheckpointNotFoundError, CorruptCheckpointError or CheckpointMismatchError before any
+    weight is touched. With strict=False, tensors missing from the checkpoint keep their values.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    path = Path(ckpt_dir).absolute()
+    metadata = read_checkpoint_metadata(path)
+    check_same_model(metadata, chunks, path)
+    check_model_state(metadata, model_state_of(chunks), path)  # collective
+    check_files(metadata, path)
+    if optimizer is not None and metadata.optimizer != optimizer_kind(optimizer):
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds {describe_optimizer(metadata.optimizer)}, but the optimizer to "
+            f"restore is {describe_optimizer(optimizer_kind(optimizer))}; set "
+            f"ddp_config.use_distributed_optimizer as when it was saved, or load without the optimizer"
+        )
+    if scheduler is not None and not metadata.has_scheduler:
+        raise CheckpointMismatchError(f"checkpoint {path} holds no LR scheduler state")
+
+    layout = Layout.current(chunks)
+    same_layout = layout == metadata.layout
+    sharded = sharded_training_state(
+        chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout, model_state=metadata.model_state
+    )
+    use_fresh_buffers(sharded)
+    failure = f"cannot read checkpoint {path}"
+    loaded = agree_on_all_ranks(
+        lambda: dist_checkpointing.load(
+            sharded,
+            str(path / DIST_SUBDIR),
+            sharded_strategy=load_strategy(failure),
+            strict=StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED,
+        ),
+        failure,
+    )
+
+    # every rank holds its complete state now: only copies from here on
+    for index, chunk in enumerate(chunks):
+        load_model_state(unwrap(chunk), loaded[f"model{index}"], metadata.model_state, strict=strict)
+    if optimizer is not None:
+        load_optimizer_state(optimizer, loaded["optimizer"])
+    if scheduler is not None:
+        # load_state_dict advances by the saved step count instead of setting it
+        scheduler.num_steps = 0
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        restore_rng(loaded["rng_state"])
+    else:
+        logger.warning(
+            "checkpoint %s was saved under %s; running under %s: RNG states are per rank and are not "
+            "restored (model, optimizer and scheduler state are)",
+            path,
+            metadata.layout,
+            layout,
+        )
+    return CheckpointState(
+        step=metadata.step, extra=metadata.extra, saved_layout=metadata.layout, rng_restored=same_layout
+    )

@@ -1,0 +1,148 @@
+"""Step 2, plan: which rows form each micro-batch, how many micro-batches every rank runs, and their shape.
+
+Rows go together by a fixed row count, or by a token budget (then packed). Ranks that share expert
+or pipeline collectives run the same number of micro-batches (empty ones pad the count; the
+interleaved VPP schedule rounds it to a multiple of PP), and where pipeline stages exchange
+activations or the allgather MoE dispatcher needs equal token counts, every micro-batch of a
+schedule call gets one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from skyrl_megatron.compute.packing import PackingSettings, packed_lengths, round_up
+from skyrl_megatron.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank's rows are split: by row count, or by a token budget (then packed)."""
+
+    micro_batch_size: int = 1
+    max_tokens: int | None = None
+    packed: bool = False
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Which local rows form each micro-batch (indices into the rank's batch), in order."""
+
+    groups: list[torch.Tensor] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+
+def plan_micro_batches(
+    lengths: torch.Tensor,
+    *,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+) -> MicroBatchPlan:
+    """Split rows (with `lengths` real tokens each) into micro-batches.
+
+    Without `max_tokens`, every `micro_batch_size` consecutive rows form one. With `max_tokens`,
+    rows are packed first-fit-decreasing: longest first, each into the first micro-batch with room
+    for it (a row longer than the budget gets one of its own). RL batches have long-tailed lengths;
+    taking rows in order leaves many micro-batches part-empty, and fewer, fuller micro-batches mean
+    fewer kernel launches and less padding where micro-batches must share a shape. Results map
+    back through each micro-batch's row indices, so the order is free.
+    """
+    n = lengths.numel()
+    if max_tokens is None:
+        if not micro_batch_size or micro_batch_size < 1:
+            raise ValueError("plan_micro_batches needs micro_batch_size >= 1 or max_tokens")
+        return MicroBatchPlan([torch.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)])
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    longest_first = sorted(range(n), key=lambda i: (-int(lengths[i]), i))  # ties by index: deterministic
+    for i in longest_first:
+        length = int(lengths[i])
+        slot = next((b for b, free in enumerate(room) if length <= free), None)
+        if slot is None:
+            bins.append([i])
+            room.append(max_tokens - length)
+        else:
+            bins[slot].append(i)
+            room[slot] -= length
+    return MicroBatchPlan([torch.tensor(sorted(rows)) for rows in bins])
+
+
+def pad_plan(plan: MicroBatchPlan, num_micro_batches: int) -> MicroBatchPlan:
+    """Append empty micro-batches up to `num_micro_batches` (ranks that share expert or pipeline
+    collectives must run the same number of forward passes)."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return MicroBatchPlan(list(plan.groups) + [empty] * (num_micro_batches - len(plan.groups)))
+
+
+def model_shape(group_lengths: list[list[int]], settings: PackingSettings) -> tuple[int, int]:
+    """The smallest model-side shape (rows, columns) that holds every micro-batch, whose rows have
+    `group_lengths` real tokens each; computed from the lengths, without building the inputs."""
+    groups = [lengths for lengths in group_lengths if lengths]
+    if not groups:
+        return 1, settings.row_align
+    if settings.packed:
+        return 1, max(sum(packed_lengths(lengths, settings.parallel)) for lengths in groups)
+    widest = max(max(lengths) for lengths in groups)
+    return max(len(lengths) for lengths in groups), round_up(max(widest, 1), settings.row_align)
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """The micro-batches of one schedule call on this rank: rows per micro-batch (empty ones pad the
+    count), the packing, and the model-side shape they share (or each keeps its own)."""
+
+    plan: MicroBatchPlan
+    settings: PackingSettings
+    shape: tuple[int, int]  # (rows, columns) for the schedule; every micro-batch's when `fixed_shape`
+    fixed_shape: bool
+
+    def padded_shape(self, rows: torch.Tensor) -> tuple[int, int] | None:
+        """The model-side shape micro-batch `rows` is built with (None: its own smallest)."""
+        if self.fixed_shape:
+            return self.shape
+        return None if self.settings.packed or rows.numel() else (1, self.settings.row_align)  # empty: one pad row
+
+
+def plan_schedule(
+    lengths: torch.Tensor,
+    batching: MicroBatching,
+    parallel: ParallelConfig,
+    *,
+    equal_token_counts: bool,
+    device: torch.device,
+) -> SchedulePlan:
+    """Plan this rank's micro-batches for rows with `lengths` real tokens (collective: every rank of
+    the world agrees on the count, and with `equal_token_counts` on the shape)."""
+    packed = batching.packed or batching.max_tokens is not None
+    plan = plan_micro_batches(lengths, micro_batch_size=batching.micro_batch_size, max_tokens=batching.max_tokens)
+    settings = PackingSettings(
+        packed=packed, tensor=parallel.tensor, sequence_parallel=parallel.sequence_parallel, context=parallel.context
+    )
+    shape = model_shape([lengths[rows].tolist() for rows in plan.groups], settings)
+    if not packed:
+        shape = (max(shape[0], batching.micro_batch_size), shape[1])
+    # Pipeline stages exchange fixed-shape activations, and the allgather MoE dispatcher needs as
+    # many tokens on every expert-parallel rank: only there do micro-batches share one shape.
+    # Elsewhere each keeps its own, so no compute goes to padding up to the largest one (on
+    # long-tailed RL batches that was 18% of the positions at a 16k-token budget).
+    fixed_shape = parallel.pipeline > 1 or equal_token_counts
+    # every rank runs the same number of micro-batches: expert-parallel all-to-alls and the
+    # pipeline pair up forward passes across data-parallel ranks; the allgather MoE dispatcher
+    # also needs as many tokens on every expert-parallel rank, hence one shape for all ranks
+    agreed = [len(plan), *(shape if equal_token_counts else ())]
+    agreed = torch.tensor(agreed, dtype=torch.long, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    count = int(agreed[0])
+    if equal_token_counts:
+        shape = (int(agreed[1]), int(agreed[2]))
+    if parallel.virtual_pipeline:
+        # the interleaved schedule walks micro-batches in groups of PP size
+        count = -(-count // parallel.pipeline) * parallel.pipeline
+    return SchedulePlan(pad_plan(plan, count), settings, shape, fixed_shape)
