@@ -14,7 +14,6 @@ from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_co
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.model.lora import measure_footprint
-from skyrl_megatron.optim import current_lr
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
 from skyrl_megatron.workers.training import TrainedRoleMixin
 
@@ -119,15 +118,6 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
         return host_api.training_status(metrics)
-
-    def optim_step(self) -> float | None:
-        """skyrl 0.4's contract: apply the gradients of the last ``forward_backward``; the grad norm."""
-        metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
-        grad_norm = metrics["raw_grad_norm"]
-        return None if grad_norm != grad_norm else float(grad_norm)
-
-    def get_lr(self) -> float:
-        return current_lr(self.optimizer) or 0.0
 
     def _scoring_route_store(self) -> RouteStore | None:
         if self.route_store is None:
