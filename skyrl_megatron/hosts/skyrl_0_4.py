@@ -158,15 +158,20 @@ class SkyRL04(HostAdapter):
 
     def validate(self, cfg) -> None:
         """The host's `validate_cfg` without its Megatron section (vLLM + NCCL only, no critic:
-        limits of its built-in backend, not of ours)."""
+        limits of its built-in backend, not of ours). Its batch-size rules size a critic's DP as its
+        FSDP critic's (world / ``critic.sequence_parallel_size``); a Megatron critic's DP is world /
+        (TP*PP*CP), put in that place for the duration of the host's checks."""
         from skyrl.train.utils import utils as host_utils
 
         original = host_utils.validate_megatron_cfg
         host_utils.validate_megatron_cfg = lambda cfg: None
+        critic_sp = _present_megatron_critic_dp(cfg)
         try:
             host_utils.validate_cfg(cfg)
         finally:
             host_utils.validate_megatron_cfg = original
+            if critic_sp is not None:
+                cfg.trainer.critic.sequence_parallel_size = critic_sp
 
     def ray_env_vars(self, cfg, *, on_cpu: bool) -> dict[str, str]:
         from skyrl.train.utils.utils import prepare_runtime_environment
@@ -239,6 +244,11 @@ class SkyRL04(HostAdapter):
 
         return PolicyLossRegistry.get(name)
 
+    def critic_loss_function(self):
+        from skyrl.backends.skyrl_train.utils.ppo_utils import ppo_critic_loss
+
+        return ppo_critic_loss
+
     def masked_mean(self, tensor, mask, dim=None):
         from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 
@@ -259,6 +269,20 @@ class SkyRL04(HostAdapter):
         from skyrl.train.utils.utils import str_to_torch_dtype
 
         return str_to_torch_dtype(cfg.generator.inference_engine.model_dtype)
+
+
+def _present_megatron_critic_dp(cfg):
+    """Put a Megatron critic's DP divisor (TP*PP*CP) where the host reads its critic's; the value to
+    restore (None: nothing changed)."""
+    critic = cfg.trainer.critic
+    if cfg.trainer.strategy != "megatron" or not critic.model.path:
+        return None
+    m = critic.megatron_config
+    original = critic.sequence_parallel_size
+    critic.sequence_parallel_size = (
+        int(m.tensor_model_parallel_size) * int(m.pipeline_model_parallel_size) * int(m.context_parallel_size)
+    )
+    return original
 
 
 def _our_trainer_section(trainer: dict[str, Any]) -> dict[str, Any]:

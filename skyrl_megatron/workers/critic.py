@@ -3,8 +3,9 @@
 The model is the critic checkpoint's GPT trunk with a scalar value head on the last pipeline stage
 (`model/value_head.py`), under the critic's own layout (`trainer.critic.megatron_config`) and its
 own optimizer and schedule (`trainer.critic.optimizer_config`). The host's trainer drives it through
-its `CriticWorkerBase` contract: `forward` returns values [B, A] for the response tokens, `ppo_train`
-trains epochs x mini-batches with the host's value loss and reports the host's metric names.
+its `CriticWorkerBase` contract: `forward` returns values [B, A] for the response tokens; training is
+skyrl-train 0.3.1's `ppo_train` (epochs x mini-batches in one call) or skyrl 0.4's `forward_backward`
+(one mini-batch) + `optim_step`, both on one mini-batch path with the host's value loss and metric names.
 """
 
 from __future__ import annotations
@@ -47,10 +48,8 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
 
     def init_model(self, model_path: str, num_training_steps: int | None = None):
         self._build(model_path)
-        self._normalize_mini_batch_size()
-        trainer = self.host_cfg.trainer
-        self._init_optimizer(trainer.critic.optimizer_config, num_training_steps)
-        self.objective = ValueObjective(trainer.algorithm)
+        self._init_optimizer(self.host_cfg.trainer.critic.optimizer_config, num_training_steps)
+        self.objective = ValueObjective(host_api.algorithm_config(self.cfg))
         if torch.distributed.get_rank() == 0:
             logger.info("critic value head: %s", self._value_head_source)
 
@@ -70,39 +69,43 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
             values = torch.zeros(data["sequences"].shape[0], response_length)
         return host_api.scoring_output("values", values.cpu(), dict(data.metadata))
 
-    # -- training ---------------------------------------------------------------------------------
+    # -- training: one mini-batch, then one optimizer step ----------------------------------------
 
-    def ppo_train(self, train_data):
-        """Epochs x mini-batches of the rank's rows with the host's value loss; one optimizer step
-        per mini-batch of `critic_mini_batch_size` prompts' samples."""
+    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None) -> dict[str, float]:
+        """Forward + backward of rows [start, stop) of `data` with the host's value loss; gradients stay
+        for `_optimizer_step`."""
         from megatron.core import parallel_state as ps
 
+        missing = [k for k in VALUE_KEYS if k not in data or data[k] is None]
+        if missing:
+            raise ValueError(f"critic training needs {', '.join(missing)} in the training batch (GAE computes them)")
+        rows = slice(start, stop)
+        return self.runner.train_value_mini_batch(
+            data["sequences"][rows],
+            data["attention_mask"][rows],
+            {k: data[k][rows] for k in VALUE_KEYS},
+            self.objective,
+            self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+            dp_group=ps.get_data_parallel_group(),
+        )
+
+    def ppo_train(self, train_data):
+        """skyrl-train 0.3.1's contract: epochs x mini-batches of the rank's rows with the host's value
+        loss; one optimizer step per mini-batch of `critic_mini_batch_size` prompts' samples."""
         trainer = self.host_cfg.trainer
         rows = train_data["sequences"].shape[0]
-        mini = int(self.critic_mini_batch_size_per_gpu)
+        mini = int(trainer.critic_mini_batch_size) * int(self.host_cfg.generator.n_samples_per_prompt) // self.mesh_rank.dp_size
         if mini < 1 or rows % mini:
             raise ValueError(
                 f"critic worker got {rows} rows per DP rank, not a multiple of the per-rank mini-batch {mini} "
                 "(trainer.critic_mini_batch_size x generator.n_samples_per_prompt / critic DP size); adjust "
                 "trainer.train_batch_size or trainer.critic_mini_batch_size"
             )
-        missing = [k for k in VALUE_KEYS if k not in train_data or train_data[k] is None]
-        if missing:
-            raise ValueError(f"critic ppo_train needs {', '.join(missing)} in the training batch (GAE computes them)")
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         for _ in range(int(trainer.update_epochs_per_batch)):
             for start in range(0, rows, mini):
-                rows_slice = slice(start, start + mini)
-                response = {k: train_data[k][rows_slice] for k in VALUE_KEYS}
-                metrics = self.runner.train_value_mini_batch(
-                    train_data["sequences"][rows_slice],
-                    train_data["attention_mask"][rows_slice],
-                    response,
-                    self.objective,
-                    self._batching(trainer.micro_train_batch_size_per_gpu),
-                    dp_group=ps.get_data_parallel_group(),
-                )
+                metrics = self._train_mini_batch(train_data, start, start + mini)
                 metrics.update(self._optimizer_step())
                 steps += 1
                 for name, value in metrics.items():
@@ -112,6 +115,24 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         status["critic_update_steps"] = steps
         status["critic_skipped_steps"] = self.skipped_steps
         return host_api.training_output(metadata={"train_status": status})
+
+    def forward_backward(self, data, **kwargs):
+        """skyrl 0.4's contract: one mini-batch (this rank's rows of it), metrics reduced over DP;
+        ``optim_step`` follows.
+
+        The loss is the host's: its critic sums per-micro-batch `ppo_critic_loss` and scales the
+        gradients by 1 / micro-batches at ``optim_step`` (or weights micro-batches by their rows under a
+        token budget), i.e. a mean over the mini-batch's sequences, which is what `ValueObjective`'s
+        per-micro-batch shares add up to (over every DP rank's rows).
+        """
+        if kwargs.get("loss_fn") is not None or kwargs.get("loss_fn_config"):
+            raise NotImplementedError(
+                "critic forward_backward with a loss_fn/loss_fn_config override is not implemented by "
+                "skyrl-megatron; the critic trains with the host's value loss (trainer.algorithm.value_clip)"
+            )
+        metrics = self._train_mini_batch(data)
+        metrics["critic_lr"] = self.get_lr()  # the rate the coming optim_step applies
+        return host_api.training_status(metrics)
 
     # -- HF export --------------------------------------------------------------------------------
 

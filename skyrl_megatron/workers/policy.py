@@ -15,7 +15,6 @@ from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.engines.weight_updates import torch_dtype
 from skyrl_megatron.model.lora import measure_footprint
-from skyrl_megatron.optim import current_lr
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
 from skyrl_megatron.workers.engine_sync import BUCKET_BYTES as ENGINE_SYNC_BUCKET_BYTES
 from skyrl_megatron.workers.engine_sync import EngineBroadcastSender, is_engine_client
@@ -123,15 +122,6 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
         metrics.update(self.lora_metrics)
         return host_api.training_status(metrics)
-
-    def optim_step(self) -> float | None:
-        """skyrl 0.4's contract: apply the gradients of the last ``forward_backward``; the grad norm."""
-        metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
-        grad_norm = metrics["raw_grad_norm"]
-        return None if grad_norm != grad_norm else float(grad_norm)
-
-    def get_lr(self) -> float:
-        return current_lr(self.optimizer) or 0.0
 
     def _scoring_route_store(self) -> RouteStore | None:
         if self.route_store is None:

@@ -1,5 +1,6 @@
 """What the roles that train (policy, critic) share: their optimizer and schedule, one optimizer step
-with its metrics, and distributed checkpoints of weights, optimizer, schedule and skipped steps."""
+with its metrics (and skyrl 0.4's ``optim_step`` / ``get_lr`` on it), and distributed checkpoints of
+weights, optimizer, schedule and skipped steps."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
-from skyrl_megatron.optim import OptimizerSettings, optimizer_step
+from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
 
@@ -37,6 +38,16 @@ class TrainedRoleMixin(MegatronWorkerMixin):
             "raw_grad_norm": step.grad_norm if step.grad_norm is not None else float("nan"),
             f"{self.role}_lr": step.lr if step.lr is not None else 0.0,
         }
+
+    def optim_step(self) -> float | None:
+        """skyrl 0.4's contract: apply the gradients of the last ``forward_backward``; the grad norm
+        (None for a skipped step)."""
+        metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
+        grad_norm = metrics["raw_grad_norm"]
+        return None if grad_norm != grad_norm else float(grad_norm)
+
+    def get_lr(self) -> float:
+        return current_lr(self.optimizer) or 0.0
 
     # -- checkpoints ------------------------------------------------------------------------------
 
