@@ -171,11 +171,16 @@ def _trainer_class():
             """The host's value loss on this step's batch with the critic's values before its update
             (those GAE used) and after it (scored again)."""
             inputs = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
-            after = self.critic_model.run_method("mesh", "forward", inputs)["output"]
+            after = self._critic_values(inputs)
             before = data["values"]
             for name, values in ((VALUE_LOSS_BEFORE, before), (VALUE_LOSS_AFTER, after)):
                 self.all_metrics[name] = host_value_loss(values, before, data["returns"], data["loss_mask"],
                                                          self.cfg.trainer.algorithm)
+
+        def _critic_values(self, inputs):
+            if hasattr(self, "dispatch"):  # skyrl 0.4: scoring goes through its worker dispatch
+                return self._execute_forward_pass("critic", inputs, key="values", mini_batch_boundaries=None)
+            return self.critic_model.run_method("mesh", "forward", inputs)["output"]
 
         def fwd_logprobs_values_reward(self, training_input):
             self._check_engine_weights()  # the policy is still where the last sync left it
