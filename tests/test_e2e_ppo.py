@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from skyrl_megatron.hosts import current
+from skyrl_megatron.hosts.skyrl_0_4 import SkyRL04
+
 pytestmark = pytest.mark.slow
 
 STEPS = 10
@@ -62,9 +65,11 @@ def test_reward_rises_and_the_critics_updates_lower_the_value_loss(ppo_run):
     before = [r["critic/value_loss_before_update"] for r in steps]
     after = [r["critic/value_loss_after_update"] for r in steps]
     assert _mean(after) <= (1 - VALUE_LOSS_DROP) * _mean(before), list(zip(before, after))
+    counts_updates = not isinstance(current(), SkyRL04)  # 0.3.1's ppo_train counts its steps; 0.4 steps by call
     for record in steps:
-        assert record["critic/critic_update_steps"] == 2  # two mini-batches per step
-        assert record["critic/critic_skipped_steps"] == 0
+        if counts_updates:
+            assert record["critic/critic_update_steps"] == 2  # two mini-batches per step
+            assert record["critic/critic_skipped_steps"] == 0
         assert record["sync/bitwise_equal"] == 1.0
     assert "PPO (GAE)" in ppo_run["stdout"] and "before the critic's update" in ppo_run["stdout"]
 
