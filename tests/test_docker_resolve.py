@@ -8,6 +8,7 @@ repository, makes reruns faster).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -76,7 +77,7 @@ def the_image_platform():
     if not (sys.platform == "linux" and platform.machine() == "x86_64" and sys.version_info[:2] == (3, 12)):
         pytest.skip(f"resolves for the image's platform only (Linux x86_64, Python 3.12), not {sys.platform} {platform.machine()} {sys.version.split()[0]}")
     # flash-attn's metadata build imports torch (requirements/base.txt installs it before anything else)
-    assert __import__("importlib").util.find_spec("torch"), "torch is needed to build flash-attn's metadata: run scripts/setup.sh"
+    assert importlib.util.find_spec("torch"), "torch is needed to build flash-attn's metadata: run scripts/setup.sh"
 
 
 def test_every_pin_of_the_image_resolves_together_with_transformer_engine_and_the_plugin(tmp_path):
