@@ -17,8 +17,12 @@ DOCKERIGNORE = ROOT / "docker" / "Dockerfile.megatron.dockerignore"
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
 # pip options that take a value, which is then not a requirement
 PIP_OPTIONS_WITH_VALUE = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r", "--requirement", "-t", "--target"}
-# Pins that differ from the CPU set-up on purpose: vLLM 0.11.0 requires torch==2.8.0.
+# Pins that differ from the CPU set-up on purpose: vLLM 0.30.0 (the one skyrl 0.4.0's vLLM server code
+# imports cleanly) requires torch==2.13.0; the CPU set-up and our GPU measurements are on 2.11.0.
 GPU_ONLY_PINS = {"torch"}
+# Shell keywords that can open a simple command inside `if ...; then ...; fi`
+SHELL_KEYWORDS = {"if", "then", "else", "fi", "do", "done"}
+SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -37,14 +41,20 @@ def instructions(text: str) -> list[tuple[str, str]]:
 
 
 def commands(run: str) -> list[list[str]]:
-    """The simple commands of a RUN line, as words, without leading VAR=value assignments."""
-    result = []
-    for part in re.split(r"&&|\|\||;", run):
-        words = shlex.split(part)
-        while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+    """The simple commands of a RUN line, as words, without leading VAR=value assignments or shell keywords.
+    Quote-aware: a `;` or `|` inside a quoted argument (python -c "...") does not split a command."""
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    result, words = [], []
+    for token in [*lexer, ";"]:
+        if token not in SHELL_OPERATORS:
+            words.append(token)
+            continue
+        while words and (words[0] in SHELL_KEYWORDS or re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0])):
             words = words[1:]
         if words:
             result.append(words)
+        words = []
     return result
 
 
@@ -91,7 +101,7 @@ def test_every_pip_and_apt_install_is_pinned():
     assert len(pip) >= 5
     for args in pip:
         for spec in requirements(args):
-            assert spec == "." or re.fullmatch(r"[A-Za-z0-9._-]+(\[[a-z,]+\])?==[0-9][0-9A-Za-z.+]*", spec), f"unpinned: {spec}"
+            assert spec == "." or re.fullmatch(r"[A-Za-z0-9._-]+(\[[a-z0-9_,-]+\])?==[0-9][0-9A-Za-z.+]*", spec), f"unpinned: {spec}"
     for args in installs(("apt-get",)):
         for package in requirements(args):
             assert "=" in package, f"apt package without a version: {package}"
@@ -102,22 +112,34 @@ def test_pins_agree_with_the_requirements_files_and_the_bridge_skips_its_depende
     for args in installs(("pip",)):
         docker.update(pins([spec for spec in requirements(args) if spec != "."]))
     project = {}
-    # the image follows the skyrl-train 0.3.1 leg; host04.txt is the skyrl 0.4 leg's environment
-    for path in sorted(set((ROOT / "requirements").glob("*.txt")) - {ROOT / "requirements" / "host04.txt"}):
+    # the image follows the skyrl 0.4 leg (host04.txt); host.txt is the skyrl-train 0.3.1 leg's environment
+    for path in sorted(set((ROOT / "requirements").glob("*.txt")) - {ROOT / "requirements" / "host.txt"}):
         project.update(pins([line.strip() for line in path.read_text().splitlines() if "==" in line and not line.startswith("#")]))
-    for name in ("skyrl-train", "megatron-core", "megatron-bridge", "vllm", "transformer-engine", "flash-attn", "transformers"):
+    for name in ("skyrl", "skyrl-gym", "megatron-core", "megatron-bridge", "vllm", "transformer-engine", "flash-attn", "transformers"):
         assert name in docker, name
     differing = {name for name in docker.keys() & project.keys() if docker[name] != project[name]}
     assert differing == GPU_ONLY_PINS, {name: (docker[name], project[name]) for name in differing}
     assert [args for args in installs(("pip",)) if "megatron-bridge==0.6.2" in args] == [["--no-cache-dir", "--no-deps", "megatron-bridge==0.6.2"]]
 
 
-def test_cuda_build_arg_selects_the_torch_wheels():
-    parsed = instructions(DOCKERFILE.read_text())
-    args = dict(arg.partition("=")[::2] for keyword, arg in parsed if keyword == "ARG")
-    assert re.fullmatch(r"1[0-9]\.[0-9]", args["CUDA_VERSION"])
-    runs = [arg for keyword, arg in parsed if keyword == "RUN"]
-    assert any("download.pytorch.org/whl/cu" in run and "${CUDA_VERSION}" in run for run in runs)
+def build_args() -> dict[str, str]:
+    return dict(arg.partition("=")[::2] for keyword, arg in instructions(DOCKERFILE.read_text()) if keyword == "ARG")
+
+
+def test_the_build_checks_torch_and_nvcc_against_the_cuda_build_arg():
+    assert re.fullmatch(r"1[0-9]\.[0-9]", build_args()["CUDA_VERSION"])
+    runs = [arg for keyword, arg in instructions(DOCKERFILE.read_text()) if keyword == "RUN"]
+    (torch_run,) = [run for run in runs if "torch==" in run]
+    assert "torch.version.cuda != '${CUDA_VERSION}'" in torch_run and 'nvcc --version | grep -q "release ${CUDA_VERSION},"' in torch_run
+    # one index for everything (PyPI), the one the resolve test reaches
+    assert not [args for args in installs(("pip",)) if set(args) & {"-i", "--index-url", "--extra-index-url", "-f", "--find-links"}]
+
+
+def test_transformer_engine_is_only_installed_with_the_build_arg():
+    assert build_args()["WITH_TE"] == "0"
+    runs = [arg for keyword, arg in instructions(DOCKERFILE.read_text()) if keyword == "RUN"]
+    te_runs = [run for run in runs if "transformer-engine[" in run]
+    assert len(te_runs) == 1 and re.search(r'if \[ "\$\{WITH_TE\}" = 1 \];\s+then [^;]*transformer-engine\[[^;]*;\s+fi', te_runs[0]), te_runs
 
 
 def test_base_image_is_an_nvidia_pytorch_release_pinned_by_tag():
