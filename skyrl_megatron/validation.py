@@ -35,6 +35,8 @@ def validate_host_config(cfg) -> None:
     host = current()
     try:
         host.validate(cfg)
+    except ConfigError:
+        raise  # the adapter's own checks already name key and fix
     except (AssertionError, ValueError, NotImplementedError) as err:
         fix = f"see {host.release.label}'s config docs"
         raise ConfigError([Problem("(host check)", str(err) or repr(err), fix)]) from err

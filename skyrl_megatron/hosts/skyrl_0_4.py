@@ -163,6 +163,16 @@ class SkyRL04(HostAdapter):
         (TP*PP*CP), put in that place for the duration of the host's checks."""
         from skyrl.train.utils import utils as host_utils
 
+        from skyrl_megatron.config import ConfigError, Problem
+
+        if getattr(cfg.generator, "engine", "auto") == "gpu" and cfg.trainer.placement.colocate_all:
+            raise ConfigError([Problem(
+                "trainer.placement.colocate_all",
+                "generator.engine=gpu shares a GPU with the trainers only on skyrl-train 0.3.1 (through its CUDA IPC "
+                "sender); on skyrl 0.4 our HF engine takes a GPU of its own",
+                "set trainer.placement.colocate_all=false (the engine then needs a free GPU)",
+            )])
+
         original = host_utils.validate_megatron_cfg
         host_utils.validate_megatron_cfg = lambda cfg: None
         critic_sp = _present_megatron_critic_dp(cfg)

@@ -177,3 +177,10 @@ def test_the_cli_reports_a_bad_key_and_exits_2(tmp_path, hf_config_dir):
 def test_the_hosts_router_replay_is_our_r2(base):
     cfg = compose_config(base + [f"{MC}.moe_enable_routing_replay=true"])
     assert MegatronWorkerConfig.from_host_config(current().our_view(cfg), "policy").moe_config.routing_replay == "r2"
+
+
+def test_a_colocated_gpu_engine_is_refused_before_ray_with_the_key(base):
+    """Sharing a GPU with the trainers needs 0.3.1's CUDA IPC sender; on 0.4 our engine takes its own GPU."""
+    with pytest.raises(ConfigError, match=r"trainer.placement.colocate_all: generator.engine=gpu shares a GPU .* only on skyrl-train 0.3.1.*Fix: set trainer.placement.colocate_all=false"):
+        validate_config(compose_config(base + ["generator.engine=gpu", "generator.inference_engine.weight_sync_backend=nccl",
+                                               "trainer.placement.colocate_all=true"]))
