@@ -116,18 +116,12 @@ def merged(overrides: list[str], replacing: list[str]) -> list[str]:
     return kept + replacing
 
 
-def in_host_names(overrides: list[str]) -> list[str]:
-    """The demo's overrides (skyrl-train 0.3.1's key names) under the installed host's names, and the
-    host's helpers sized to this machine."""
+def machine_sized(overrides: list[str]) -> list[str]:
+    """The demo's overrides plus the installed host's helpers sized to this machine (the demo writes
+    skyrl-train 0.3.1's key names; skyrl 0.4's adapter takes them under its own)."""
     from skyrl_megatron.hosts import current
 
-    host = current()
-    names = host.host_key_names()
-    renamed = []
-    for override in overrides:
-        key, _, value = override.partition("=")
-        renamed.append(f"{names.get(key, key)}={value}")
-    return renamed + host.machine_sized_overrides(os.cpu_count() or 1)
+    return overrides + current().machine_sized_overrides(os.cpu_count() or 1)
 
 
 def ppo_overrides(model_dir: Path) -> list[str]:
@@ -204,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval)
     if args.gpu:
         overrides = merged(overrides, gpu_overrides())
-    overrides = in_host_names(overrides + (ppo_overrides(model_dir) if args.ppo else [])) + args.overrides
+    overrides = machine_sized(overrides + (ppo_overrides(model_dir) if args.ppo else [])) + args.overrides
     # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its
     # first import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
     os.environ.setdefault("LOG_LEVEL", "WARNING")

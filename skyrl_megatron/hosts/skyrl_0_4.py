@@ -108,7 +108,18 @@ class SkyRL04(HostAdapter):
                 problems.append(Problem(arg.split("=", 1)[0], "unknown key", f"did you mean '{hint}'?" if hint else "remove it"))
         if problems:
             raise ConfigError(problems)
-        return self.config_class().from_cli_overrides(list(overrides))
+        return self.config_class().from_cli_overrides(self.in_host_names(overrides))
+
+    def in_host_names(self, overrides: list[str]) -> list[str]:
+        """skyrl-train 0.3.1's flat engine keys (``generator.weight_sync_backend=gloo``) under the names 0.4
+        gave them (``generator.inference_engine.weight_sync_backend``), so one command line serves both hosts."""
+        names = self.host_key_names()
+        renamed = []
+        for override in overrides:
+            key, sep, value = override.partition("=")
+            prefix = key[: len(key) - len(key.lstrip("+~"))]
+            renamed.append(f"{prefix}{names.get(key[len(prefix):], key[len(prefix):])}{sep}{value}")
+        return renamed
 
     def unsupported_settings(self, cfg) -> list[tuple[str, Any]]:
         """Host fields of its built-in Megatron backend that ours does not implement, set away from their defaults."""

@@ -184,3 +184,12 @@ def test_a_colocated_gpu_engine_is_refused_before_ray_with_the_key(base):
     with pytest.raises(ConfigError, match=r"trainer.placement.colocate_all: generator.engine=gpu shares a GPU .* only on skyrl-train 0.3.1.*Fix: set trainer.placement.colocate_all=false"):
         validate_config(compose_config(base + ["generator.engine=gpu", "generator.inference_engine.weight_sync_backend=nccl",
                                                "trainer.placement.colocate_all=true"]))
+
+
+def test_the_same_command_line_works_on_both_hosts(base):
+    """0.3.1's flat engine keys are accepted under their 0.4 names: one command serves both hosts."""
+    cfg = compose_config(base + ["generator.weight_sync_backend=gloo", "generator.num_inference_engines=2",
+                                 "generator.inference_engine_tensor_parallel_size=1", "generator.model_dtype=float32"])
+    engine = cfg.generator.inference_engine
+    assert (engine.weight_sync_backend, engine.num_engines, engine.tensor_parallel_size, engine.model_dtype) == \
+        ("gloo", 2, 1, "float32")
