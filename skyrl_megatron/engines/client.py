@@ -19,7 +19,7 @@ from typing import Any
 
 from skyrl_megatron import host_api
 from skyrl_megatron.engines.broadcast import BroadcastRendezvous
-from skyrl_megatron.engines.hf_engine import HFEngine
+from skyrl_megatron.engines.hf_engine import HFEngine, start_engine_actors
 from skyrl_megatron.engines.weight_updates import TensorAnnouncement
 
 
@@ -192,13 +192,6 @@ def _concatenate(outputs: list[dict[str, Any]]) -> dict[str, Any]:
     return joined
 
 
-def engine_actor_class(num_cpus: float = 1, num_gpus: float = 0):
-    """``ray.remote(HFEngine)``: an async actor (its methods are coroutines)."""
-    import ray
-
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(HFEngine)
-
-
 def create_engine_client(
     num_engines: int,
     model_path: str | Path,
@@ -211,9 +204,6 @@ def create_engine_client(
     device: str = "cpu",
 ) -> EngineClient:
     """`num_engines` HF engine actors behind one client, on CPU or each on a GPU of its own; seeds seed, seed+1, ..."""
-    actor_class = engine_actor_class(num_cpus, num_gpus=1 if device == "cuda" else 0)
-    engines = [
-        actor_class.remote(str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device)
-        for index in range(num_engines)
-    ]
+    engines = start_engine_actors(HFEngine, num_engines, model_path, dtype=dtype, seed=seed, num_cpus=num_cpus,
+                                  tokenizer=tokenizer, device=device)
     return EngineClient(engines, model_name or str(model_path), dtype)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron import host_api
-from skyrl_megatron.engines.hf_engine import HFEngine
+from skyrl_megatron.engines.hf_engine import HFEngine, start_engine_actors
 from skyrl_megatron.engines.weight_updates import torch_dtype
 
 
@@ -150,13 +150,6 @@ class CpuInferenceEngine(HFEngine, host_api.inference_engine_interface()):
         return 1
 
 
-def cpu_engine_actor_class(num_cpus: float = 1, num_gpus: float = 0):
-    """``ray.remote(CpuInferenceEngine)``: an async actor (its engine methods are coroutines)."""
-    import ray
-
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(CpuInferenceEngine)
-
-
 def create_ray_wrapped_cpu_engines(
     num_engines: int,
     model_path: str | Path,
@@ -173,21 +166,19 @@ def create_ray_wrapped_cpu_engines(
     On CPU; on a GPU of its own each; or, with `colocate_pg` (``colocate_all``), engine i on a share of
     the GPU of bundle i, which the host's policy and reference workers share too (as it places vLLM).
     """
-    actor_class = cpu_engine_actor_class(num_cpus, num_gpus=1 if device == "cuda" else 0)
-    engines = []
-    for index in range(num_engines):
-        options = {}
-        if colocate_pg is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            options = {"num_gpus": COLOCATED_GPU_SHARE, "num_cpus": COLOCATED_GPU_SHARE,
-                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=colocate_pg, placement_group_bundle_index=index)}
-        actor = actor_class.options(**options).remote(
-            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device
-        )
-        engines.append(host_api.ray_wrapped_inference_engine(actor))
-    return engines
+    def colocated(index: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_gpus": COLOCATED_GPU_SHARE, "num_cpus": COLOCATED_GPU_SHARE,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=colocate_pg, placement_group_bundle_index=index)}
+
+    actors = start_engine_actors(
+        CpuInferenceEngine, num_engines, model_path, dtype=dtype, seed=seed, num_cpus=num_cpus, tokenizer=tokenizer,
+        device=device, options_for=colocated if colocate_pg is not None else None,
+    )
+    return [host_api.ray_wrapped_inference_engine(actor) for actor in actors]
 
 
 # The share of a GPU a colocated engine asks Ray for (the host asks the same for its vLLM engines).

@@ -225,3 +225,28 @@ class HFEngine:
 
     async def teardown(self) -> None:
         pass
+
+
+def start_engine_actors(
+    engine_class: type[HFEngine],
+    num_engines: int,
+    model_path: str | Path,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    num_cpus: float = 1,
+    tokenizer: str | Path | None = None,
+    device: str = "cpu",
+    options_for=None,
+) -> list:
+    """`num_engines` async Ray actors of `engine_class` (its methods are coroutines), seeds seed, seed+1, ...;
+    on CPU, or each on a GPU of its own unless `options_for(index)` gives Ray other options (placement)."""
+    import ray
+
+    actor_class = ray.remote(num_cpus=num_cpus, num_gpus=1 if device == "cuda" else 0)(engine_class)
+    return [
+        actor_class.options(**(options_for(index) if options_for else {})).remote(
+            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device
+        )
+        for index in range(num_engines)
+    ]
