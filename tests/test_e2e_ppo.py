@@ -33,8 +33,10 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 CKPT_INTERVAL = 5
 REWARD_MARGIN = 0.3
-# measured 0.046 -> 0.030 (-35%) over a 10-step run; an update raised it on 1 step of 10
-VALUE_LOSS_DROP = 0.2
+# Measured over 10-step runs: -35% on skyrl-train 0.3.1; on skyrl 0.4 -25% on the dev box and -17% on
+# the CI machine (sampling differs between machines); an update raised it on 1 step of 10. A critic that
+# does not learn (or steps the wrong way) gives 0% or a rise.
+VALUE_LOSS_DROP = 0.1
 TIMEOUT = 900
 
 

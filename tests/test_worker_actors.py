@@ -246,11 +246,23 @@ def test_offload_and_backload_keep_forward_and_training_identical(actors, tmp_pa
     policy_before = _forward(actors.policy, actors.data())
     ref_before = _forward(actors.ref, actors.data())
 
+    import ray
+
+    ray.get(actors.policy.async_run_ray_method("pass_through", "transfer_summary"))  # start from an empty log
     offloaded = actors.policy.offload_to_cpu() + actors.ref.offload_to_cpu()
     assert [report["parts"] for report in offloaded] == [["model", "optimizer"]] * 2 + [["model"]]
     assert all(report["gib_moved"] > 0 for report in offloaded)
     backloaded = actors.policy.backload_to_gpu() + actors.ref.backload_to_gpu()
     assert [r["gib_moved"] for r in backloaded] == [r["gib_moved"] for r in offloaded]
+    # each worker's transfer log holds exactly these two calls (the demo's per-step offload report)
+    # and is empty once read
+    summaries = ray.get(actors.policy.async_run_ray_method("pass_through", "transfer_summary"))
+    for rank, summary in enumerate(summaries):
+        assert summary["transfers"] == 2
+        assert summary["offload_gib"] == pytest.approx(offloaded[rank]["gib_moved"])
+        assert summary["backload_gib"] == pytest.approx(backloaded[rank]["gib_moved"])
+        assert summary["offload_s"] > 0 and summary["backload_s"] > 0
+    assert ray.get(actors.policy.async_run_ray_method("pass_through", "transfer_summary"))[0]["transfers"] == 0
 
     assert torch.equal(_forward(actors.policy, actors.data()), policy_before)
     assert torch.equal(_forward(actors.ref, actors.data()), ref_before)
@@ -291,3 +303,29 @@ def test_bad_batch_size_fails_fast_with_a_clear_error(actors):
     # both ranks refused before touching the model: the group still trains
     status, _ = _train_step(actors)
     assert status["policy_update_steps"] == 1
+
+
+def test_out_of_memory_in_a_training_step_names_the_worker_and_the_knobs(actors):
+    """A real allocator failure in ppo_train (rows of 2^17 prompt tokens: the CPU attention's packed
+    causal mask alone would be tens of GiB) reaches the driver as one error per the knobs, no hang;
+    the workers go on afterwards."""
+    from skyrl_megatron.workers.out_of_memory import WorkerOutOfMemory
+
+    data = actors.trainer.fwd_logprobs_values_reward(actors.data())
+    extra = 2**17
+    rows = data["sequences"].shape[0]
+    long_data = data.select(keys=list(data.keys()), metadata_keys=list(data.metadata))
+    long_data["sequences"] = torch.cat([torch.full((rows, extra), 5, dtype=data["sequences"].dtype),
+                                        data["sequences"]], dim=1)
+    mask = torch.cat([torch.ones(rows, extra, dtype=data["attention_mask"].dtype), data["attention_mask"]], dim=1)
+    mask[:, : mask.shape[1] - RESPONSE] = 1  # one contiguous run: the old left padding becomes prompt
+    long_data["attention_mask"] = mask
+    with pytest.raises(Exception) as raised:
+        actors.trainer.train_critic_and_policy(long_data)
+    message = str(raised.value)
+    assert WorkerOutOfMemory.__name__ in message or isinstance(raised.value, WorkerOutOfMemory), message
+    assert "policy worker rank 0/2 (dp 0, cp 0, tp 0, pp 0) ran out of memory while training" in message
+    assert "trainer.policy.megatron_config.max_tokens_per_microbatch" in message
+    assert "recompute_granularity=full" in message
+    # the failed step left the workers usable
+    assert torch.isfinite(_forward(actors.policy, actors.data())).all()

@@ -7,6 +7,8 @@ Nothing here changes what the host trainer does; it observes:
   bitwise), reported as ``sync/bitwise_equal``;
 * the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
   same tokens, reported as ``sync/rollout_logprob_max_diff``;
+* in colocated runs, the host's offload/backload traffic of policy and ref (GiB, seconds) and the
+  memory each still held after its last offload, reported as ``offload/<role>_*``;
 * each step's prompt ids and token count are recorded, so a resumed run's data order can be checked;
 * with a critic (PPO), the host's value loss on each step's batch is measured with the values GAE
   used and again after the critic's update (``critic/value_loss_before_update``, ``..._after_update``);
@@ -157,6 +159,18 @@ def _trainer_class():
             self.all_metrics["sync/bitwise_equal"] = float(equal)
             self.all_metrics["sync/tensors"] = len(exported)
 
+        def _report_transfers(self) -> None:
+            """The host's offload/backload traffic of policy and ref since the last step's scoring
+            (colocated runs), and the memory each worker still held after its last offload."""
+            for role in ("policy", "ref"):
+                group = getattr(self, f"{role}_model", None)
+                if group is None:
+                    continue
+                summary = ray.get(group.async_run_ray_method("pass_through", "transfer_summary"))[0]
+                if summary.get("transfers"):
+                    for key, value in summary.items():
+                        self.all_metrics[f"offload/{role}_{key}"] = value
+
         def postprocess_generator_output(self, generator_output, uids):
             self.all_metrics["data/prompt_uids"] = sorted(set(uids), key=int)
             return super().postprocess_generator_output(generator_output, uids)
@@ -184,6 +198,7 @@ def _trainer_class():
 
         def fwd_logprobs_values_reward(self, training_input):
             self._check_engine_weights()  # the policy is still where the last sync left it
+            self._report_transfers()
             training_input = super().fwd_logprobs_values_reward(training_input)
             self.all_metrics["throughput/tokens"] = int(training_input["attention_mask"].sum())
             rollout = training_input["rollout_logprobs"]

@@ -23,7 +23,8 @@ from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.cache import ConversionCacheSettings
 from skyrl_megatron.model.lora import LoraSpec
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
-from skyrl_megatron.workers.offload import ModelOffloader
+from skyrl_megatron.workers.offload import ModelOffloader, TransferLog
+from skyrl_megatron.workers.out_of_memory import StepKnobs, explains_out_of_memory
 from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class MegatronWorkerMixin:
             dp_size=coords.dp_size,
             pp_size=coords.pp_size,
         )
+        self.worker_name = (f"{self.role} worker rank {torch.distributed.get_rank()}/{coords.world_size} "
+                            f"(dp {coords.dp}, cp {coords.cp}, tp {coords.tp}, pp {coords.pp})")
         register_current_worker(
             self.role,
             torch.distributed.get_rank(),
@@ -126,6 +129,20 @@ class MegatronWorkerMixin:
             packed=bool(self.host_cfg.trainer.use_sample_packing),
         )
 
+    def _step_guard(self, phase: str):
+        """Scoring or training under this, so an out-of-memory names this worker and the knobs that
+        size its micro-batches (`workers/out_of_memory.py`)."""
+        trainer = self.host_cfg.trainer
+        micro_key = "micro_train_batch_size_per_gpu" if phase == "training" else "micro_forward_batch_size_per_gpu"
+        knobs = StepKnobs(
+            role=self.role,
+            max_tokens_per_microbatch=self.megatron_cfg.max_tokens_per_microbatch,
+            micro_batch_key=f"trainer.{micro_key}",
+            micro_batch_size=int(getattr(trainer, micro_key)),
+            recompute_granularity=self.megatron_cfg.transformer_config_kwargs.get("recompute_granularity"),
+        )
+        return explains_out_of_memory(self.worker_name, phase, knobs)
+
     def forward(self, data, loss_fn: str | None = None, loss_fn_config=None, **kwargs: Any):
         """Logprobs of the response tokens at the sampling temperature, [B, A], in the host's output type."""
         if loss_fn is not None:
@@ -135,14 +152,15 @@ class MegatronWorkerMixin:
             )
         response_length = int(data.metadata["response_length"])
         self.runner.gradients.release()  # scoring needs no gradients (the first score follows the build)
-        logprobs = self.runner.response_logprobs(
-            data["sequences"],
-            data["attention_mask"],
-            response_length,
-            self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
-            temperature=float(self.host_cfg.generator.sampling_params.temperature),
-            record_routes=self._scoring_route_store(),
-        )
+        with self._step_guard("scoring"):
+            logprobs = self.runner.response_logprobs(
+                data["sequences"],
+                data["attention_mask"],
+                response_length,
+                self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
+                temperature=float(self.host_cfg.generator.sampling_params.temperature),
+                record_routes=self._scoring_route_store(),
+            )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here
             logprobs = torch.zeros(data["sequences"].shape[0], response_length)
         return host_api.scoring_output("logprobs", logprobs.cpu(), dict(data.metadata))
@@ -166,6 +184,7 @@ class MegatronWorkerMixin:
         )
         if self.megatron_cfg.empty_cuda_cache:
             self.empty_cache()
+        self.transfer_log.add(report)
         return report.as_dict()
 
     @contextlib.contextmanager
@@ -187,4 +206,18 @@ class MegatronWorkerMixin:
             optimizer=kwargs.get("backload_optimizer", True),
             optimizer_obj=getattr(self, "optimizer", None),
         )
+        self.transfer_log.add(report)
         return report.as_dict()
+
+    @property
+    def transfer_log(self) -> TransferLog:
+        """The host's offload/backload calls (not our own brief `model_resident` moves)."""
+        log = self.__dict__.get("_transfer_log")
+        if log is None:
+            log = self.__dict__["_transfer_log"] = TransferLog()
+        return log
+
+    def transfer_summary(self) -> dict[str, float]:
+        """Bytes and seconds the host's offloads/backloads moved since the last call, and the memory
+        left after the last offload (see `TransferLog`)."""
+        return self.transfer_log.drain()

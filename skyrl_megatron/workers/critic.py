@@ -59,12 +59,13 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         """Values of the states before each response token: {"output": [B, A]} (0 past a response's end)."""
         response_length = int(data.metadata["response_length"])
         self.runner.gradients.release()  # scoring needs no gradients
-        values = self.runner.response_values(
-            data["sequences"],
-            data["attention_mask"],
-            response_length,
-            self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
-        )
+        with self._step_guard("scoring"):
+            values = self.runner.response_values(
+                data["sequences"],
+                data["attention_mask"],
+                response_length,
+                self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
+            )
         if values is None:  # not the last pipeline stage: the host does not collect from here
             values = torch.zeros(data["sequences"].shape[0], response_length)
         return host_api.scoring_output("values", values.cpu(), dict(data.metadata))
@@ -80,14 +81,15 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         if missing:
             raise ValueError(f"critic training needs {', '.join(missing)} in the training batch (GAE computes them)")
         rows = slice(start, stop)
-        return self.runner.train_value_mini_batch(
-            data["sequences"][rows],
-            data["attention_mask"][rows],
-            {k: data[k][rows] for k in VALUE_KEYS},
-            self.objective,
-            self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
-            dp_group=ps.get_data_parallel_group(),
-        )
+        with self._step_guard("training"):
+            return self.runner.train_value_mini_batch(
+                data["sequences"][rows],
+                data["attention_mask"][rows],
+                {k: data[k][rows] for k in VALUE_KEYS},
+                self.objective,
+                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+                dp_group=ps.get_data_parallel_group(),
+            )
 
     def ppo_train(self, train_data):
         """skyrl-train 0.3.1's contract: epochs x mini-batches of the rank's rows with the host's value

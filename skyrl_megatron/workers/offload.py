@@ -41,6 +41,42 @@ class TransferReport:
         }
 
 
+def device_memory_gib() -> dict[str, float]:
+    """This process's allocated accelerator memory and the device's free memory (GiB); {} on CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    free, _total = torch.cuda.mem_get_info()
+    return {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "device_free_gib": free / 2**30}
+
+
+class TransferLog:
+    """The host's offload/backload calls since the log was last drained, for per-step reporting.
+
+    Each entry is a transfer report plus the memory figures right after it: after an offload,
+    ``allocated_gib`` is what this worker still holds on the device (it must not grow over a run)
+    and ``device_free_gib`` what the colocated engine can have.
+    """
+
+    def __init__(self):
+        self._entries: list[dict] = []
+
+    def add(self, report: TransferReport) -> None:
+        self._entries.append({**report.as_dict(), **device_memory_gib()})
+
+    def drain(self) -> dict[str, float]:
+        entries, self._entries = self._entries, []
+        summary: dict[str, float] = {"transfers": float(len(entries))}
+        for direction in ("offload", "backload"):
+            moved = [e for e in entries if e["direction"] == direction]
+            summary[f"{direction}_gib"] = sum(e["gib_moved"] for e in moved)
+            summary[f"{direction}_s"] = sum(e["seconds"] for e in moved)
+        offloads = [e for e in entries if e["direction"] == "offload" and "allocated_gib" in e]
+        if offloads:
+            summary["allocated_gib_after_offload"] = offloads[-1]["allocated_gib"]
+            summary["device_free_gib_after_offload"] = offloads[-1]["device_free_gib"]
+        return summary
+
+
 class _ParkedTensor:
     """A tensor whose storage is parked in host memory while its device storage is freed."""
 

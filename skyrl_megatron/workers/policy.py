@@ -66,16 +66,17 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         if scored_routes is not None:
             routes = host_columns(scored_routes[rows], data["attention_mask"][rows])
         self.router_metrics.reset()
-        metrics = self.runner.train_mini_batch(
-            data["sequences"][rows],
-            data["attention_mask"][rows],
-            response,
-            self.objective,
-            self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
-            temperature=float(self.host_cfg.generator.sampling_params.temperature),
-            dp_group=ps.get_data_parallel_group(),
-            routes=routes,
-        )
+        with self._step_guard("training"):
+            metrics = self.runner.train_mini_batch(
+                data["sequences"][rows],
+                data["attention_mask"][rows],
+                response,
+                self.objective,
+                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+                temperature=float(self.host_cfg.generator.sampling_params.temperature),
+                dp_group=ps.get_data_parallel_group(),
+                routes=routes,
+            )
         metrics.update(self.router_metrics.summary())  # collective: every rank
         return metrics
 

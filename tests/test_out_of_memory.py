@@ -1,0 +1,58 @@
+"""An allocator failure inside a worker's step becomes one error naming the worker and the knobs.
+
+The failure here is real: the CPU allocator refusing a petabyte, raised inside the guard exactly as a
+step's activation allocation would be.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron.workers.out_of_memory import StepKnobs, WorkerOutOfMemory, explains_out_of_memory
+
+WORKER = "policy worker rank 1/2 (dp 0, cp 0, tp 1, pp 0)"
+
+
+def _knobs(max_tokens=None, recompute=None) -> StepKnobs:
+    return StepKnobs(role="policy", max_tokens_per_microbatch=max_tokens,
+                     micro_batch_key="trainer.micro_train_batch_size_per_gpu", micro_batch_size=4,
+                     recompute_granularity=recompute)
+
+
+def _allocate_too_much() -> None:
+    torch.empty(2**50, dtype=torch.uint8)
+
+
+def test_training_oom_names_the_worker_the_token_budget_and_recompute():
+    with pytest.raises(WorkerOutOfMemory) as raised:
+        with explains_out_of_memory(WORKER, "training", _knobs(max_tokens=8192)):
+            _allocate_too_much()
+    message = str(raised.value)
+    assert message.startswith(f"{WORKER} ran out of memory while training (")
+    assert "lower trainer.policy.megatron_config.max_tokens_per_microbatch (now 8192)" in message
+    assert "trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity=full (now off)" in message
+    # the step's frames (and their tensors) are no longer referenced by the error that travels
+    assert raised.value.__suppress_context__ and raised.value.__context__.__traceback__ is None
+
+
+def test_without_a_token_budget_the_message_offers_one_and_the_micro_batch_size():
+    with pytest.raises(WorkerOutOfMemory) as raised:
+        with explains_out_of_memory(WORKER, "scoring", _knobs()):
+            _allocate_too_much()
+    message = str(raised.value)
+    assert "set trainer.policy.megatron_config.max_tokens_per_microbatch" in message
+    assert "trainer.micro_train_batch_size_per_gpu (now 4)" in message
+    assert "recompute" not in message  # scoring keeps no activations for backward
+
+
+def test_full_recompute_is_not_offered_again_and_other_errors_pass_unchanged():
+    with pytest.raises(WorkerOutOfMemory) as raised:
+        with explains_out_of_memory(WORKER, "training", _knobs(max_tokens=4096, recompute="full")):
+            _allocate_too_much()
+    assert "recompute" not in str(raised.value)
+    with pytest.raises(ValueError, match="unrelated"):
+        with explains_out_of_memory(WORKER, "training", _knobs()):
+            raise ValueError("unrelated")
+    with explains_out_of_memory(WORKER, "training", _knobs()):
+        pass  # a step that fits raises nothing
