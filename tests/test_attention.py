@@ -14,12 +14,9 @@ import math
 import pytest
 import torch
 
-from skyrl_megatron.compute.packing import (
-    ContextParallelSplit,
-    context_parallel_index,
-    pack_padded_batch,
-    unpack_to_padded,
-)
+from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+from skyrl_megatron.compute.microbatch.model_inputs import unpack_to_padded
+from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit, context_parallel_index
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.testing import run_on_ranks
 
@@ -167,7 +164,7 @@ def test_context_parallel_split_round_trip(cp_size):
     packed = pack_padded_batch(tokens, mask, ParallelConfig(context=cp_size))
     padded = torch.arange(3 * 8 * cp_size).reshape(3, 8 * cp_size)
     for split, full in [
-        (lambda r: ContextParallelSplit.for_packed(packed, r, cp_size), packed.tokens),
+        (lambda r: ContextParallelSplit.for_packed(packed.packed_seq_params, r, cp_size), packed.tokens),
         (lambda r: ContextParallelSplit.for_padded(padded.shape[1], r, cp_size), padded),
     ]:
         locals_ = [split(rank).local(full) for rank in range(cp_size)]
@@ -211,7 +208,7 @@ def _module_values_and_grads(rank, world_size, seq_lengths, padded_batch):
     padded batch of `padded_batch` rows); returns global-order outputs and local input grads."""
     from megatron.core import parallel_state as ps
 
-    from skyrl_megatron.compute.packing import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
 
     attention = _attention_module(world_size)
     query, key, value = _qkv(sum(seq_lengths), seed=2)

@@ -26,9 +26,9 @@ def _megatron_logits_and_export(rank: int, hf_dir: str, layout: dict):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from skyrl_megatron.compute.packing import ContextParallelSplit
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
     parallel = ParallelConfig(**layout)
@@ -163,9 +163,11 @@ def _megatron_packed_logits(rank: int, hf_dir: str, layout: dict):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from skyrl_megatron.compute.packing import ContextParallelSplit, pack_padded_batch, unpack_to_padded
+    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.model_inputs import unpack_to_padded
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
     parallel = ParallelConfig(**layout)
@@ -180,7 +182,7 @@ def _megatron_packed_logits(rank: int, hf_dir: str, layout: dict):
         tokens[i, left : left + len(sequence)] = sequence
         mask[i, left : left + len(sequence)] = 1
     packed = pack_padded_batch(tokens, mask, parallel)
-    split = ContextParallelSplit.for_packed(packed, coords.cp, parallel.context)
+    split = ContextParallelSplit.for_packed(packed.packed_seq_params, coords.cp, parallel.context)
 
     def forward(model, batch):
         local_tokens, local_positions = split.local(batch.tokens), split.local(batch.position_ids)

@@ -215,14 +215,14 @@ def test_idle_gaps_are_attributed_to_the_host_operation_running_then():
     kernels = [(0, 10), (5, 20), (100, 110), (120, 130)]  # gaps: 20-100 (long), 110-120 (short)
     host = [
         HostOp("outer", 0, 200, thread=1),
-        HostOp("aten::nonzero", 30, 90, thread=1, frame="skyrl_megatron/compute/packing.py(9): pack"),
+        HostOp("aten::nonzero", 30, 90, thread=1, frame="skyrl_megatron/compute/microbatch/inputs.py(9): pack"),
         HostOp("aten::mm", 95, 99, thread=2),  # ends before the gap's middle (60)
     ]
     marked = [HostOp("skyrl_megatron.schedule", 0, 200, thread=1), HostOp("skyrl_megatron.loss", 100, 125, thread=1)]
     report = gpu_idle.idle_report(kernels, host, marked, min_gap_us=50)
     assert (report.span_us, report.busy_us, report.idle_us) == (130, 40, 90)
     assert (report.small_gaps, report.small_gaps_us) == (1, 10)
-    key = "aten::nonzero @ skyrl_megatron/compute/packing.py(9): pack  [in skyrl_megatron.schedule]"
+    key = "aten::nonzero @ skyrl_megatron/compute/microbatch/inputs.py(9): pack  [in skyrl_megatron.schedule]"
     assert dict(report.attributed) == {key: [80, 1]}
     assert report.ranges["skyrl_megatron.schedule"] == [200, 40, 1]
     assert report.ranges["skyrl_megatron.loss"] == [25, 15, 1]  # 100-110 and 120-125

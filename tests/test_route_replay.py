@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from skyrl_megatron.compute.microbatch.inputs import build_model_inputs
-from skyrl_megatron.compute.packing import PackingSettings
+from skyrl_megatron.compute.microbatch.plan import PackingSettings
 from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteStore, host_columns
 from skyrl_megatron.config import ConfigError, MoeSettings
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks

@@ -14,9 +14,10 @@ of its keys (a bottom-right aligned causal mask, flash attention's convention wh
 shorter than its keys):
 
 * packed sequences: one segment per sequence, queries and keys alike;
-* context parallelism (the layout of :mod:`skyrl_megatron.compute.packing`: each sequence in 2*CP
-  chunks, rank r holding chunks r and 2*CP-1-r): K and V are all-gathered over the CP group, and each
-  of this rank's query chunks is a segment whose keys are its sequence's prefix up to the chunk's end.
+* context parallelism (the layout of :mod:`skyrl_megatron.model.context_parallel_layout`: each
+  sequence in 2*CP chunks, rank r holding chunks r and 2*CP-1-r): K and V are all-gathered over the CP
+  group, and each of this rank's query chunks is a segment whose keys are its sequence's prefix up to
+  the chunk's end.
   A padded batch under CP is the packed case with B sequences of length s * CP.
 
 The segment kernel is flash `varlen_attn` on CUDA in half precision, otherwise one SDPA call with a
@@ -33,10 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyrl_megatron.compute.packing import (
-    context_parallel_chunks,
-    gathered_to_global_index,
-)
+from skyrl_megatron.model.context_parallel_layout import context_parallel_chunks, gathered_to_global_index
 from skyrl_megatron.runtime import Runtime, current_runtime, quiet_megatron_import
 
 with quiet_megatron_import():
@@ -231,7 +229,7 @@ class CoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None or mask_type != AttnMaskType.causal:
             raise NotImplementedError(
                 "skyrl-megatron core attention computes causal attention only: pass attention_mask=None "
-                "and pack padded batches (skyrl_megatron.compute.packing) instead of masking them"
+                "and pack padded batches (skyrl_megatron.compute.microbatch.inputs) instead of masking them"
             )
         if packed_seq_params is None:
             return self._padded(query, key, value)

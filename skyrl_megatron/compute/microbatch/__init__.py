@@ -11,8 +11,10 @@
     pipeline.py          the steps in order -> a `MicroBatch` per micro-batch, which `ModelRunner` consumes
 
 `model_inputs.py` is the type the steps pass on (with its maps between the host's columns and the
-model layout); `results.py` is the way back (per-token outputs -> the host's columns), apart from the
-forward path. Layout arithmetic (THD packing, CP index maps) is `compute/packing.py`, below all of them.
+model layout, the packed row's included); `results.py` is the way back (per-token outputs -> the host's
+columns), apart from the forward path. Each step owns its layout arithmetic (`plan.py` the packing
+alignment, `inputs.py` the THD packing); the context-parallel split is the model's layout
+(`model/context_parallel_layout.py`, also read by the core attention), below all of them.
 
 This package's `__init__` imports nothing, so importing one step does not import the others.
 """

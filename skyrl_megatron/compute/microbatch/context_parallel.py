@@ -1,7 +1,8 @@
 """Step 4, context-parallel shard: this CP rank's tokens of a micro-batch's model inputs.
 
-Megatron's load-balanced split (compute/packing.py): a padded batch [b, s] is one sequence of length
-s per row; a packed row [1, T] is split sequence by sequence at its padded boundaries.
+Megatron's load-balanced split (model/context_parallel_layout.py, the layout the core attention
+reads): a padded batch [b, s] is one sequence of length s per row; a packed row [1, T] is split
+sequence by sequence at its padded boundaries.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from skyrl_megatron.compute.microbatch.model_inputs import ModelInputs
-from skyrl_megatron.compute.packing import ContextParallelSplit
+from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
 
 
 def context_split(inputs: ModelInputs, cp_rank: int, cp_size: int) -> ContextParallelSplit | None:
@@ -18,8 +19,7 @@ def context_split(inputs: ModelInputs, cp_rank: int, cp_size: int) -> ContextPar
         return None
     if inputs.packed_seq_params is None:
         return ContextParallelSplit.for_padded(inputs.input_ids.shape[1], cp_rank, cp_size)
-    cu = inputs.packed_seq_params.cu_seqlens_q_padded.tolist()
-    return ContextParallelSplit(tuple(b - a for a, b in zip(cu[:-1], cu[1:])), cp_rank, cp_size)
+    return ContextParallelSplit.for_packed(inputs.packed_seq_params, cp_rank, cp_size)
 
 
 def shard(split: ContextParallelSplit | None, per_token: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,52 @@
 """What the micro-batch steps hand on: `ModelInputs` (with the maps between the host's [B, S] columns and
-the model layout: padded rows from column 0, or one packed THD row) and the finished `MicroBatch`."""
+the model layout: padded rows from column 0, or one packed THD row, `PackedBatch`) and the finished
+`MicroBatch`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from skyrl_megatron.compute.logprobs import LogprobTargets
 from skyrl_megatron.compute.microbatch.rows import RowSpans
-from skyrl_megatron.compute.packing import ContextParallelSplit, PackedBatch, unpack_to_padded
 from skyrl_megatron.compute.route_replay import RouteTargets
+from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A padded batch packed into one THD row (`inputs.pack_padded_batch`), and what is needed to map
+    outputs back."""
+
+    tokens: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    packed_seq_params: PackedSeqParams  # global padded boundaries, the same on every CP rank
+    seq_lengths: tuple[int, ...]  # real tokens per sequence
+    seq_lengths_padded: tuple[int, ...]  # tokens per sequence in the packed row (they sum to T)
+    batch_shape: tuple[int, int]  # (B, S) of the padded batch
+    padded_index: torch.Tensor  # [N] flat positions in the [B*S] padded batch of the real tokens,
+    packed_index: torch.Tensor  # [N] and their positions in the packed row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+
+def unpack_to_padded(packed_output: torch.Tensor, packed: PackedBatch, fill_value: float = 0.0) -> torch.Tensor:
+    """Per-token outputs of the packed row [1, T, ...] -> [B, S, ...] at the tokens' padded positions;
+    padding positions get `fill_value`."""
+    if tuple(packed_output.shape[:2]) != (1, packed.num_tokens):
+        raise ValueError(f"expected packed output [1, {packed.num_tokens}, ...], got {tuple(packed_output.shape)}")
+    batch, seq = packed.batch_shape
+    features = packed_output.shape[2:]
+    out = packed_output.new_full((batch * seq, *features), fill_value)
+    out[packed.padded_index] = packed_output[0, packed.packed_index]
+    return out.reshape(batch, seq, *features)
 
 
 @dataclass

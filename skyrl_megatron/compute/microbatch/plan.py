@@ -5,17 +5,68 @@ or pipeline collectives run the same number of micro-batches (empty ones pad the
 interleaved VPP schedule rounds it to a multiple of PP), and where pipeline stages exchange
 activations or the allgather MoE dispatcher needs equal token counts, every micro-batch of a
 schedule call gets one shape.
+
+The shape follows the packing settings (`PackingSettings`): padded rows, or one packed (THD) row whose
+sequences are padded at their ends to a multiple of 2*CP under context parallelism (Megatron's
+load-balanced split, `model/context_parallel_layout.py`), the last one further so that every CP rank's
+share of the row divides evenly among the TP ranks under sequence parallelism (`packed_lengths`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.compute.packing import PackingSettings, packed_lengths, round_up
 from skyrl_megatron.parallel import ParallelConfig
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def packing_alignment(parallel: ParallelConfig) -> tuple[int, int]:
+    """(multiple for each sequence's length, multiple for the packed row's length T)."""
+    per_sequence = 2 * parallel.context if parallel.context > 1 else 1
+    # under SP each CP rank's T / CP tokens are split again over the TP ranks
+    total = per_sequence * (parallel.tensor if parallel.sequence_parallel else 1)
+    return per_sequence, total
+
+
+@dataclass(frozen=True)
+class PackingSettings:
+    """How rows become model inputs: padded or packed, for the TP/SP/CP sizes that constrain lengths.
+
+    Under context parallelism every sequence is cut into 2 x CP equal chunks, and under sequence
+    parallelism each CP rank's share must divide among the TP ranks (see the module docstring).
+    """
+
+    packed: bool = False
+    tensor: int = 1
+    sequence_parallel: bool = False
+    context: int = 1
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tensor=self.tensor, context=self.context, sequence_parallel=self.sequence_parallel)
+
+    @property
+    def row_align(self) -> int:
+        """Multiple for a padded row's length (and a packed row's total length)."""
+        return packing_alignment(self.parallel)[1]
+
+
+def packed_lengths(seq_lengths: Sequence[int], parallel: ParallelConfig, min_tokens: int = 0) -> list[int]:
+    """Each sequence's length in the packed row (alignment padding included; they sum to T)."""
+    per_sequence, total = packing_alignment(parallel)
+    padded = [round_up(n, per_sequence) for n in seq_lengths]
+    padded[-1] += round_up(sum(padded), total) - sum(padded)
+    if min_tokens % total:
+        raise ValueError(f"min_tokens={min_tokens} is not a multiple of the row alignment {total}")
+    padded[-1] += max(0, min_tokens - sum(padded))
+    return padded
 
 
 @dataclass(frozen=True)
