@@ -96,7 +96,7 @@ def test_the_reward_plot_title_fits_the_figure(tmp_path):
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, REWARD: s / 10}) + "\n" for s in range(1, 11)))
-    fig = reward_figure(metrics)
+    fig = reward_figure(metrics, "Megatron workers, HF engine on 1 GPU (colocated)")  # the longest subtitle
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     title = fig.axes[0].title.get_window_extent(renderer)

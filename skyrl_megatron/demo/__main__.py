@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     records = [r for r in read_metrics(metrics_file) if REWARD in r]
     by_step = {r["step"]: r for r in records}
-    plot = plot_rewards(metrics_file, run_dir / "reward.png")
+    subtitle = "Megatron workers, HF engine on 1 GPU (colocated)" if args.gpu else "Megatron workers, CPU engine"
+    plot = plot_rewards(metrics_file, run_dir / "reward.png", subtitle)
     ordered = [by_step[s][REWARD] for s in sorted(by_step)]
     quarter = max(1, len(ordered) // 4)
     first, last = sum(ordered[:quarter]) / quarter, sum(ordered[-quarter:]) / quarter

@@ -104,8 +104,9 @@ def read_metrics(metrics_file: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
 
 
-def reward_figure(metrics_file: Path):
-    """Reward per step (the last record of each step wins, so resumed runs draw one curve)."""
+def reward_figure(metrics_file: Path, subtitle: str = "Megatron workers, CPU engine"):
+    """Reward per step (the last record of each step wins, so resumed runs draw one curve); the
+    subtitle names the run's workers and engine."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,17 +118,17 @@ def reward_figure(metrics_file: Path):
     ax.plot(steps, [by_step[s] for s in steps], marker="o")
     ax.set_xlabel("training step")
     ax.set_ylabel("mean reward (digit share of reply)")
-    ax.set_title("skyrl-megatron CPU demo\nMegatron workers, CPU engine", fontsize=10)
+    ax.set_title(f"skyrl-megatron demo\n{subtitle}", fontsize=10)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
 
-def plot_rewards(metrics_file: Path, out_file: Path) -> Path:
+def plot_rewards(metrics_file: Path, out_file: Path, subtitle: str = "Megatron workers, CPU engine") -> Path:
     import matplotlib.pyplot as plt
 
-    fig = reward_figure(metrics_file)
+    fig = reward_figure(metrics_file, subtitle)
     fig.savefig(out_file, dpi=120)
     plt.close(fig)
     return out_file
