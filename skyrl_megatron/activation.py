@@ -97,10 +97,12 @@ def _ray_wrapped_engines(num_engines: int, model_path: str, *, dtype: str, seed:
                                           colocate_pg=colocate_pg)
 
 
-def _engine_client(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str):
+def _engine_client(num_engines: int, model_path: str, *, dtype: str, seed: int, device: str,
+                   return_routed_experts: bool = False):
     from skyrl_megatron.engines.client import create_engine_client
 
-    return create_engine_client(num_engines, model_path, dtype=dtype, seed=seed, device=device)
+    return create_engine_client(num_engines, model_path, dtype=dtype, seed=seed, device=device,
+                                return_routed_experts=return_routed_experts)
 
 
 _LOCAL_ENGINES = LocalEngineFactories(ray_wrapped_engines=_ray_wrapped_engines, engine_client=_engine_client)

@@ -492,6 +492,9 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     if shape is None or shape.num_experts:  # a dense model ignores moe_config
         problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
         problems += _routing_replay_problems(cfg, role, prefix, mc)
+    elif mc.moe_config.routing_replay == "r3":  # (it would have the engines return routes they do not have)
+        problems.append(Problem(f"{prefix}.moe_config.routing_replay", f"r3 replays MoE routes, but {shape.model_type} "
+                                "at the model path has no experts", "set routing_replay=null for a dense model"))
     problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
@@ -517,15 +520,33 @@ def _routing_replay_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConf
                                 "Transformer Engine's fused router picks experts inside its kernel, where no route can be replayed",
                                 "drop moe_router_fusion, or set moe_config.routing_replay=null"))
     if replay == "r3":
-        engine = cfg.generator.get("engine", "auto")
-        if engine in HF_ENGINES:
-            why = ("the HF engine returns its routes, but no host path brings them to our workers yet (skyrl-train "
-                   "0.3.1's generator keeps only tokens and logprobs; on skyrl 0.4 our workers do not read the batch's "
-                   "rollout_expert_indices yet)")
-        else:
-            why = ("no engine's routes reach our workers yet (skyrl-train 0.3.1's vLLM and SGLang engines return none; "
-                   "skyrl 0.4's vLLM routes in rollout_expert_indices are not read by our workers yet)")
-        problems.append(Problem(key, why, "use routing_replay=r2 (the policy's scoring routes replayed in training)"))
+        problems += _engine_route_problems(cfg, key)
+    return problems
+
+
+def _engine_route_problems(cfg, key: str) -> list[Problem]:
+    """R3 needs the host to carry the engines' routes to our workers: skyrl 0.4 does (its generator
+    keeps `rollout_expert_indices` under `generator.enable_return_routed_experts`, a key skyrl-train
+    0.3.1 lacks) for its vLLM engines and our HF engine alike."""
+    asks = cfg.generator.get("enable_return_routed_experts")
+    if asks is None:
+        return [Problem(key, "no engine's routes reach the trainer on skyrl-train 0.3.1 (its vLLM and SGLang "
+                             "engines return none, and its generator keeps only tokens and logprobs)",
+                        "use routing_replay=r2 (the policy's scoring routes replayed in training), or skyrl 0.4 for r3")]
+    if not asks:
+        return [Problem(key, "r3 replays the routes the inference engines return, and the host asks them for "
+                             "routes only with generator.enable_return_routed_experts=true",
+                        "set generator.enable_return_routed_experts=true, or use routing_replay=r2")]
+    # skyrl 0.4's generator refuses these with routes only once it starts; say so up front
+    problems = []
+    if cfg.generator.get("step_wise_trajectories"):
+        problems.append(Problem("generator.step_wise_trajectories", "a step-wise row's prompt is the whole history, but "
+                                "the engine's routes of a step cover its new tokens only, so they cannot be replayed (r3)",
+                                f"set generator.step_wise_trajectories=false, or {key}=r2"))
+    if cfg.generator.get("use_conversation_multi_turn") is False:
+        problems.append(Problem("generator.use_conversation_multi_turn", "without it the host appends an EOS token "
+                                "the engine never routed, and trains it (r3 has no route to replay there)",
+                                f"set generator.use_conversation_multi_turn=true, or {key}=r2"))
     return problems
 
 

@@ -8,7 +8,8 @@ replay; with replay it is exactly 1 (every token's log-prob bitwise the scored o
 PP2 x VPP2 with activation recompute, and CP2, and the routes a
 pass replays are bitwise the ones scoring recorded, also when scoring used another micro-batch plan.
 R3: the CPU engine reports the experts its tokens went through; scoring replays them bitwise and
-training's first-step ratio is exactly 1 (world 1, and PP2 x EP2 where each stage takes its layers).
+training's first-step ratio is exactly 1 (world 1; PP2 x EP2, where each stage takes its layers; TP2 x
+EP2 with SP and CP2, where they split like their tokens). Through skyrl 0.4's trainer: tests/host04.
 
 The flip: two passes over the same tokens can pick different experts where router logits are
 near-tied (a kernel, dtype or batch composition moves a logit by an ulp). `_ScoringFlip` makes that
@@ -119,11 +120,13 @@ def test_routing_replay_is_for_the_policy_and_top_k_routers(compose, hf_config_d
     validate_config(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2"))  # must not raise
 
 
-def test_r3_is_refused_with_the_hosts_engines(compose, hf_config_dir):
+def test_r3_is_refused_on_skyrl_train_0_3_1(compose, hf_config_dir):
+    """0.3.1's generator drops any engine's routes (skyrl 0.4 carries them: tests/host04)."""
     path = hf_config_dir("qwen3_moe")
-    msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r3"))
-    assert f"{MC}.moe_config.routing_replay: no engine's routes reach our workers yet (skyrl-train 0.3.1's vLLM and SGLang engines return none" in msg
-    assert "use routing_replay=r2" in msg
+    for engine in ("auto", "cpu"):
+        msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r3", f"generator.engine={engine}"))
+        assert f"{MC}.moe_config.routing_replay: no engine's routes reach the trainer on skyrl-train 0.3.1" in msg
+        assert "use routing_replay=r2 (the policy's scoring routes replayed in training), or skyrl 0.4 for r3" in msg
 
 
 def test_cpu_engine_returns_the_experts_its_tokens_went_through(tmp_path):
@@ -235,6 +238,9 @@ WORLD4 = {
     ),
     # each stage takes its own layers' columns of the engine's routes
     "pp2_ep2_r3": ({"pipeline": 2, "expert": 2}, PADDED, {"routing_replay": True, "engine_routes": True}),
+    # the engine's routes split like their tokens: over TP ranks (SP), and over CP ranks
+    "tp2_ep2_r3": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, PACKED, {"routing_replay": True, "engine_routes": True}),
+    "cp2_r3": ({"context": 2}, PACKED, {"routing_replay": True, "engine_routes": True}),
 }
 
 
@@ -328,6 +334,7 @@ def test_layout_replay_makes_the_first_step_ratio_exactly_one(world4, layout):
 
 @pytest.mark.slow
 def test_r3_replays_the_engines_routes_in_scoring_and_training(world1, world4):
-    for what, run in [("world 1", world1["r3"])] + [(f"pp2 x ep2 rank {r}", runs["pp2_ep2_r3"]) for r, runs in enumerate(world4)]:
+    runs4 = [(f"{layout} rank {r}", runs[layout]) for r, runs in enumerate(world4) for layout in ("pp2_ep2_r3", "tp2_ep2_r3", "cp2_r3")]
+    for what, run in [("world 1", world1["r3"])] + runs4:
         assert run["engine_routes_given"] > 0 and run["engine_routes_replayed_bitwise"], f"{what}: engine routes not replayed"
         _assert_ratio_exactly_one(run, f"{what} r3")

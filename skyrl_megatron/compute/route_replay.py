@@ -10,9 +10,14 @@ scored, and its importance ratio is not 1 even though no weight changed. Replay 
   log-probs) *records* the top-k expert indices of every token in every MoE layer; every training
   micro-batch of that step *replays* them instead of choosing again.
 * **R3** (``r3``): the routes come from the inference engine that sampled the tokens; scoring
-  replays them (:func:`rollout_routes` maps an engine's per-row routes onto a rank's layers) and
-  training replays what scoring used. Our CPU engine returns them (``return_routed_experts``);
-  skyrl-train 0.3.1 has no way to carry them from an engine to the trainer (its vLLM/SGLang engines
+  replays them (:func:`engine_routes` maps an engine's per-row routes onto a rank's layers) and
+  records every token's routes as R2 does, and training replays what scoring recorded. An engine
+  routes the tokens it forwards: the prompt and every sampled token but the last (never fed back).
+  Tokens without an engine route (that last one, a token the host appended) are routed by scoring
+  as usual, and training replays scoring's choice for them too: such a token's own output predicts
+  nothing that is trained, so only the two passes agreeing matters (the expert token counts set GEMM
+  shapes, and with them the last bits of every token). skyrl 0.4 carries the routes from engine to
+  trainer (``rollout_expert_indices``); skyrl-train 0.3.1 has no way to (its vLLM/SGLang engines
   return none, its generator keeps only tokens and logprobs), so the config refuses ``r3`` there.
 
 It builds on Megatron-Core's hook for this: ``topk_routing_with_score_function`` asks the router's
@@ -162,9 +167,12 @@ class RouteReplay:
         self.layers: list[_LayerReplay] = []
         self._chunk_layers: list[list[_LayerReplay]] = [[] for _ in chunks]
         moe_layers = _moe_layer_numbers(self.config)
+        self.moe_layer_count = len(moe_layers)
         self.rollout_columns: list[int | None] = []  # each route layer's place among the model's MoE layers
+        self.decoder_columns: list[int | None] = []  # ... and among all its decoder layers (0-based)
         for index, router in routers(chunks):
             self.rollout_columns.append(None if router.is_mtp_layer else moe_layers.index(router.layer_number))
+            self.decoder_columns.append(None if router.is_mtp_layer else router.layer_number - 1)
             layer = _LayerReplay(len(self.layers))
             router.router_replay = layer
             self.layers.append(layer)
@@ -235,28 +243,65 @@ def _moe_layer_numbers(config) -> list[int]:
     return [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
 
 
-def rollout_routes(
-    routes: Sequence, attention_mask: torch.Tensor, replay: RouteReplay
-) -> list[torch.Tensor]:
-    """R3: an inference engine's routes per row ([tokens, all MoE layers, k], from the row's first real
-    token; SkyRL 0.4's `rollout_expert_indices`) -> this rank's route layers [real tokens, L, k]; tokens
-    past the engine's routes (the last sampled token) get NO_ROUTE and are routed as usual."""
+def engine_columns(replay: RouteReplay, engine_layers: int) -> torch.Tensor:
+    """Which of an engine's route layers each of this rank's route layers reads.
+
+    An engine reports either one column per MoE layer (our HF engine: its routers') or one per
+    decoder layer (vLLM, dense layers included, whose columns no router reads); the two agree when
+    every layer is MoE.
+    """
     if any(column is None for column in replay.rollout_columns):
         raise ValueError("routing replay r3: multi-token-prediction layers have no engine routes")
-    columns = torch.tensor(replay.rollout_columns, dtype=torch.long)
+    if engine_layers == replay.moe_layer_count:
+        return torch.tensor(replay.rollout_columns, dtype=torch.long)
+    if engine_layers == int(replay.config.num_layers):
+        return torch.tensor(replay.decoder_columns, dtype=torch.long)
+    raise ValueError(
+        f"routing replay r3: the engine's routes have {engine_layers} layers, but the model has "
+        f"{replay.moe_layer_count} MoE layers of {replay.config.num_layers} (is the engine serving this model?)"
+    )
+
+
+def engine_routes(
+    segments: Sequence, captured: Sequence[torch.Tensor], attention_mask: torch.Tensor, replay: RouteReplay
+) -> list[torch.Tensor]:
+    """R3: an inference engine's routes -> this rank's route layers per row, [real tokens, L, k].
+
+    Per row, `segments[i]` holds routes [n, engine layers, k] for the row's first n real tokens
+    (n at most the row's real tokens) and `captured[i]` [real tokens] bool says which real tokens
+    the engine routed (a prefix: skyrl 0.4's `router_padding_mask`, negated, at the real columns).
+    A token the engine did not route gets NO_ROUTE: the replaying pass routes it as usual.
+    """
     rows = []
-    for i, (row, mask) in enumerate(zip(routes, attention_mask.bool().cpu())):
+    mask = attention_mask.bool().cpu()
+    columns = None
+    for i, (row, routed) in enumerate(zip(segments, captured)):
         given = torch.as_tensor(row).long()
-        real = int(mask.sum())
-        if given.dim() != 3 or given.shape[0] > real or given.shape[2] != replay.topk:
+        routed = torch.as_tensor(routed).bool().cpu()
+        real = int(mask[i].sum())
+        if given.dim() != 3 or given.shape[0] > real or given.shape[2] != replay.topk or routed.shape != (real,):
             raise ValueError(
-                f"routing replay r3: row {i} has engine routes of shape {tuple(given.shape)} for {real} real tokens "
-                f"(expected [at most {real}, MoE layers, {replay.topk}])"
+                f"routing replay r3: row {i} has engine routes of shape {tuple(given.shape)} and a routed-token mask "
+                f"of shape {tuple(routed.shape)} for {real} real tokens (expected [at most {real}, layers, "
+                f"{replay.topk}] and [{real}])"
             )
+        if columns is None:
+            columns = engine_columns(replay, given.shape[1])
         out = torch.full((real, len(columns), replay.topk), NO_ROUTE, dtype=torch.int32)
-        out[: given.shape[0]] = given[:, columns].to(torch.int32)
+        n = min(given.shape[0], int(routed.sum()))
+        if not bool(routed[:n].all()) or bool(routed[n:].any()):
+            raise ValueError(f"routing replay r3: row {i}'s routed tokens are not the first {n} real tokens")
+        out[:n] = given[:n, columns].to(torch.int32)
         rows.append(out)
     return rows
+
+
+def rollout_routes(routes: Sequence, attention_mask: torch.Tensor, replay: RouteReplay) -> list[torch.Tensor]:
+    """R3 from bare per-row engine routes ([n, layers, k] for each row's first n real tokens, as an
+    engine returns them): :func:`engine_routes` with the first n real tokens routed."""
+    mask = attention_mask.bool().cpu()
+    captured = [torch.arange(int(m.sum())) < len(row) for row, m in zip(routes, mask)]
+    return engine_routes(routes, captured, attention_mask, replay)
 
 
 # -- routes per row, in the host's columns ----------------------------------------------------------

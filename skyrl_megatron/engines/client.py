@@ -76,7 +76,11 @@ class EngineClient(host_api.inference_engine_interface()):
         calls = []
         for offset, (start, stop) in enumerate(shares):
             engine = self.engines[(first + offset) % len(self.engines)]
-            calls.append(engine.generate.remote({**input_batch, key: prompts[start:stop]}))
+            share = {**input_batch, key: prompts[start:stop]}
+            for per_prompt in _PER_PROMPT_KEYS:
+                if input_batch.get(per_prompt) is not None:
+                    share[per_prompt] = list(input_batch[per_prompt])[start:stop]
+            calls.append(engine.generate.remote(share))
         outputs = await asyncio.gather(*calls)
         return _concatenate(outputs)
 
@@ -169,6 +173,9 @@ class EngineClient(host_api.inference_engine_interface()):
         return list(await asyncio.gather(*(engine.named_weights.remote() for engine in self.engines)))
 
 
+# request fields with one entry per prompt: each engine gets its prompts' entries
+_PER_PROMPT_KEYS = ("session_ids", "routed_experts_prompt_starts")
+
 _NO_HTTP = "the HF engine serves generate() only, not {what} (vLLM's OpenAI server does)"
 
 
@@ -202,8 +209,11 @@ def create_engine_client(
     tokenizer: str | Path | None = None,
     model_name: str | None = None,
     device: str = "cpu",
+    return_routed_experts: bool = False,
 ) -> EngineClient:
-    """`num_engines` HF engine actors behind one client, on CPU or each on a GPU of its own; seeds seed, seed+1, ..."""
+    """`num_engines` HF engine actors behind one client, on CPU or each on a GPU of its own; seeds seed, seed+1, ...
+    With `return_routed_experts` (an MoE model) every output carries ``rollout_expert_indices``: per row the
+    experts of each token the engine forwarded, [prompt + response - 1, MoE layers, k] (see hf_engine.py)."""
     engines = start_engine_actors(HFEngine, num_engines, model_path, dtype=dtype, seed=seed, num_cpus=num_cpus,
-                                  tokenizer=tokenizer, device=device)
+                                  tokenizer=tokenizer, device=device, return_routed_experts=return_routed_experts)
     return EngineClient(engines, model_name or str(model_path), dtype)

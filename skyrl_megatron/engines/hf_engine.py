@@ -88,12 +88,27 @@ class HFEngine:
                              "generator.inference_engine.enable_return_sample_support_set=false")
         prompt_token_ids = self._prompt_token_ids(input_batch)
         settings = SamplingSettings.from_request(input_batch.get("sampling_params"))
+        route_starts = self._route_starts(input_batch, prompt_token_ids)
         abort = threading.Event()
         self._in_flight.add(abort)
         try:
-            return await asyncio.to_thread(self._generate_blocking, prompt_token_ids, settings, abort)
+            return await asyncio.to_thread(self._generate_blocking, prompt_token_ids, settings, abort, route_starts)
         finally:
             self._in_flight.discard(abort)
+
+    def _route_starts(self, input_batch, prompts: list[list[int]]) -> list[int]:
+        """Where each row's returned routes begin: skyrl 0.4's multi-turn generator has the earlier turns'
+        routes already and asks for the rest (``routed_experts_prompt_starts``); else the first token."""
+        starts = input_batch.get("routed_experts_prompt_starts")
+        if starts is None:
+            return [0] * len(prompts)
+        if self._routes is None:
+            raise ValueError("routed_experts_prompt_starts given, but this engine was started without "
+                             "return_routed_experts (generator.inference_engine.enable_return_routed_experts)")
+        starts = [int(start) for start in starts]
+        if len(starts) != len(prompts) or any(not 0 <= start <= len(p) for start, p in zip(starts, prompts)):
+            raise ValueError(f"routed_experts_prompt_starts {starts} must give one start within each of the {len(prompts)} prompts")
+        return starts
 
     def _prompt_token_ids(self, input_batch) -> list[list[int]]:
         prompts, prompt_token_ids = input_batch.get("prompts"), input_batch.get("prompt_token_ids")
@@ -110,7 +125,9 @@ class HFEngine:
         return [list(prompt) for prompt in prompt_token_ids]
 
     @torch.no_grad()
-    def _generate_blocking(self, prompts: list[list[int]], settings: SamplingSettings, abort: threading.Event):
+    def _generate_blocking(
+        self, prompts: list[list[int]], settings: SamplingSettings, abort: threading.Event, route_starts: list[int]
+    ):
         if self._sleeping:
             raise RuntimeError("generate() on a sleeping engine: wake_up() first")
         generator = self._generator
@@ -129,7 +146,9 @@ class HFEngine:
             "response_logprobs": None if settings.logprobs is None else [response.logprobs for response in responses],
         }
         if self._routes is not None:
-            output["rollout_expert_indices"] = [compact_routes(response.routes) for response in responses]
+            output["rollout_expert_indices"] = [
+                compact_routes(response.routes)[start:] for response, start in zip(responses, route_starts)
+            ]
         return output
 
     async def abort_generation(self) -> None:
@@ -238,15 +257,17 @@ def start_engine_actors(
     tokenizer: str | Path | None = None,
     device: str = "cpu",
     options_for=None,
+    **engine_options: Any,
 ) -> list:
     """`num_engines` async Ray actors of `engine_class` (its methods are coroutines), seeds seed, seed+1, ...;
-    on CPU, or each on a GPU of its own unless `options_for(index)` gives Ray other options (placement)."""
+    on CPU, or each on a GPU of its own unless `options_for(index)` gives Ray other options (placement).
+    `engine_options` go to every engine (e.g. ``return_routed_experts``)."""
     import ray
 
     actor_class = ray.remote(num_cpus=num_cpus, num_gpus=1 if device == "cuda" else 0)(engine_class)
     return [
         actor_class.options(**(options_for(index) if options_for else {})).remote(
-            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device
+            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device, **engine_options
         )
         for index in range(num_engines)
     ]

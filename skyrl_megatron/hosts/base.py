@@ -171,6 +171,12 @@ class HostAdapter(ABC):
         """What a worker's ``forward`` returns for per-token `values` [B, A] (``key``: logprobs or values)."""
         return self.training_output({"output": values}, metadata)
 
+    def engine_routes(self, data) -> tuple[list, list] | None:
+        """MoE routes the inference engine returned for a batch's rows (routing replay R3): per row
+        the routes [n, layers, k] of its first n real tokens and which real tokens those are
+        ([real tokens] bool); None where the batch carries none. Default: this host carries none."""
+        return None
+
     @abstractmethod
     def policy_loss_function(self, name: str) -> Callable:
         """The host's registered policy loss `name` (regular, dual_clip, gspo, cispo, ... or a user's)."""

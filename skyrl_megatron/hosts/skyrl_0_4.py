@@ -62,6 +62,7 @@ _ENGINE_KEYS = {
     "inference_engine_pipeline_parallel_size": "pipeline_parallel_size",
     "inference_engine_data_parallel_size": "data_parallel_size",
     "inference_engine_expert_parallel_size": "expert_parallel_size",
+    "enable_return_routed_experts": "enable_return_routed_experts",  # (0.4 only: engine routes for R3)
 }
 
 
@@ -187,12 +188,15 @@ class SkyRL04(HostAdapter):
         original = host_utils.validate_megatron_cfg
         host_utils.validate_megatron_cfg = lambda cfg: None
         critic_sp = _present_megatron_critic_dp(cfg)
+        executor = _present_hf_engine_executor(cfg)
         try:
             host_utils.validate_cfg(cfg)
         finally:
             host_utils.validate_megatron_cfg = original
             if critic_sp is not None:
                 cfg.trainer.critic.sequence_parallel_size = critic_sp
+            if executor is not None:
+                cfg.generator.inference_engine.distributed_executor_backend = executor
 
     def ray_env_vars(self, cfg, *, on_cpu: bool) -> dict[str, str]:
         from skyrl.train.utils.utils import prepare_runtime_environment
@@ -254,6 +258,21 @@ class SkyRL04(HostAdapter):
 
         return WorkerOutput(loss_fn_outputs=[{key: row.tolist()} for row in values], metrics={})
 
+    def engine_routes(self, data):
+        """``rollout_expert_indices`` (a PackedTensor: one segment of routes per row, as long as the row's
+        real tokens, its tail past the engine's routes dummy) and ``router_padding_mask`` (True: no
+        engine route, left padding included), as the trainer's ``convert_to_training_input`` made them."""
+        packed = data.get("rollout_expert_indices")
+        if packed is None:
+            return None
+        no_route = data.get("router_padding_mask")
+        mask = data["attention_mask"].bool().cpu()
+        if no_route is None:
+            raise ValueError("the batch carries rollout_expert_indices without router_padding_mask")
+        segments = [packed.segment(i).cpu() for i in range(len(packed))]
+        captured = [~row_no_route.cpu()[row_mask] for row_no_route, row_mask in zip(no_route.bool(), mask)]
+        return segments, captured
+
     def training_status(self, metrics: dict[str, float]):
         """0.4's ``forward_backward`` result: scalar metrics, already reduced over DP ranks."""
         from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
@@ -306,6 +325,18 @@ def _present_megatron_critic_dp(cfg):
     return original
 
 
+def _present_hf_engine_executor(cfg):
+    """The host requires vLLM's ``mp`` executor with engine routes (R3: its ``ray`` one can hang); our HF
+    engine (``generator.engine=cpu|gpu``) has no vLLM executor, so the rule is met for the host's checks.
+    The value to restore (None: nothing changed)."""
+    engine = cfg.generator.inference_engine
+    if getattr(cfg.generator, "engine", "auto") not in ("cpu", "gpu") or not engine.enable_return_routed_experts:
+        return None
+    original = engine.distributed_executor_backend
+    engine.distributed_executor_backend = "mp"
+    return original
+
+
 def _our_trainer_section(trainer: dict[str, Any]) -> dict[str, Any]:
     trainer["use_sample_packing"] = trainer.pop("remove_microbatch_padding", False)
     for role in ("policy", "ref", "critic"):
@@ -332,7 +363,7 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
         value = ours.pop(host_key, None)
         if value is not None and value != host_defaults.get(host_key) and our_key not in moe:
             moe[our_key] = value
-    # the host's router replay with its own scoring pass is our R2 (its R3 needs engine routes we do not read yet)
+    # the host's router replay alone is our R2 (with the engines' routes, SkyRLMegatronConfig made it r3 already)
     if ours.pop("moe_enable_routing_replay", False) and "routing_replay" not in moe:
         moe["routing_replay"] = "r2"
     ours["moe_config"] = moe
@@ -365,7 +396,8 @@ def _route_local_engines(main_base, engine_client) -> None:
             return original(self)
         settings = cfg.generator.inference_engine
         client = engine_client(settings.num_engines, cfg.trainer.policy.model.path, dtype=settings.model_dtype,
-                               seed=cfg.trainer.seed, device="cuda" if engine == "gpu" else "cpu")
+                               seed=cfg.trainer.seed, device="cuda" if engine == "gpu" else "cpu",
+                               return_routed_experts=bool(settings.enable_return_routed_experts))
         if cfg.trainer.placement.colocate_all:
             asyncio.run(client.sleep())  # as the host leaves its own engines after start-up
         return client

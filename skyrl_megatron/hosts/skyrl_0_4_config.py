@@ -112,3 +112,26 @@ class SkyRLMegatronConfig(SkyRLTrainConfig):
 
     trainer: MegatronTrainerConfig = field(default_factory=MegatronTrainerConfig)
     generator: MegatronGeneratorConfig = field(default_factory=MegatronGeneratorConfig)
+
+    def __post_init__(self) -> None:
+        _settle_engine_routes(self)
+        super().__post_init__()
+
+
+def _settle_engine_routes(cfg: SkyRLMegatronConfig) -> None:
+    """Routing replay from the engines' routes (R3) has two spellings: ours
+    (``policy.megatron_config.moe_config.routing_replay=r3``) and the host's (``moe_enable_routing_replay``
+    with ``generator.inference_engine.enable_return_routed_experts``). Either one sets the other's keys:
+    the host's generator asks its engines for routes only under its flag, and its checks want both."""
+    if cfg.trainer.strategy != "megatron":
+        return
+    megatron = cfg.trainer.policy.megatron_config
+    engine = cfg.generator.inference_engine
+    moe = megatron.moe_config if isinstance(megatron.moe_config, dict) else None
+    if moe is None:
+        return
+    if moe.get("routing_replay") == "r3":
+        engine.enable_return_routed_experts = True
+        megatron.moe_enable_routing_replay = True
+    elif megatron.moe_enable_routing_replay and engine.enable_return_routed_experts and moe.get("routing_replay") is None:
+        moe["routing_replay"] = "r3"

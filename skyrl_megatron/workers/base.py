@@ -159,6 +159,7 @@ class MegatronWorkerMixin:
                 response_length,
                 self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
                 temperature=float(self.host_cfg.generator.sampling_params.temperature),
+                routes=self._scoring_routes(data),
                 record_routes=self._scoring_route_store(),
             )
         if logprobs is None:  # not the last pipeline stage: the host does not collect from here
@@ -167,6 +168,10 @@ class MegatronWorkerMixin:
 
     def _scoring_route_store(self):
         """Where `forward` records MoE routes (the policy under routing replay); None: nowhere."""
+        return None
+
+    def _scoring_routes(self, data):
+        """MoE routes `forward` replays, [B, S, L, k] in the host's columns (the policy under R3); None: none."""
         return None
 
     # -- memory -----------------------------------------------------------------------------------

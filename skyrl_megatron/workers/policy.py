@@ -10,7 +10,7 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
-from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore, host_columns
+from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, engine_routes, host_columns
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.engines.weight_updates import torch_dtype
@@ -34,11 +34,16 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         self._init_optimizer(trainer.policy.optimizer_config, num_training_steps)
         self.router_metrics = RouterMetrics.attach(built.chunks)  # per-layer MoE load; nothing for dense
         self.runner.attach_router_metrics(self.router_metrics)
-        # R2 routing replay: `forward` (old logprobs) records each row's routes, training replays them
+        # routing replay: `forward` (old logprobs) records each row's routes, training replays them;
+        # under R3 `forward` itself replays the routes the inference engine returned
+        self.routing_replay = self.megatron_cfg.moe_config.routing_replay if self.router_metrics.is_moe else None
+        self.route_replay: RouteReplay | None = None
         self.route_store: RouteStore | None = None
-        if self.megatron_cfg.moe_config.routing_replay == "r2" and self.router_metrics.is_moe:
-            self.runner.attach_route_replay(RouteReplay(built.chunks))
+        if self.routing_replay is not None:
+            self.route_replay = RouteReplay(built.chunks)
+            self.runner.attach_route_replay(self.route_replay)
             self.route_store = RouteStore()
+        self._trained_since_scoring = False  # the next `forward` starts a new step's routes
         self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_api.algorithm_config(self.cfg)))
         self.lora_metrics: dict[str, float] = {}
         if built.lora is not None:
@@ -61,6 +66,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         from megatron.core import parallel_state as ps
 
         rows = slice(start, stop)
+        self._trained_since_scoring = True
         response = {k: data[k][rows] for k in RESPONSE_KEYS if k in data and data[k] is not None}
         routes = None
         if scored_routes is not None:
@@ -125,21 +131,70 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         return host_api.training_status(metrics)
 
     def _scoring_route_store(self) -> RouteStore | None:
+        """One step's scoring at a time: skyrl 0.4 scores a step mini-batch by mini-batch (its
+        ``recompute_old_logprobs_per_minibatch``) before training any, so the routes of every scoring
+        call since the last training call are kept, and the first scoring after training starts anew."""
         if self.route_store is None:
             return None
-        self.route_store.clear()  # one step's scoring at a time
+        if self._trained_since_scoring:
+            self.route_store.clear()
+            self._trained_since_scoring = False
         return self.route_store
 
+    def _scoring_routes(self, data) -> torch.Tensor | None:
+        """R3: the engine's routes of `data`'s rows, [B, S, L, k] in the host's columns; NO_ROUTE where the
+        engine gave none (the last sampled token, which it never forwarded): scoring routes those as
+        usual, and training replays scoring's choice for them as for every other token."""
+        rows = self._engine_routes(data)
+        return None if rows is None else host_columns(rows, data["attention_mask"])
+
+    def _engine_routes(self, data) -> list[torch.Tensor] | None:
+        if self.routing_replay != "r3" or not self.runner.replays_routes:
+            return None  # (a pipeline stage without MoE layers has no routes)
+        given = host_api.engine_routes(data)
+        if given is None:
+            raise RuntimeError(
+                "megatron_config.moe_config.routing_replay=r3, but the batch carries no rollout_expert_indices: "
+                "the generator must return the engines' routes (generator.inference_engine.enable_return_routed_experts)"
+            )
+        return engine_routes(*given, data["attention_mask"], self.route_replay)
+
     def _scored_routes(self, train_data) -> list[torch.Tensor] | None:
+        """The routes training replays for `train_data`'s rows: what this step's scoring used."""
         if self.route_store is None or not self.runner.replays_routes:
             return None  # (a pipeline stage without MoE layers has no routes)
+        if self.routing_replay == "r3":
+            return self._engine_routes_for_training(train_data)
         try:
             return self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
         except KeyError as missing:
             raise RuntimeError(
                 f"{missing.args[0]}; with megatron_config.moe_config.routing_replay=r2 the policy's forward must score "
-                "the rows of a step before ppo_train trains on them"
+                "the rows of a step before training on them"
             ) from None
+
+    def _engine_routes_for_training(self, train_data) -> list[torch.Tensor]:
+        """R3: the engine's routes from the batch itself (each row its own, also for rows with the same
+        tokens), and where the engine gave none, the route scoring chose. Scoring replayed exactly the
+        engine's routes, so training replays exactly what scoring used. Where the host skipped the
+        policy's scoring (a loss on rollout logprobs alone) there is nothing to match: those tokens are
+        routed as usual."""
+        rows = self._engine_routes(train_data)
+        try:
+            scored = self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
+        except KeyError:
+            return rows
+        for given, chosen in zip(rows, scored):
+            unrouted = given[:, :, 0] == NO_ROUTE
+            given[unrouted] = chosen.to(given.dtype)[unrouted]
+        return rows
+
+    def recorded_routes(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """The routes this step's scoring recorded for these rows, [B, S, L, k] in the host's columns
+        (NO_ROUTE at padding) for this rank's route layers; None without routing replay. For checks."""
+        if self.route_store is None or not self.runner.replays_routes:
+            return None
+        return host_columns(self.route_store.lookup(sequences, attention_mask), attention_mask)
 
     # -- weight sync ------------------------------------------------------------------------------
 
@@ -255,3 +310,4 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
         save_hf_model(export_dir, self.built, tokenizer)
+
