@@ -8,8 +8,9 @@ replay; with replay it is exactly 1 (every token's log-prob bitwise the scored o
 PP2 x VPP2 with activation recompute, and CP2, and the routes a
 pass replays are bitwise the ones scoring recorded, also when scoring used another micro-batch plan.
 R3: the CPU engine reports the experts its tokens went through; scoring replays them bitwise and
-training's first-step ratio is exactly 1 (world 1; PP2 x EP2, where each stage takes its layers; TP2 x
-EP2 with SP and CP2, where they split like their tokens). Through skyrl 0.4's trainer: tests/host04.
+training's first-step ratio is exactly 1 (world 1; PP2 x EP2 and PP2 x VPP2 with recompute, where each
+stage and chunk takes its layers; TP2 x EP2 with SP and CP2, where they split like their tokens).
+Through skyrl 0.4's trainer: tests/host04.
 
 The flip: two passes over the same tokens can pick different experts where router logits are
 near-tied (a kernel, dtype or batch composition moves a logit by an ulp). `_ScoringFlip` makes that
@@ -93,6 +94,31 @@ def test_model_layout_puts_routes_where_their_tokens_go(packed):
     back = inputs.to_host_layout(model, NO_ROUTE)
     mask = batch["attention_mask"].bool()
     assert torch.equal(back[mask], as_routes[mask]) and bool((back[~mask] == NO_ROUTE).all())
+
+
+def test_engine_routes_take_each_route_layers_column_and_leave_unrouted_tokens_to_choose():
+    """R3 input: an engine reports one column per MoE layer (ours) or per decoder layer (vLLM, dense
+    layers included); tokens past its routes (a row's last) get NO_ROUTE."""
+    from types import SimpleNamespace
+
+    from skyrl_megatron.compute.route_replay import engine_routes
+
+    # decoder layers 1..4, MoE at 2 and 4; this rank holds both routers
+    replay = SimpleNamespace(rollout_columns=[0, 1], decoder_columns=[1, 3], moe_layer_count=2, topk=2,
+                             config=SimpleNamespace(num_layers=4))
+    mask = torch.tensor([[0, 1, 1, 1]])
+    routed = [torch.tensor([True, True, False])]
+    per_decoder_layer = torch.arange(3 * 4 * 2).reshape(3, 4, 2)
+    (row,) = engine_routes([per_decoder_layer], routed, mask, replay)
+    assert torch.equal(row[:2].long(), per_decoder_layer[:2, [1, 3]]) and bool((row[2] == NO_ROUTE).all())
+    (row,) = engine_routes([per_decoder_layer[:, [1, 3]]], routed, mask, replay)
+    assert torch.equal(row[:2].long(), per_decoder_layer[:2, [1, 3]])
+    with pytest.raises(ValueError, match="the engine's routes have 3 layers, but the model has 2 MoE layers of 4"):
+        engine_routes([per_decoder_layer[:, :3]], routed, mask, replay)
+    with pytest.raises(ValueError, match="row 0 has 2 routed tokens but engine routes for 1"):
+        engine_routes([per_decoder_layer[:1]], routed, mask, replay)
+    with pytest.raises(ValueError, match="row 0's routed tokens are not the first 2 of its real tokens"):
+        engine_routes([per_decoder_layer], [torch.tensor([True, False, True])], mask, replay)
 
 
 # ---------------------------------------------------------------- config rules
@@ -241,6 +267,11 @@ WORLD4 = {
     # the engine's routes split like their tokens: over TP ranks (SP), and over CP ranks
     "tp2_ep2_r3": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, PACKED, {"routing_replay": True, "engine_routes": True}),
     "cp2_r3": ({"context": 2}, PACKED, {"routing_replay": True, "engine_routes": True}),
+    # interleaved chunks each take their own layers' columns; recompute replays them again
+    "pp2_vpp2_recompute_r3": (
+        {"pipeline": 2, "virtual_pipeline": 2}, PADDED,
+        {"routing_replay": True, "engine_routes": True, "spec_overrides": {"transformer_overrides": RECOMPUTE}},
+    ),
 }
 
 
@@ -334,7 +365,7 @@ def test_layout_replay_makes_the_first_step_ratio_exactly_one(world4, layout):
 
 @pytest.mark.slow
 def test_r3_replays_the_engines_routes_in_scoring_and_training(world1, world4):
-    runs4 = [(f"{layout} rank {r}", runs[layout]) for r, runs in enumerate(world4) for layout in ("pp2_ep2_r3", "tp2_ep2_r3", "cp2_r3")]
+    runs4 = [(f"{layout} rank {r}", runs[layout]) for r, runs in enumerate(world4) for layout in ("pp2_ep2_r3", "tp2_ep2_r3", "cp2_r3", "pp2_vpp2_recompute_r3")]
     for what, run in [("world 1", world1["r3"])] + runs4:
         assert run["engine_routes_given"] > 0 and run["engine_routes_replayed_bitwise"], f"{what}: engine routes not replayed"
         _assert_ratio_exactly_one(run, f"{what} r3")

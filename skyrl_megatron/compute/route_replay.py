@@ -288,9 +288,11 @@ def engine_routes(
         if columns is None:
             columns = engine_columns(replay, given.shape[1])
         out = torch.full((real, len(columns), replay.topk), NO_ROUTE, dtype=torch.int32)
-        n = min(given.shape[0], int(routed.sum()))
-        if not bool(routed[:n].all()) or bool(routed[n:].any()):
-            raise ValueError(f"routing replay r3: row {i}'s routed tokens are not the first {n} real tokens")
+        n = int(routed.sum())
+        if n > given.shape[0]:
+            raise ValueError(f"routing replay r3: row {i} has {n} routed tokens but engine routes for {given.shape[0]}")
+        if not bool(routed[:n].all()):
+            raise ValueError(f"routing replay r3: row {i}'s routed tokens are not the first {n} of its real tokens")
         out[:n] = given[:n, columns].to(torch.int32)
         rows.append(out)
     return rows

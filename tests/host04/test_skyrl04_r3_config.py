@@ -84,3 +84,24 @@ def test_r3_needs_an_moe_model_and_is_the_policys(compose, hf_config_dir):
     msg = problems_of(compose("trainer.strategy=megatron", f"trainer.policy.model.path={moe}", f"trainer.ref.model.path={moe}",
                               f"{ref}=r3", *HF_ENGINE))
     assert f"{ref}: routing replay is for the policy's scoring and training passes" in msg
+
+
+def test_the_hosts_experiment_starts_our_engine_with_routes_under_r3(moe):
+    """`generator.engine=cpu` on 0.4: the host's `get_inference_client` hook starts our engines, asking
+    them for routes exactly when the host's generator will (its enable_return_routed_experts)."""
+    import types
+
+    from skyrl_megatron.hosts.skyrl_0_4 import _route_local_engines
+
+    started = []
+
+    class Experiment:
+        def get_inference_client(self):
+            raise AssertionError("the host's own engines were started")
+
+    _route_local_engines(types.SimpleNamespace(BasePPOExp=Experiment), lambda *args, **kwargs: started.append(kwargs))
+    for overrides, routes in (([f"{MC}.moe_config.routing_replay=r3"], True), ([], False)):
+        experiment = Experiment()
+        experiment.cfg = moe(*overrides, *HF_ENGINE)
+        experiment.get_inference_client()
+        assert started[-1]["return_routed_experts"] is routes
