@@ -198,3 +198,19 @@ def test_hosts_fsdp2_strategy_shards_transformers5_models_after_activation():
         "sharded_layers": 2,
         "root_sharded": True,
     }
+
+
+_LIGHT_ACTIVATION_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import skyrl_megatron; skyrl_megatron.activate()
+    heavy = ("torch", "transformers", "peft", "skyrl_train.distributed.fsdp_utils", "skyrl_train.distributed.utils")
+    print(json.dumps(sorted(name for name in heavy if name in sys.modules)))
+    """
+)
+
+
+def test_activation_imports_nothing_heavy():
+    """Activation runs in every Ray worker process's set-up hook: the host fixes wait for the host's own
+    imports (it cost each process about 7 s of CPU when they imported torch, transformers and peft)."""
+    assert _run_probe(_LIGHT_ACTIVATION_PROBE) == []

@@ -28,6 +28,8 @@ _MEGATRON_KEY = re.compile(r"^trainer\.(policy|ref|critic)\.megatron_config\.[^=
 _TRAINER_UTILS_MODULE = "skyrl_train.utils.trainer_utils"
 _TOKENIZER_MODULE = "transformers.tokenization_utils_base"
 _FSDP_STRATEGY_MODULE = "skyrl_train.distributed.fsdp_strategy"
+_FSDP_UTILS_MODULE = "skyrl_train.distributed.fsdp_utils"
+_DISTRIBUTED_UTILS_MODULE = "skyrl_train.distributed.utils"
 _HOST_PACKAGES = ("skyrl_train.", "skyrl_gym.")
 
 
@@ -75,6 +77,8 @@ class SkyRLTrain03(HostAdapter):
             self.entrypoint_module: functools.partial(_route_local_engines, cpu_engines=engines.ray_wrapped_engines),
             _TOKENIZER_MODULE: _legacy_chat_template_for_host,
             _FSDP_STRATEGY_MODULE: _rebind_fsdp2_wrap,
+            _FSDP_UTILS_MODULE: _fix_fsdp_utils,
+            _DISTRIBUTED_UTILS_MODULE: _fix_custom_process_group,
             _TRAINER_UTILS_MODULE: _size_dataloader_workers_to_the_machine,
         }
 
@@ -82,17 +86,14 @@ class SkyRLTrain03(HostAdapter):
         """Fixes for skyrl-train 0.3.1 that its own imports need on our dependency set."""
         if self._compat_done:
             return
-        # 0.3.1 imports MixedPrecisionPolicy from fsdp_utils, which never defines it (fixed upstream later).
-        fsdp_utils = importlib.import_module("skyrl_train.distributed.fsdp_utils")
-        if not hasattr(fsdp_utils, "MixedPrecisionPolicy"):
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            fsdp_utils.MixedPrecisionPolicy = MixedPrecisionPolicy
         allow_flash_attn_import_without_kernels()
-        _fix_custom_process_group()
-        _fix_fsdp2_wrap_classes(fsdp_utils)
-        if _TOKENIZER_MODULE in sys.modules:
-            _legacy_chat_template_for_host(sys.modules[_TOKENIZER_MODULE])
+        # The other fixes patch host modules as they are imported (`import_patches`): importing them here
+        # would cost every Ray worker process torch, transformers and peft at start-up (about 7 s of CPU).
+        # Modules imported before activation are fixed now.
+        for name, fix in ((_FSDP_UTILS_MODULE, _fix_fsdp_utils), (_DISTRIBUTED_UTILS_MODULE, _fix_custom_process_group),
+                          (_TOKENIZER_MODULE, _legacy_chat_template_for_host)):
+            if name in sys.modules:
+                fix(sys.modules[name])
         self._compat_done = True
 
     # -- config -----------------------------------------------------------------------------------
@@ -380,6 +381,16 @@ def _size_dataloader_workers_to_the_machine(trainer_utils) -> None:
     trainer_utils.StatefulDataLoader = StatefulDataLoader
 
 
+def _fix_fsdp_utils(fsdp_utils) -> None:
+    """0.3.1's fsdp_strategy imports ``MixedPrecisionPolicy`` from fsdp_utils, which never defines it
+    (fixed upstream later); and its ``apply_fsdp2`` needs `_fix_fsdp2_wrap_classes`."""
+    if not hasattr(fsdp_utils, "MixedPrecisionPolicy"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        fsdp_utils.MixedPrecisionPolicy = MixedPrecisionPolicy
+    _fix_fsdp2_wrap_classes(fsdp_utils)
+
+
 def _fix_fsdp2_wrap_classes(fsdp_utils) -> None:
     """0.3.1's ``apply_fsdp2`` indexes the model's ``_no_split_modules`` (``[0]``).
 
@@ -408,14 +419,13 @@ def _rebind_fsdp2_wrap(fsdp_strategy) -> None:
     fsdp_strategy.apply_fsdp2 = importlib.import_module("skyrl_train.distributed.fsdp_utils").apply_fsdp2
 
 
-def _fix_custom_process_group() -> None:
+def _fix_custom_process_group(distributed_utils) -> None:
     """0.3.1's ``init_custom_process_group`` picks torch's keyword by comparing version *strings*.
 
     ``"2.11.0" >= "2.6"`` is false, so on torch >= 2.10 it passes the removed ``pg_options`` and every
     broadcast weight sync fails. The replacement creates the same stand-alone group (outside the
     default world, ranks mapped one to one) with today's keyword.
     """
-    distributed_utils = importlib.import_module("skyrl_train.distributed.utils")
     if getattr(distributed_utils.init_custom_process_group, "_skyrl_megatron_fixed", False):
         return
     distributed_utils.init_custom_process_group = standalone_process_group
