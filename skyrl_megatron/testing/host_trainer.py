@@ -9,7 +9,8 @@ without those runs exactly the host code a real run takes between two generation
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -67,3 +68,20 @@ def build_worker_groups(trainer) -> None:
 
     policy, critic, ref = current().worker_classes(STRATEGY)
     trainer.build_models(policy, critic, ref)
+
+
+@contextlib.contextmanager
+def trainer_with_workers(cfg, model_dir: str, *, num_gpus: int, num_cpus: int = 2,
+                         total_training_steps: int = 10) -> Iterator[Any]:
+    """Ray for CPU workers, then the host's trainer on `cfg` (tokenizer from `model_dir`) with its worker
+    groups built; Ray shuts down after the block."""
+    import ray
+    from transformers import AutoTokenizer
+
+    start_ray_for_cpu_workers(num_gpus=num_gpus, num_cpus=num_cpus)
+    try:
+        trainer = host_trainer(cfg, AutoTokenizer.from_pretrained(model_dir), total_training_steps)
+        build_worker_groups(trainer)
+        yield trainer
+    finally:
+        ray.shutdown()

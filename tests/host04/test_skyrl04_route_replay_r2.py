@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model
-from skyrl_megatron.testing.host_trainer import build_worker_groups, host_trainer, start_ray_for_cpu_workers, training_input
+from skyrl_megatron.testing.host_trainer import trainer_with_workers, training_input
 
 pytestmark = pytest.mark.slow
 
@@ -52,19 +52,11 @@ def _config(hf_dir: str, workdir):
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    import ray
-    from transformers import AutoTokenizer
-
     workdir = tmp_path_factory.mktemp("host04_r2")
     hf_dir = str(workdir / "qwen3_moe")
     make_tiny_hf_model("qwen3_moe", hf_dir, seed=11)
-    start_ray_for_cpu_workers(num_gpus=1, num_cpus=2)
-    try:
-        trainer = host_trainer(_config(hf_dir, workdir), AutoTokenizer.from_pretrained(hf_dir), total_training_steps=10)
-        build_worker_groups(trainer)
+    with trainer_with_workers(_config(hf_dir, workdir), hf_dir, num_gpus=1) as trainer:
         yield trainer
-    finally:
-        ray.shutdown()
 
 
 def _step(trainer, seed: int) -> dict:
