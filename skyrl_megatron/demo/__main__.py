@@ -144,10 +144,10 @@ def ppo_overrides(model_dir: Path) -> list[str]:
 def prepare(run_dir: Path, steps: int, gpu: bool = False) -> tuple[Path, Path]:
     """The checkpoint (tiny, or Qwen3-0.6B-shaped for --gpu; random weights) and the prompt file, created
     once per run directory (a rerun resumes on them)."""
-    from skyrl_megatron.testing import make_tiny_hf_model
-
     model_dir, prompts = run_dir / "model", run_dir / "data" / "prompts.jsonl"
     if not (model_dir / "config.json").exists():
+        from skyrl_megatron.testing import make_tiny_hf_model  # torch + transformers: only to create it
+
         make_tiny_hf_model("qwen3", model_dir, seed=0, **(QWEN3_0_6B_SHAPE if gpu else {}))
     if not prompts.exists():
         write_prompts(prompts, steps * PROMPTS_PER_STEP)
@@ -183,12 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_megatron.cli import compose_config, report_config_error
     from skyrl_megatron.config import ConfigError
     from skyrl_megatron.validation import validate_config
-    from skyrl_megatron.demo.experiment import (
-        REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
-    )
-    from skyrl_megatron.failures import WorkerFailure
-    from skyrl_megatron.launch import run_experiment
-
     run_dir: Path = args.out
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -212,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         report_config_error(err)
         return 2
+    # the heavy imports (torch, Ray, the host trainer) only once the config is known to be good
+    from skyrl_megatron.demo.experiment import (
+        REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
+    )
+    from skyrl_megatron.failures import WorkerFailure
+    from skyrl_megatron.launch import run_experiment
 
     metrics_file = run_dir / "metrics.jsonl"
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
