@@ -61,14 +61,10 @@ class MegatronWorkerMixin:
             dp_size=coords.dp_size,
             pp_size=coords.pp_size,
         )
-        self.worker_name = (f"{self.role} worker rank {torch.distributed.get_rank()}/{coords.world_size} "
-                            f"(dp {coords.dp}, cp {coords.cp}, tp {coords.tp}, pp {coords.pp})")
-        register_current_worker(
-            self.role,
-            torch.distributed.get_rank(),
-            coords.world_size,
-            f"dp {coords.dp}, cp {coords.cp}, tp {coords.tp}, pp {coords.pp}",
-        )
+        coordinates = f"dp {coords.dp}, cp {coords.cp}, tp {coords.tp}, pp {coords.pp}"
+        rank = torch.distributed.get_rank()
+        self.worker_name = f"{self.role} worker rank {rank}/{coords.world_size} ({coordinates})"
+        register_current_worker(self.role, rank, coords.world_size, coordinates)
         return coords
 
     def init_worker_process_group(self) -> None:
@@ -112,6 +108,7 @@ class MegatronWorkerMixin:
             fused_logprobs=self.built.fused_logprobs,
         )
         self.offloader = ModelOffloader(self.built.chunks)
+        self.transfer_log = TransferLog()  # the host's offload/backload calls, not our `model_resident` moves
         return self.built
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
@@ -213,14 +210,6 @@ class MegatronWorkerMixin:
         )
         self.transfer_log.add(report)
         return report.as_dict()
-
-    @property
-    def transfer_log(self) -> TransferLog:
-        """The host's offload/backload calls (not our own brief `model_resident` moves)."""
-        log = self.__dict__.get("_transfer_log")
-        if log is None:
-            log = self.__dict__["_transfer_log"] = TransferLog()
-        return log
 
     def transfer_summary(self) -> dict[str, float]:
         """Bytes and seconds the host's offloads/backloads moved since the last call, and the memory

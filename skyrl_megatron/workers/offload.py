@@ -42,11 +42,17 @@ class TransferReport:
 
 
 def device_memory_gib() -> dict[str, float]:
-    """This process's allocated accelerator memory and the device's free memory (GiB); {} on CPU."""
+    """This process's allocated and reserved accelerator memory, and the device's free and total
+    memory (GiB); {} on CPU."""
     if not torch.cuda.is_available():
         return {}
-    free, _total = torch.cuda.mem_get_info()
-    return {"allocated_gib": torch.cuda.memory_allocated() / 2**30, "device_free_gib": free / 2**30}
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+        "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+        "device_free_gib": free / 2**30,
+        "device_total_gib": total / 2**30,
+    }
 
 
 class TransferLog:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_megatron.workers.offload import device_memory_gib
+
 
 class WorkerOutOfMemory(RuntimeError):
     """A worker ran out of accelerator (or host) memory in a step; the message says what to turn."""
@@ -54,12 +56,11 @@ class StepKnobs:
 
 
 def _memory_held() -> str:
-    if not torch.cuda.is_available():
+    memory = device_memory_gib()
+    if not memory:
         return "host memory exhausted"
-    _free, total = torch.cuda.mem_get_info()
-    return (f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
-            f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved by this worker, "
-            f"{total / 2**30:.1f} GiB on the device")
+    return (f"{memory['allocated_gib']:.1f} GiB allocated, {memory['reserved_gib']:.1f} GiB reserved by this "
+            f"worker, {memory['device_total_gib']:.1f} GiB on the device")
 
 
 @contextlib.contextmanager

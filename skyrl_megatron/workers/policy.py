@@ -310,4 +310,3 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
         save_hf_model(export_dir, self.built, tokenizer)
-
