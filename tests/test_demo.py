@@ -104,15 +104,46 @@ def test_the_reward_plot_title_fits_the_figure(tmp_path):
     assert 0 <= title.x0 and title.x1 <= width and title.y1 <= height, (title, width, height)
 
 
-def test_the_gpu_demo_replaces_the_cpu_settings_and_validates(tmp_path):
-    """`demo --gpu`: each CPU setting it changes is replaced, not given twice, and the result passes our checks."""
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_gpu_demo_replaces_the_cpu_settings_and_validates(tmp_path, gpus):
+    """`demo --gpus N`: each CPU setting it changes is replaced, not given twice, and the result passes our
+    checks; on 2 GPUs the policy and the reference are tensor parallel over both, one engine per GPU."""
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.demo.__main__ import demo_overrides, gpu_overrides, merged, prepare
     from skyrl_megatron.validation import validate_config
 
     model_dir, prompts = prepare(tmp_path, steps=2)
-    overrides = merged(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1), gpu_overrides())
+    overrides = merged(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1), gpu_overrides(gpus))
     keys = [item.split("=", 1)[0] for item in overrides]
     assert len(keys) == len(set(keys))
     assert {"generator.engine=gpu", "trainer.placement.colocate_all=true", "trainer.bf16=true"} <= set(overrides)
-    validate_config(compose_config(overrides))
+    cfg = compose_config(overrides)
+    validate_config(cfg)
+    for role in ("policy", "ref"):
+        assert cfg.trainer.placement[f"{role}_num_gpus_per_node"] == gpus
+        assert cfg.trainer[role].megatron_config.tensor_model_parallel_size == gpus
+    assert cfg.generator.num_inference_engines == gpus
+
+
+def test_a_users_override_replaces_the_demos_value_of_that_key(tmp_path):
+    """`python -m skyrl_megatron.demo trainer.ckpt_interval=-1`: one value per key reaches the host (Hydra
+    refuses a key given twice), the user's."""
+    from skyrl_megatron.demo.__main__ import demo_overrides, merged, prepare
+
+    model_dir, prompts = prepare(tmp_path, steps=2)
+    overrides = merged(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1),
+                       ["trainer.ckpt_interval=-1", "trainer.policy.megatron_config.max_tokens_per_microbatch=512"])
+    assert [o for o in overrides if o.startswith("trainer.ckpt_interval=")] == ["trainer.ckpt_interval=-1"]
+    assert "trainer.policy.megatron_config.max_tokens_per_microbatch=512" in overrides
+
+
+def test_the_demo_trains_a_given_checkpoint_and_refuses_a_directory_without_one(tmp_path):
+    from skyrl_megatron.demo.__main__ import prepare
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    given = tmp_path / "given"
+    make_tiny_hf_model("qwen3", given, seed=1)
+    model_dir, _ = prepare(tmp_path / "run", steps=1, model=given)
+    assert model_dir == given and not (tmp_path / "run" / "model").exists()
+    with pytest.raises(SystemExit, match="no config.json"):
+        prepare(tmp_path / "run2", steps=1, model=tmp_path / "empty")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from skyrl_megatron.digests import tensor_sha256
 from skyrl_megatron.engines.broadcast import BroadcastGroup, BroadcastRendezvous
 from skyrl_megatron.engines.decoding import Decoder, RouteCapture, Vocabulary, compact_routes
 from skyrl_megatron.engines.sampling import SamplingSettings
@@ -217,6 +218,13 @@ class HFEngine:
         """A CPU copy of the current weights under HF names (for checks that a sync delivered bitwise)."""
         with self._lock:
             return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
+
+    async def weight_digests(self, names: list[str] | None = None) -> dict[str, str]:
+        """SHA-256 of each held weight (HF names; `names` or all): a sync check that moves digests, not
+        the model, out of the engine."""
+        with self._lock:
+            held = self.model.state_dict()
+            return {name: tensor_sha256(held[name]) for name in (names if names is not None else held)}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
