@@ -24,17 +24,21 @@ from pathlib import Path
 from example_layouts import EXAMPLES, ScaledExample, planned_peak, scale_example, write_model_config
 
 STEPS = 2
-# Long enough that a step's rows fill the token budget (random weights rarely sample EOS).
-RUN_SETTINGS = ("generator.sampling_params.max_generate_length=1024", "trainer.hf_save_interval=-1")
+RUN_SETTINGS = ("trainer.hf_save_interval=-1",)
+# Random weights rarely sample EOS, so every reply has this length: 1024 fills a dense layout's token
+# budget as in a real run; MoE layouts with full recompute keep almost no activations, and a shorter
+# reply halves their run time (the planner then gets the run's own largest micro-batch).
+GENERATE_LENGTH = 1024
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "tie_word_embeddings", "rms_norm_eps")  # fmt: skip
 
 
-def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path) -> list[str]:
+def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path, generate_length: int = GENERATE_LENGTH) -> list[str]:
     """The demo command line of one scaled example (no checkpoints: 2 steps need none)."""
     return ["--gpus", str(example.gpus), "--model", str(model_dir), "--out", str(run_dir), "--fresh",
-            "--steps", str(STEPS), "--ckpt-interval", "0", *example.overrides, *RUN_SETTINGS]  # fmt: skip
+            "--steps", str(STEPS), "--ckpt-interval", "0", *example.overrides, *RUN_SETTINGS,
+            f"generator.sampling_params.max_generate_length={generate_length}"]  # fmt: skip
 
 
 def create_model(example: ScaledExample, model_dir: Path) -> None:
@@ -63,7 +67,7 @@ def measured_peaks(metrics_file: Path) -> dict[str, float]:
     return peaks
 
 
-def run_example(script: Path, out: Path, gpus: int, gpu_memory_gib: float, timeout: int) -> dict:
+def run_example(script: Path, out: Path, gpus: int, gpu_memory_gib: float, timeout: int, generate_length: int) -> dict:
     work = out / script.stem
     work.mkdir(parents=True, exist_ok=True)
     example = scale_example(script, work / "launch", gpus)
@@ -74,7 +78,7 @@ def run_example(script: Path, out: Path, gpus: int, gpu_memory_gib: float, timeo
     planned, plan_text = planned_peak(example, write_model_config(example, work / "scaled_config.json"), gpu_memory_gib)
     (work / "plan.txt").write_text(plan_text)
     run_dir = Path("/tmp/gpu_examples") / script.stem
-    argv = [sys.executable, "-m", "skyrl_megatron.demo", *demo_arguments(example, model_dir, run_dir)]
+    argv = [sys.executable, "-m", "skyrl_megatron.demo", *demo_arguments(example, model_dir, run_dir, generate_length)]
     (work / "command.txt").write_text(" ".join(argv) + "\n")
     started = time.perf_counter()
     with (work / "run.log").open("w") as log:
@@ -89,7 +93,7 @@ def run_example(script: Path, out: Path, gpus: int, gpu_memory_gib: float, timeo
         (work / "metrics.jsonl").write_text(metrics.read_text())
     return {"script": script.name, "layers": example.layers, "model": example.model, "overrides": example.overrides,
             "planner_args": example.planner_args, "planned_gib": planned, "measured": measured, "exit": code,
-            "run_s": seconds, "model_create_s": created}  # fmt: skip
+            "run_s": seconds, "model_create_s": created, "generate_length": generate_length}  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
@@ -113,6 +117,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--only", default="", help="run the scripts whose name contains this")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per example run")
+    parser.add_argument("--generate-length", type=int, default=GENERATE_LENGTH, help="tokens per reply")
     args = parser.parse_args()
     import torch
 
@@ -120,7 +125,7 @@ def main() -> int:
     results = []
     for script in sorted(EXAMPLES.glob("run_qwen3_*.sh")):
         if args.only in script.name:
-            results.append(run_example(script, args.out, args.gpus, gpu_memory_gib, args.timeout))
+            results.append(run_example(script, args.out, args.gpus, gpu_memory_gib, args.timeout, args.generate_length))
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
             (args.out / "examples.md").write_text(table(results))
             print(table(results[-1:]), flush=True)
