@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -83,7 +84,9 @@ def run_example(script: Path, out: Path, gpus: int, gpu_memory_gib: float, timeo
     started = time.perf_counter()
     with (work / "run.log").open("w") as log:
         try:
-            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            # the host's INFO log timestamps every phase: where a slow or stopped run spent its time
+            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env={**os.environ, "LOG_LEVEL": "INFO"}).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     seconds = time.perf_counter() - started
