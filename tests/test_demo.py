@@ -116,3 +116,13 @@ def test_the_gpu_demo_replaces_the_cpu_settings_and_validates(tmp_path):
     assert len(keys) == len(set(keys))
     assert {"generator.engine=gpu", "trainer.placement.colocate_all=true", "trainer.bf16=true"} <= set(overrides)
     validate_config(compose_config(overrides))
+
+
+def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, demo_run_dir):
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(demo_run_dir),
+                     "trainer.policy.megatron_config.fused_kernels=[rope,swigl]")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("skyrl-megatron:")] == [
+        "skyrl-megatron: invalid skyrl-megatron config: trainer.policy.megatron_config.fused_kernels: unknown kernel "
+        "'swigl'. Fix: did you mean 'swiglu'? (known: rms_norm, rope, swiglu, logprobs)."]
+    assert not out.loaded("torch")

@@ -180,9 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
     args = parser.parse_args(argv)
 
-    from skyrl_megatron.cli import compose_config, report_config_error
+    from skyrl_megatron.cli import checked_config, report_config_error
     from skyrl_megatron.config import ConfigError
-    from skyrl_megatron.validation import validate_config
     run_dir: Path = args.out
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -201,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
     try:
-        cfg = compose_config(overrides)
-        validate_config(cfg)
+        cfg = checked_config(overrides)
     except ConfigError as err:
         report_config_error(err)
         return 2
