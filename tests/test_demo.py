@@ -147,3 +147,13 @@ def test_the_demo_trains_a_given_checkpoint_and_refuses_a_directory_without_one(
     assert model_dir == given and not (tmp_path / "run" / "model").exists()
     with pytest.raises(SystemExit, match="no config.json"):
         prepare(tmp_path / "run2", steps=1, model=tmp_path / "empty")
+
+
+def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, demo_run_dir):
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(demo_run_dir),
+                     "trainer.policy.megatron_config.fused_kernels=[rope,swigl]")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("skyrl-megatron:")] == [
+        "skyrl-megatron: invalid skyrl-megatron config: trainer.policy.megatron_config.fused_kernels: unknown kernel "
+        "'swigl'. Fix: did you mean 'swiglu'? (known: rms_norm, rope, swiglu, logprobs)."]
+    assert not out.loaded("torch")

@@ -206,9 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gpus = args.gpus or (1 if args.gpu else 0)
 
-    from skyrl_megatron.cli import compose_config, report_config_error
+    from skyrl_megatron.cli import checked_config, report_config_error
     from skyrl_megatron.config import ConfigError
-    from skyrl_megatron.validation import validate_config
     run_dir: Path = args.out
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
@@ -225,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
     try:
-        cfg = compose_config(overrides)
-        validate_config(cfg)
+        cfg = checked_config(overrides)
     except ConfigError as err:
         report_config_error(err)
         return 2
