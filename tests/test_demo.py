@@ -157,3 +157,16 @@ def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, d
         "skyrl-megatron: invalid skyrl-megatron config: trainer.policy.megatron_config.fused_kernels: unknown kernel "
         "'swigl'. Fix: did you mean 'swiglu'? (known: rms_norm, rope, swiglu, logprobs)."]
     assert not out.loaded("torch")
+
+
+def test_a_first_run_names_a_bad_value_before_it_creates_its_model(run_python, tmp_path):
+    """On a fresh run directory the demo would import torch to write its model: the config is checked
+    first, the message is the same, and nothing is created."""
+    run_dir = tmp_path / "fresh"
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(run_dir),
+                     "trainer.policy.megatron_config.tensor_model_parallel_size=3")
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("skyrl-megatron:")]
+    assert "tensor/pipeline/context_parallel_size: policy world size 2" in line and "Fix: " in line
+    assert not out.loaded("torch")
+    assert not (run_dir / "model").exists()

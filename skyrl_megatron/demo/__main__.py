@@ -160,6 +160,25 @@ def run_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ckp
     return merged(machine_sized(overrides + (ppo_overrides(model_dir) if ppo else [])), list(extra))
 
 
+def check_before_the_model_exists(overrides: list[str], model_dir: Path) -> None:
+    """Our checks (on the host's light parse) of everything but the checkpoint the demo is about to create:
+    a bad value is named within a second, not after torch has loaded to write the model. The checks that
+    read the model's shape run with the full config once it exists."""
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.config import ConfigError
+    from skyrl_megatron.hosts import current
+    from skyrl_megatron.validation import validate_config
+
+    try:
+        light = current().light_config(overrides)
+        validate_config(light if light is not None else compose_config(overrides), run_host_checks=False)
+    except ConfigError as err:
+        missing = repr(str(model_dir.resolve()))
+        others = [problem for problem in err.problems if missing not in problem.message]
+        if others:
+            raise ConfigError(others) from None
+
+
 def prepare(run_dir: Path, steps: int, gpu: bool = False, model: Path | None = None) -> tuple[Path, Path]:
     """The checkpoint (`model`, else tiny, or Qwen3-0.6B-shaped for --gpu; random weights) and the prompt
     file, created once per run directory (a rerun resumes on them)."""
@@ -212,6 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model or run_dir / "model"
+    if not (model_dir / "config.json").exists():
+        # the demo creates its model with torch: the rest of the config is checked before that
+        prompts = run_dir / "data" / "prompts.jsonl"
+        planned = run_overrides(run_dir, model_dir, prompts, args.steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
+                                extra=args.overrides)
+        try:
+            check_before_the_model_exists(planned, model_dir)
+        except ConfigError as err:
+            report_config_error(err)
+            return 2
     model_dir, prompts = prepare(run_dir, args.steps, gpu=bool(gpus), model=args.model)
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
     overrides = run_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,

@@ -44,6 +44,15 @@ def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, d
     assert not out.loaded("torch")
 
 
+def test_a_first_demo_run_names_a_bad_value_before_it_creates_its_model(run_python, tmp_path):
+    run_dir = tmp_path / "fresh"
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(run_dir), f"{MC}.runtime=gpu")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert _printed(out.stderr) == [
+        f"skyrl-megatron: invalid skyrl-megatron config: {MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."]
+    assert not out.loaded("torch") and not (run_dir / "model").exists()
+
+
 def test_the_early_check_finds_what_the_full_parse_finds(base, bad_value):
     overrides, _ = bad_value
     with pytest.raises(ConfigError) as early:
