@@ -17,25 +17,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from example_layouts import EXAMPLES, ScaledExample, planned_peak, scale_example, write_model_config
 
 STEPS = 2
 RUN_SETTINGS = ("trainer.hf_save_interval=-1",)
-# Random weights rarely sample EOS, so every reply has this length: 1024 fills a dense layout's token
-# budget as in a real run; MoE layouts with full recompute keep almost no activations, and a shorter
-# reply halves their run time (the planner then gets the run's own largest micro-batch).
-GENERATE_LENGTH = 1024
+# Random weights rarely sample EOS, so every reply has the full length: 1024 tokens fill the token budget
+# as in a real run, which matters where activations are kept (no recompute); under full recompute they
+# are a few hundred MiB whatever the length, and 256 tokens cut the generation time by 4.
+LONG_REPLIES, SHORT_REPLIES = 1024, 256
+MODELS = Path("/tmp/gpu_examples_models")  # not under $OUT: the device tool would copy them back
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "tie_word_embeddings", "rms_norm_eps")  # fmt: skip
 
 
-def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path, generate_length: int = GENERATE_LENGTH) -> list[str]:
+def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path, generate_length: int = LONG_REPLIES) -> list[str]:
     """The demo command line of one scaled example (no checkpoints: 2 steps need none)."""
     return ["--gpus", str(example.gpus), "--model", str(model_dir), "--out", str(run_dir), "--fresh",
             "--steps", str(STEPS), "--ckpt-interval", "0", *example.overrides, *RUN_SETTINGS,
@@ -68,14 +71,21 @@ def measured_peaks(metrics_file: Path) -> dict[str, float]:
     return peaks
 
 
-def run_example(script: Path, out: Path, gpus: int, gpu_memory_gib: float, timeout: int, generate_length: int) -> dict:
-    work = out / script.stem
-    work.mkdir(parents=True, exist_ok=True)
-    example = scale_example(script, work / "launch", gpus)
-    model_dir = work / "model"
+def reply_length(example: ScaledExample) -> int:
+    return SHORT_REPLIES if example.setting("transformer_config_kwargs.recompute_granularity") == "full" else LONG_REPLIES
+
+
+def timed_create_model(example: ScaledExample, model_dir: Path) -> float:
     started = time.perf_counter()
     create_model(example, model_dir)
-    created = time.perf_counter() - started
+    return time.perf_counter() - started
+
+
+def run_example(example: ScaledExample, script: Path, work: Path, model_ready, gpu_memory_gib: float, timeout: int,
+                generate_length: int) -> dict:
+    """One scaled example's 2 steps; `model_ready` is the future of its checkpoint's creation (seconds)."""
+    model_dir = MODELS / script.stem
+    created = model_ready.result()
     planned, plan_text = planned_peak(example, write_model_config(example, work / "scaled_config.json"), gpu_memory_gib)
     (work / "plan.txt").write_text(plan_text)
     run_dir = Path("/tmp/gpu_examples") / script.stem
@@ -120,15 +130,26 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--only", default="", help="run the scripts whose name contains this")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per example run")
-    parser.add_argument("--generate-length", type=int, default=GENERATE_LENGTH, help="tokens per reply")
+    parser.add_argument("--generate-length", type=int, default=0,
+                        help=f"tokens per reply (0: {LONG_REPLIES} without recompute, {SHORT_REPLIES} with full recompute)")
     args = parser.parse_args()
+    import multiprocessing
+
     import torch
 
     gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    scripts = [s for s in sorted(EXAMPLES.glob("run_qwen3_*.sh")) if args.only in s.name]
+    works = {s: args.out / s.stem for s in scripts}
+    examples = {s: scale_example(s, works[s] / "launch", args.gpus) for s in scripts}
     results = []
-    for script in sorted(EXAMPLES.glob("run_qwen3_*.sh")):
-        if args.only in script.name:
-            results.append(run_example(script, args.out, args.gpus, gpu_memory_gib, args.timeout, args.generate_length))
+    # the next example's checkpoint is written (CPU) while the current one runs (GPUs)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        ready = {s: pool.submit(timed_create_model, examples[s], MODELS / s.stem) for s in scripts}
+        for script in scripts:
+            length = args.generate_length or reply_length(examples[script])
+            results.append(run_example(examples[script], script, works[script], ready[script], gpu_memory_gib,
+                                       args.timeout, length))
+            shutil.rmtree(MODELS / script.stem, ignore_errors=True)
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
             (args.out / "examples.md").write_text(table(results))
             print(table(results[-1:]), flush=True)
