@@ -69,7 +69,22 @@ def _run_with_hydra(host, argv: list[str]) -> None:
     app(_validate_and_run)()
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def typed_help() -> str:
+    """skyrl 0.4's typed config has no ``--help`` of its own: the usage, and the keys we add."""
+    from skyrl_megatron.config import MegatronWorkerConfig
+
+    ours = ", ".join(MegatronWorkerConfig.field_names())
+    return (f"{__doc__}\nOur keys, under trainer.{{policy,ref,critic}}.megatron_config: {ours}.\n"
+            "Every other key is the host's: see skyrl.train.config (SkyRLTrainConfig) of the installed skyrl.\n")
+
+
 def _run_typed(argv: list[str]) -> None:
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(typed_help())
+        return
     try:
         cfg = checked_config(argv)
     except ConfigError as err:

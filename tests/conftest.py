@@ -85,6 +85,7 @@ class PythonRun:
     returncode: int
     stderr: str  # without the import-time lines
     imported: frozenset[str]  # every module the process imported
+    stdout: str = ""
 
     def loaded(self, package: str) -> bool:
         """Whether the process imported `package` or any module inside it."""
@@ -104,7 +105,7 @@ def run_python(tmp_path: Path):
         imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
         imported.discard("imported package")  # the log's header line
         rest = "\n".join(line for line in lines if not line.startswith("import time:"))
-        return PythonRun(out.returncode, rest, frozenset(imported))
+        return PythonRun(out.returncode, rest, frozenset(imported), out.stdout)
 
     return run
 

@@ -73,3 +73,11 @@ def test_the_hosts_own_parse_rules_still_apply_after_the_early_check(base):
     """The host's root post-init rules are not part of the early check; the full parse still applies them."""
     with pytest.raises(ConfigError, match=r"\(command line\): data.dataloader.persistent_workers requires num_workers > 0"):
         checked_config(base + ["data.dataloader.persistent_workers=true", "data.dataloader.num_workers=0"])
+
+
+def test_help_prints_the_usage_and_our_keys_before_torch_loads(run_python):
+    """0.4's typed config would read ``--help`` as an unknown key: the command answers it itself."""
+    out = run_python("-m", "skyrl_megatron.cli", "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "The `skyrl-megatron` command" in out.stdout and "tensor_model_parallel_size" in out.stdout
+    assert not out.loaded("torch")
