@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -81,6 +82,36 @@ def timed_create_model(example: ScaledExample, model_dir: Path) -> float:
     return time.perf_counter() - started
 
 
+def run_with_stacks_on_timeout(argv: list[str], log, timeout: int, stacks_file: Path) -> int | str:
+    """Run the demo; past `timeout`, every Python stack of the run (the demo and its Ray workers) goes to
+    `stacks_file` before the processes are stopped, so a stalled run says where it stood.
+
+    The demo runs with the host's INFO log (phase timestamps) and ``PYTHONFAULTHANDLER=1``, which its Ray
+    workers inherit: SIGABRT then makes each process print its threads' stacks to its stderr (the demo's
+    into `log`, the workers' into Ray's worker logs).
+    """
+    env = {**os.environ, "LOG_LEVEL": "INFO", "PYTHONFAULTHANDLER": "1"}
+    demo = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        return demo.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    subprocess.run(["pkill", "-ABRT", "-f", "ray::"], check=False)
+    demo.send_signal(signal.SIGABRT)
+    time.sleep(10)  # the handlers write, Ray flushes its worker logs
+    with stacks_file.open("w") as out:
+        for err in sorted(Path("/tmp/ray/session_latest/logs").glob("worker-*.err")):
+            text = err.read_text(errors="replace")
+            if "Thread 0x" in text or "Current thread" in text:
+                start = min(i for i in (text.find("Thread 0x"), text.find("Current thread")) if i >= 0)
+                out.write(f"== {err.name}\n{text[start:][-20000:]}\n")
+    demo.kill()
+    subprocess.run(["pkill", "-KILL", "-f", "ray::"], check=False)
+    # the killed driver's local cluster (raylet, GCS) would outlive it
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], check=False, capture_output=True)
+    return "timeout"
+
+
 def run_example(example: ScaledExample, script: Path, work: Path, model_ready, gpu_memory_gib: float, timeout: int,
                 generate_length: int) -> dict:
     """One scaled example's 2 steps; `model_ready` is the future of its checkpoint's creation (seconds)."""
@@ -93,12 +124,7 @@ def run_example(example: ScaledExample, script: Path, work: Path, model_ready, g
     (work / "command.txt").write_text(" ".join(argv) + "\n")
     started = time.perf_counter()
     with (work / "run.log").open("w") as log:
-        try:
-            # the host's INFO log timestamps every phase: where a slow or stopped run spent its time
-            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                  env={**os.environ, "LOG_LEVEL": "INFO"}).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+        code = run_with_stacks_on_timeout(argv, log, timeout, work / "stacks_at_timeout.txt")
     seconds = time.perf_counter() - started
     metrics = run_dir / "metrics.jsonl"
     measured = measured_peaks(metrics) if metrics.exists() else {}
