@@ -34,9 +34,6 @@ RUN_SETTINGS = ("trainer.hf_save_interval=-1",)
 # are a few hundred MiB whatever the length, and 256 tokens cut the generation time by 4.
 LONG_REPLIES, SHORT_REPLIES = 1024, 256
 MODELS = Path("/tmp/gpu_examples_models")  # not under $OUT: the device tool would copy them back
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step")
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "tie_word_embeddings", "rms_norm_eps")  # fmt: skip
 
 
 def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path, generate_length: int = LONG_REPLIES) -> list[str]:
@@ -47,16 +44,13 @@ def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path, gener
 
 
 def create_model(example: ScaledExample, model_dir: Path) -> None:
-    """Random weights (bf16) of the scaled shape, with the test tokenizer padded to the published vocabulary."""
-    import torch
+    """Random bf16 weights of the scaled shape (built on the CPU: the GPUs run the previous example), with
+    the test tokenizer padded to the published vocabulary."""
+    from transformers import AutoConfig
 
-    from skyrl_megatron.testing import make_tiny_hf_model
+    from policy_bench import write_random_checkpoint
 
-    config = example.model_config
-    family = config["model_type"]
-    shape = {key: config[key] for key in SHAPE_KEYS + (MOE_KEYS if family == "qwen3_moe" else ()) if key in config}
-    make_tiny_hf_model(family, model_dir, seed=0, dtype=torch.bfloat16, vocab_size=config["vocab_size"],
-                       max_position_embeddings=4096, **shape)  # fmt: skip
+    write_random_checkpoint(AutoConfig.for_model(**example.model_config), model_dir, cpu=True)
 
 
 def measured_peaks(metrics_file: Path) -> dict[str, float]:

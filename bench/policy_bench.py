@@ -602,14 +602,20 @@ def model_config(model: str, layers: int | None = None):
 
 
 def write_checkpoint(model: str, out_dir: Path, cpu: bool, layers: int | None = None) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from skyrl_megatron.testing import make_tiny_hf_model
-    from skyrl_megatron.testing.tokenizer import save_tiny_tokenizer
 
     if model == SMOKE_MODEL:
         return Path(make_tiny_hf_model("qwen3", out_dir, seed=0))
-    config = model_config(model, layers)
+    return write_random_checkpoint(model_config(model, layers), out_dir, cpu)
+
+
+def write_random_checkpoint(config, out_dir: Path, cpu: bool) -> Path:
+    """Random bf16 weights of `config` (built on the GPU unless `cpu`) and the test tokenizer padded to its
+    vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_megatron.testing.tokenizer import save_tiny_tokenizer
+
     torch.manual_seed(0)
     with torch.device("cpu" if cpu else "cuda"):
         hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
