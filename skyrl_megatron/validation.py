@@ -42,6 +42,14 @@ def validate_overrides(overrides: list[str]) -> None:
         validate_config(light, run_host_checks=False)
 
 
+def validate_ours_cheaply(overrides: list[str]) -> None:
+    """Our checks alone, on the cheapest parse of the overrides: the host's light one where its full parse
+    is heavy, else the full one (light itself)."""
+    host = current()
+    light = host.light_config(list(overrides))
+    validate_config(light if light is not None else host.compose_config(list(overrides)), run_host_checks=False)
+
+
 def validate_host_config(cfg) -> None:
     """The host's own checks; its assertions are re-raised as ConfigError so every problem reads the same."""
     host = current()

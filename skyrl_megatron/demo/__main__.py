@@ -164,14 +164,11 @@ def check_before_the_model_exists(overrides: list[str], model_dir: Path) -> None
     """Our checks (on the host's light parse) of everything but the checkpoint the demo is about to create:
     a bad value is named within a second, not after torch has loaded to write the model. The checks that
     read the model's shape run with the full config once it exists."""
-    from skyrl_megatron.cli import compose_config
     from skyrl_megatron.config import ConfigError
-    from skyrl_megatron.hosts import current
-    from skyrl_megatron.validation import validate_config
+    from skyrl_megatron.validation import validate_ours_cheaply
 
     try:
-        light = current().light_config(overrides)
-        validate_config(light if light is not None else compose_config(overrides), run_host_checks=False)
+        validate_ours_cheaply(overrides)
     except ConfigError as err:
         missing = repr(str(model_dir.resolve()))
         others = [problem for problem in err.problems if missing not in problem.message]

@@ -21,7 +21,8 @@ _FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.experts)\.(?P<projection>gate_up_
 
 
 def checkpoint_named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter under its checkpoint name(s): fused expert tensors as per-expert views."""
+    """Every parameter under its checkpoint name(s): fused expert tensors as per-expert views, tied
+    weights under each of their names (an exporter may send either)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         fused = _FUSED_EXPERTS.match(name)

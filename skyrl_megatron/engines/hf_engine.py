@@ -65,7 +65,6 @@ class HFEngine:
             max_positions=self.model.config.max_position_embeddings,
         )
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        # Tied weights appear under each of their names, as an exporter may send either.
         self._lock = threading.Lock()
         self._in_flight: set[threading.Event] = set()
         self._broadcast: BroadcastGroup | None = None  # our own weight broadcast group, once joined
