@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from skyrl_megatron.demo.task import ENV_ID, digit_share, register_environment, write_prompts
+from skyrl_megatron.demo.task import ENV_ID, digit_share, register_environment
 
 
 @pytest.mark.parametrize(
@@ -24,20 +24,6 @@ def test_environment_is_made_by_name_through_skyrl_gym_and_scores_one_turn():
     env = skyrl_gym.make(ENV_ID, env_config={}, extras={})
     out = env.step("12ab")
     assert out["reward"] == 0.5 and out["done"] is True
-
-
-def test_prompt_file_loads_in_the_hosts_dataset(tmp_path):
-    from skyrl_train.dataset import PromptDataset
-
-    from skyrl_megatron.testing import make_tiny_tokenizer
-
-    path = write_prompts(tmp_path / "prompts.jsonl", 12)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(rows) == 12 and all(row["env_class"] == ENV_ID for row in rows)
-    dataset = PromptDataset(str(path), make_tiny_tokenizer(), max_prompt_length=64, num_workers=1)
-    assert len(dataset) == 12
-    messages, env_class, _, uid = dataset[3]
-    assert env_class == ENV_ID and uid == "3" and messages[0]["role"] == "user"
 
 
 def test_demo_config_composes_and_passes_every_check(tmp_path):

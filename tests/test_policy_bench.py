@@ -180,27 +180,6 @@ def test_render_writes_the_section_from_a_saved_report_and_names_failed_cases(tm
     assert "- megatron:world1 vs fsdp2:world1: forward 5.00x speed, 0.50x memory, train 2.00x speed, 0.50x memory" in text
 
 
-def test_batch_converts_through_the_hosts_training_iterator():
-    """The host's FSDP workers turn each training micro-batch into an `Experience` by key; the
-    benchmark batch, after the keys the host's forward pass adds, must carry every key it reads
-    (a missing `returns` failed every FSDP2 case of a GPU run)."""
-    from skyrl_train.workers.worker_utils import BatchIterator
-
-    from skyrl_megatron.testing.host_trainer import training_input
-
-    bench = _bench_module()
-    shape = bench.BatchShape(rows=4, prompt_tokens=8, min_response=2, max_response=16)
-    data = training_input(bench.rl_batch(shape, vocab_size=100, pad_token_id=0), shape.max_response)
-    # what `RayPPOTrainer.fwd_logprobs_values_reward` adds without a critic or a reference model
-    data["action_log_probs"] = torch.zeros(shape.rows, shape.max_response)
-    data["base_action_log_probs"] = None
-    data["values"] = None
-    experiences = list(BatchIterator(data, sample_batch_size=2))
-    assert len(experiences) == 2
-    assert torch.equal(experiences[0].returns, data["advantages"][:2])
-    assert experiences[1].sequences.shape == (2, shape.prompt_tokens + shape.max_response)
-
-
 def _gpu_idle_module():
     spec = importlib.util.spec_from_file_location("gpu_idle", ROOT / "bench" / "gpu_idle.py")
     module = importlib.util.module_from_spec(spec)
@@ -235,24 +214,6 @@ def test_first_frame_is_ours_megatrons_or_the_hosts():
     stack = ["torch/nn/modules/module.py(1): _call_impl", "/x/site-packages/megatron/core/models/gpt/gpt_model.py(5): forward"]
     assert gpu_idle.first_frame(stack) == "megatron/core/models/gpt/gpt_model.py(5): forward"
     assert gpu_idle.first_frame(["torch/a.py(1): f"]) == ""
-
-
-def test_host_fsdp2_baseline_loads_hf_sdpa_where_it_would_pick_eager(tmp_path):
-    """The host's HFModelWrapper picks flash_attention_2 or eager; the benchmark's FSDP2 baseline
-    is HF SDPA (eager's [heads, L, L] scores ran out of memory on the GPU)."""
-    from skyrl_megatron.activation import activate
-    from skyrl_megatron.testing import make_tiny_hf_model
-
-    activate()  # the host's model wrapper imports flash_attn's padding helpers (host compat fixes)
-    from skyrl_train.model_wrapper import HFModelWrapper
-
-    bench = _bench_module()
-    make_tiny_hf_model("qwen3", tmp_path, seed=0)
-    with bench.hf_sdpa_for_eager():
-        wrapped = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
-    assert wrapped.model.config._attn_implementation == "sdpa"
-    unpatched = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
-    assert unpatched.model.config._attn_implementation == "eager"
 
 
 def test_a_variant_can_set_environment_variables_for_its_case(tmp_path, monkeypatch):

@@ -76,6 +76,8 @@ class SkyRL04(HostAdapter):
         "fsdp": "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker",
         "fsdp2": "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker",
     }
+    hf_model_wrapper_module = "skyrl.backends.skyrl_train.workers.model_wrapper"
+    torch_utils_module = "skyrl.backends.skyrl_train.utils.torch_utils"
     policy_losses_are_presummed = True
 
     def apply_compat_fixes(self) -> None:
