@@ -58,7 +58,9 @@ class _Session:
         from skyrl_megatron.cli import compose_config
         from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
         from skyrl_megatron.compute.runner import ModelRunner
+        from skyrl_megatron.hosts import current
         from skyrl_megatron.model.build import ModelSpec, build_model
+        from skyrl_megatron.testing.policy_steps import max_seq_len_override
         from skyrl_megatron.optim import OptimizerSettings
         from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
@@ -68,14 +70,15 @@ class _Session:
             hf_dir, parallel=self.parallel, dtype=dtype, wrap_with_ddp=True, ddp_config=DISTRIBUTED_OPTIMIZER, lora=lora
         )
         self.built = build_model(spec)
-        max_seq_len = f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}"
-        cfg = compose_config([f"trainer.policy.optimizer_config.lr={LR}", max_seq_len, *HOST_OVERRIDES])
+        max_seq_len = max_seq_len_override(PROMPT + RESPONSE)
+        host_cfg = compose_config([f"trainer.policy.optimizer_config.lr={LR}", max_seq_len, *HOST_OVERRIDES])
+        cfg = current().our_view(host_cfg)  # what our workers read, on either host
         settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, dtype)
         self.optimizer = settings.build_optimizer(self.built.chunks)
         self.scheduler = settings.build_scheduler(self.optimizer)
         self.runner = ModelRunner(self.built.chunks, self.parallel)
         self.runner.attach_optimizer(self.optimizer)
-        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(cfg.trainer.algorithm))
+        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_cfg.trainer.algorithm))
         self.batch, self.rows = _dp_share(make_rl_batch(ROWS, PROMPT, RESPONSE, seed=5))
 
     def old_logprobs(self) -> torch.Tensor:
@@ -417,17 +420,24 @@ def _assert_same_training(got: list[dict], want: list[dict], name: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _ours(cfg):
+    """The composed config as our workers read it (the host's own on skyrl-train 0.3.1)."""
+    from skyrl_megatron.hosts import current
+
+    return current().our_view(cfg)
+
+
 def test_spec_maps_host_keys_onto_megatron_targets(compose):
-    cfg = compose(
+    cfg = _ours(compose(
         "trainer.policy.model.lora.rank=8",
         "trainer.policy.model.lora.alpha=32",
         "trainer.policy.model.lora.target_modules=[q_proj,k_proj,v_proj,down_proj]",
         "trainer.policy.megatron_config.lora_config.lora_type=lora",
-    )
+    ))
     spec = LoraSpec.from_host_config(cfg)
     assert (spec.rank, spec.alpha, spec.scale) == (8, 32.0, 4.0)
     assert spec.megatron_targets() == ["linear_qkv", "linear_fc2"]
-    assert LoraSpec.from_host_config(compose()) is None  # the host's default rank 0: no LoRA
+    assert LoraSpec.from_host_config(_ours(compose())) is None  # the host's default rank 0: no LoRA
 
     assert _spec().megatron_targets() == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     canonical = LoraSpec(rank=2, lora_type="canonical_lora", target_modules=("q_proj", "v_proj", "linear_fc2"))
@@ -446,6 +456,7 @@ def test_config_validation_names_the_lora_key(compose):
     from skyrl_megatron.config import LoraSettings, MegatronWorkerConfig, ModelShape, check_lora
 
     def problems(cfg, shape=None, **megatron):
+        cfg = _ours(cfg)
         mc = MegatronWorkerConfig.from_host_config(cfg, "policy")
         return check_lora(cfg, "policy", dataclasses.replace(mc, **megatron), shape)
 
