@@ -56,8 +56,13 @@ def test_composed_config_keeps_host_keys_and_adds_megatron_group(compose):
         assert mc.virtual_pipeline_model_parallel_size is None
         assert "checkpoint_cache_dir" in mc
     assert cfg.trainer.strategy == "megatron"
-    # recompute is off by default (the host's default turns full recompute on)
-    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity is None
+    # recompute: off by default on skyrl-train 0.3.1 (our config overrides its full recompute); skyrl 0.4's
+    # typed defaults are its own, full recompute included (README, Host versions)
+    from skyrl_megatron.hosts import current
+    from skyrl_megatron.hosts.skyrl_train_0_3 import SkyRLTrain03
+
+    default = None if isinstance(current(), SkyRLTrain03) else "full"
+    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity == default
 
 
 def test_cli_overrides_reach_host_and_megatron_keys(compose):
@@ -103,7 +108,7 @@ def _ppo(path: str, *overrides: str) -> list[str]:
 def test_a_megatron_critic_passes_ours_and_the_hosts_checks(compose, hf_config_dir):
     cfg = compose(*_ppo(hf_config_dir(), "trainer.critic.megatron_config.tensor_model_parallel_size=2"))
     validate_config(cfg)  # the host's "only GRPO training is currently supported for megatron" is lifted
-    typed = MegatronWorkerConfig.from_host_config(cfg, "critic")
+    typed = MegatronWorkerConfig.from_host_config(_ours(cfg), "critic")
     assert typed.parallel().tensor == 2
 
 

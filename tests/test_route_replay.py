@@ -140,7 +140,7 @@ def test_routing_replay_is_for_the_policy_and_top_k_routers(compose, hf_config_d
     assert f"{MC}.moe_config.routing_replay: 'sinkhorn' routing does not choose experts by top-k" in msg
     msg = problems_of(
         compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2",
-                f"++{MC}.transformer_config_kwargs.moe_router_fusion=true")
+                f"{MC}.transformer_config_kwargs.moe_router_fusion=true")
     )
     assert f"{MC}.transformer_config_kwargs.moe_router_fusion: Transformer Engine's fused router" in msg
     validate_config(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2"))  # must not raise
