@@ -83,7 +83,7 @@ def speed_and_memory(hf_dir: str, lora) -> dict:
 
 
 def _base_digests(chunks) -> dict[str, str]:
-    from skyrl_megatron.weights import tensor_sha256
+    from skyrl_megatron.digests import tensor_sha256
 
     return {n: tensor_sha256(p) for c in chunks for n, p in c.named_parameters() if not p.requires_grad}
 

@@ -74,7 +74,7 @@ def receiver_main(conn, hf_dir: str, gpu: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from skyrl_megatron.activation import activate
-    from skyrl_megatron.weights import tensor_sha256
+    from skyrl_megatron.digests import tensor_sha256
 
     _watchdog()
     activate()  # the host's compat fixes (its broadcast group helper fails on torch >= 2.10)
@@ -207,7 +207,8 @@ def _export_rate(built) -> dict:
 
 
 def _digests(built) -> dict[str, str]:
-    from skyrl_megatron.weights import iter_hf_weights, tensor_sha256
+    from skyrl_megatron.digests import tensor_sha256
+    from skyrl_megatron.weights import iter_hf_weights
 
     return {name: tensor_sha256(t) for name, t in iter_hf_weights(built, dtype=torch.bfloat16)}
 

@@ -23,6 +23,27 @@ def compose_config(overrides: list[str] | None = None):
     return current().compose_config(list(overrides or []))
 
 
+def checked_config(overrides: list[str]):
+    """The config `skyrl-megatron` runs with, after every check (ours, then the host's); otherwise a
+    ConfigError naming each problem with its fix.
+
+    Ours run before the host's full parse where that is heavy (`validation.validate_overrides`), so a bad
+    value of ours is reported before torch loads on either host. The host's strict-parse errors (skyrl
+    0.4: unknown keys, removed options) become a ConfigError too.
+    """
+    from skyrl_megatron.validation import validate_config, validate_overrides
+
+    try:
+        validate_overrides(overrides)
+        cfg = compose_config(overrides)
+    except ConfigError:
+        raise
+    except ValueError as err:  # the host's strict parse: unknown keys, removed options
+        raise ConfigError([_parse_problem(err)]) from err
+    validate_config(cfg)
+    return cfg
+
+
 def report_config_error(err: ConfigError) -> None:
     print(f"skyrl-megatron: {err}", file=sys.stderr)
 
@@ -48,16 +69,15 @@ def _run_with_hydra(host, argv: list[str]) -> None:
     app(_validate_and_run)()
 
 
-def _run_typed(host, argv: list[str]) -> None:
+def _run_typed(argv: list[str]) -> None:
     try:
-        cfg = host.compose_config(argv)
+        cfg = checked_config(argv)
     except ConfigError as err:
         report_config_error(err)
         sys.exit(2)
-    except ValueError as err:  # the host's strict parse: unknown keys, removed options
-        report_config_error(ConfigError([_parse_problem(err)]))
-        sys.exit(2)
-    _validate_and_run(cfg)
+    from skyrl_megatron.launch import run_experiment
+
+    run_experiment(cfg)
 
 
 def _parse_problem(err: ValueError):
@@ -76,7 +96,7 @@ def main() -> None:
     if hasattr(host, "hydra_config_dir"):
         _run_with_hydra(host, argv)
     else:
-        _run_typed(host, argv)
+        _run_typed(argv)
 
 
 if __name__ == "__main__":

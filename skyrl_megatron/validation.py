@@ -1,5 +1,7 @@
 """Up-front validation of a composed config: ours first (`config.check_config`, every problem named
-with its key and fix), then the host's own (through its adapter). Nothing heavy runs before.
+with its key and fix), then the host's own (through its adapter). Nothing heavy runs before: where the
+host's full parse is heavy itself (skyrl 0.4's imports torch), ours run on its light parse of the same
+overrides first (`validate_overrides`).
 
 It sits above both: `config.py` knows nothing of the host, and the host adapters nothing of our rules.
 """
@@ -28,6 +30,16 @@ def validate_config(cfg, *, run_host_checks: bool = True) -> None:
         raise ConfigError(_in_host_names(error.problems, host.host_key_names())) from None
     if run_host_checks:
         validate_host_config(cfg)
+
+
+def validate_overrides(overrides: list[str]) -> None:
+    """Our checks on the overrides, before the host composes its full config where that is heavy: a bad
+    value of ours is then reported before torch loads, as on a host whose parse is light. The host's own
+    checks need its full config (`validate_config` runs them, and ours again, on it); its strict-parse
+    errors (ValueError) come out as its full parse would raise them."""
+    light = current().light_config(list(overrides))
+    if light is not None:
+        validate_config(light, run_host_checks=False)
 
 
 def validate_host_config(cfg) -> None:

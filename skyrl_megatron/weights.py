@@ -24,7 +24,6 @@ adapters alone, under the names of HF `peft`'s `adapter_model.safetensors`.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -270,9 +269,3 @@ def _bucketed(
     if tensors:
         report.buckets += 1
         yield WeightBucket.of(names, tensors)
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """A fingerprint of a tensor's bytes (and so of its dtype's bit patterns): equal digests, bitwise equal."""
-    data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()

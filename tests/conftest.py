@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ from skyrl_megatron.hosts.skyrl_0_4 import SkyRL04
 # Each host's own tests run only under it: tests/host04 with skyrl 0.4 (`.venv`, which also runs the
 # host-independent rest), tests/host03 with skyrl-train 0.3.1 (`.venv-skyrl-train`); `make test` runs both.
 collect_ignore = ["host03"] if isinstance(current(), SkyRL04) else ["host04"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -38,3 +43,83 @@ def compose(tmp_path: Path):
         return compose_config(base + list(overrides))
 
     return make
+
+
+MC = "trainer.policy.megatron_config"
+
+# Bad values of our keys, each with the one line both hosts print for it: our checks run on either
+# host's config (on skyrl 0.4 before its full parse, which imports torch), so the text is the same.
+BAD_VALUES = {
+    "runtime": ([f"{MC}.runtime=gpu"], f"{MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."),
+    "fused_kernels": ([f"{MC}.fused_kernels=[rope,swigl]"],
+                      f"{MC}.fused_kernels: unknown kernel 'swigl'. Fix: did you mean 'swiglu'? "
+                      "(known: rms_norm, rope, swiglu, logprobs)."),
+    "tp_vs_gpus": (["trainer.placement.policy_num_gpus_per_node=3", f"{MC}.tensor_model_parallel_size=2"],
+                   f"{MC}.tensor/pipeline/context_parallel_size: policy world size 3 (trainer.placement.policy_num_nodes "
+                   "* policy_num_gpus_per_node) is not divisible by TP*PP*CP = 2*1*1 = 2. Fix: choose sizes whose "
+                   "product divides 3, or change trainer.placement.policy_num_nodes * policy_num_gpus_per_node."),
+    "tp_type": ([f"{MC}.tensor_model_parallel_size=two"],
+                f"{MC}.tensor_model_parallel_size: must be a positive integer, got 'two'. Fix: set it to 1 or more."),
+    "tokens_per_micro_batch": ([f"{MC}.max_tokens_per_microbatch=0"],
+                               f"{MC}.max_tokens_per_microbatch: must be positive or null. Fix: set a token budget "
+                               "such as 8192, or null to split by count."),
+    "vpp": ([f"{MC}.virtual_pipeline_model_parallel_size=2"],
+            f"{MC}.virtual_pipeline_model_parallel_size: virtual pipeline stages (2) need pipeline_model_parallel_size "
+            "> 1. Fix: set pipeline_model_parallel_size >= 2 or virtual_pipeline_model_parallel_size=null."),
+    "moe": ([f"{MC}.moe_config.token_dispatcher=alltoal"],
+            f"{MC}.moe_config.token_dispatcher: unknown value 'alltoal'. Fix: use one of alltoall, allgather, flex "
+            "(did you mean 'alltoall'?)."),
+    "lora": ([f"{MC}.lora_config.lora_type=dora"],
+             f"{MC}.lora_config.lora_type: unknown LoRA type 'dora'. Fix: use lora or canonical_lora."),
+}
+
+
+@pytest.fixture(params=sorted(BAD_VALUES))
+def bad_value(request) -> tuple[list[str], str]:
+    """(overrides, the whole line `skyrl-megatron` prints for them), one bad value of ours per test."""
+    overrides, problem = BAD_VALUES[request.param]
+    return overrides, f"skyrl-megatron: invalid skyrl-megatron config: {problem}"
+
+
+@dataclass(frozen=True)
+class PythonRun:
+    returncode: int
+    stderr: str  # without the import-time lines
+    imported: frozenset[str]  # every module the process imported
+
+    def loaded(self, package: str) -> bool:
+        """Whether the process imported `package` or any module inside it."""
+        return any(name == package or name.startswith(package + ".") for name in self.imported)
+
+
+@pytest.fixture
+def run_python(tmp_path: Path):
+    """Factory: `python -X importtime <args>` in a fresh process of this environment, importing this
+    checkout (not an installed copy); what it imported is read from Python's own import log."""
+
+    def run(*args: str) -> PythonRun:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        out = subprocess.run([sys.executable, "-X", "importtime", *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+        lines = out.stderr.splitlines()
+        imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+        imported.discard("imported package")  # the log's header line
+        rest = "\n".join(line for line in lines if not line.startswith("import time:"))
+        return PythonRun(out.returncode, rest, frozenset(imported))
+
+    return run
+
+
+
+@pytest.fixture
+def demo_run_dir(tmp_path: Path) -> Path:
+    """A run directory the demo resumes on: a tiny model's config.json and a prompt file (the demo
+    would otherwise create them first, importing torch to write the weights)."""
+    from skyrl_megatron.demo.task import write_prompts
+    from skyrl_megatron.testing import tiny_config
+
+    run_dir = tmp_path / "demo"
+    (run_dir / "model").mkdir(parents=True)
+    tiny_config("qwen3").to_json_file(run_dir / "model" / "config.json")
+    write_prompts(run_dir / "data" / "prompts.jsonl", 8)
+    return run_dir

@@ -93,3 +93,50 @@ def test_the_reward_plot_title_fits_the_figure(tmp_path):
     title = fig.axes[0].title.get_window_extent(renderer)
     width, height = fig.bbox.width, fig.bbox.height
     assert 0 <= title.x0 and title.x1 <= width and title.y1 <= height, (title, width, height)
+
+
+def test_a_users_override_replaces_the_demos_value_of_that_key(tmp_path):
+    """`python -m skyrl_megatron.demo trainer.ckpt_interval=-1`: one value per key reaches the host (Hydra
+    refuses a key given twice), the user's."""
+    from skyrl_megatron.demo.__main__ import demo_overrides, merged, prepare
+
+    model_dir, prompts = prepare(tmp_path, steps=2)
+    overrides = merged(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1),
+                       ["trainer.ckpt_interval=-1", "trainer.policy.megatron_config.max_tokens_per_microbatch=512"])
+    assert [o for o in overrides if o.startswith("trainer.ckpt_interval=")] == ["trainer.ckpt_interval=-1"]
+    assert "trainer.policy.megatron_config.max_tokens_per_microbatch=512" in overrides
+
+
+def test_the_demo_trains_a_given_checkpoint_and_refuses_a_directory_without_one(tmp_path):
+    from skyrl_megatron.demo.__main__ import prepare
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    given = tmp_path / "given"
+    make_tiny_hf_model("qwen3", given, seed=1)
+    model_dir, _ = prepare(tmp_path / "run", steps=1, model=given)
+    assert model_dir == given and not (tmp_path / "run" / "model").exists()
+    with pytest.raises(SystemExit, match="no config.json"):
+        prepare(tmp_path / "run2", steps=1, model=tmp_path / "empty")
+
+
+def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, demo_run_dir):
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(demo_run_dir),
+                     "trainer.policy.megatron_config.fused_kernels=[rope,swigl]")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("skyrl-megatron:")] == [
+        "skyrl-megatron: invalid skyrl-megatron config: trainer.policy.megatron_config.fused_kernels: unknown kernel "
+        "'swigl'. Fix: did you mean 'swiglu'? (known: rms_norm, rope, swiglu, logprobs)."]
+    assert not out.loaded("torch")
+
+
+def test_a_first_run_names_a_bad_value_before_it_creates_its_model(run_python, tmp_path):
+    """On a fresh run directory the demo would import torch to write its model: the config is checked
+    first, the message is the same, and nothing is created."""
+    run_dir = tmp_path / "fresh"
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(run_dir),
+                     "trainer.policy.megatron_config.tensor_model_parallel_size=3")
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("skyrl-megatron:")]
+    assert "tensor/pipeline/context_parallel_size: policy world size 2" in line and "Fix: " in line
+    assert not out.loaded("torch")
+    assert not (run_dir / "model").exists()

@@ -13,10 +13,13 @@
 the policy's checkpoint with a fresh value head), the value loss column beside the policy's.
 
 ``--gpu`` runs the same GRPO on 1 GPU: a Qwen3-0.6B-shaped policy (random weights, bf16), its reference
-and our HF engine colocated, the weights sent by CUDA IPC after every step.
+and our HF engine colocated, the weights sent by CUDA IPC after every step. ``--gpus 2`` spreads it over
+2 GPUs: the policy and the reference with tensor parallelism 2 (+ sequence parallel), one engine per GPU.
+``--model DIR`` trains an existing HF checkpoint (its tokenizer included) instead of the generated one.
 
 Rerunning the same command continues from the last checkpoint (``--fresh`` starts over). Extra
-arguments are Hydra overrides, e.g. ``trainer.policy.megatron_config.pipeline_model_parallel_size=2``.
+arguments are Hydra overrides, e.g. ``trainer.policy.megatron_config.pipeline_model_parallel_size=2``;
+they replace the demo's own value of a key.
 """
 
 from __future__ import annotations
@@ -88,18 +91,24 @@ QWEN3_0_6B_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_lay
                         num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
 
 
-def gpu_overrides() -> list[str]:
-    """On 1 GPU: the policy (bf16), the reference and our HF engine colocated (the host offloads the
-    trainers while the engine samples, and sleeps the engine while they work); the weights after every
-    step by CUDA IPC (the host's sender and receiver). They replace the CPU settings."""
+def gpu_overrides(gpus: int = 1) -> list[str]:
+    """On `gpus` GPUs: the policy (bf16), the reference and our HF engines colocated (the host offloads
+    the trainers while the engines sample, and sleeps the engines while they work); the weights after
+    every step by CUDA IPC (the host's sender and receiver). With 2 GPUs the policy and the reference
+    are tensor parallel over both and each GPU holds one engine. They replace the CPU settings."""
     return [
         "trainer.placement.colocate_all=true",
         "trainer.placement.colocate_policy_ref=true",
-        "trainer.placement.policy_num_gpus_per_node=1",
-        "trainer.placement.ref_num_gpus_per_node=1",
+        f"trainer.placement.policy_num_gpus_per_node={gpus}",
+        f"trainer.placement.ref_num_gpus_per_node={gpus}",
         "trainer.policy.megatron_config.runtime=cuda",
         "trainer.ref.megatron_config.runtime=cuda",
-        "trainer.policy.megatron_config.tensor_model_parallel_size=1",
+        f"trainer.policy.megatron_config.tensor_model_parallel_size={gpus}",
+        f"trainer.ref.megatron_config.tensor_model_parallel_size={gpus}",
+        f"generator.num_inference_engines={gpus}",
+        # rows per GPU when the layout is data parallel over the GPUs (the host checks it divides)
+        f"trainer.micro_train_batch_size_per_gpu={PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // 2 // gpus}",
+        f"trainer.micro_forward_batch_size_per_gpu={PROMPTS_PER_STEP * SAMPLES_PER_PROMPT // gpus}",
         "trainer.bf16=true",
         "generator.engine=gpu",
         "generator.batched=true",  # one generate() call for the step's prompts, not one per prompt
@@ -141,10 +150,41 @@ def ppo_overrides(model_dir: Path) -> list[str]:
     ]
 
 
-def prepare(run_dir: Path, steps: int, gpu: bool = False) -> tuple[Path, Path]:
-    """The checkpoint (tiny, or Qwen3-0.6B-shaped for --gpu; random weights) and the prompt file, created
-    once per run directory (a rerun resumes on them)."""
-    model_dir, prompts = run_dir / "model", run_dir / "data" / "prompts.jsonl"
+def run_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ckpt_interval: int, *, gpus: int = 0,
+                  ppo: bool = False, extra: list[str] = ()) -> list[str]:
+    """Everything the demo hands the host: its own settings, those of `gpus` GPUs (0: the CPU run), PPO's,
+    the machine's, and last the user's `extra` overrides, each replacing the value of its key."""
+    overrides = demo_overrides(run_dir, model_dir, prompts, steps, ckpt_interval)
+    if gpus:
+        overrides = merged(overrides, gpu_overrides(gpus))
+    return merged(machine_sized(overrides + (ppo_overrides(model_dir) if ppo else [])), list(extra))
+
+
+def check_before_the_model_exists(overrides: list[str], model_dir: Path) -> None:
+    """Our checks (on the host's light parse) of everything but the checkpoint the demo is about to create:
+    a bad value is named within a second, not after torch has loaded to write the model. The checks that
+    read the model's shape run with the full config once it exists."""
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.config import ConfigError
+    from skyrl_megatron.hosts import current
+    from skyrl_megatron.validation import validate_config
+
+    try:
+        light = current().light_config(overrides)
+        validate_config(light if light is not None else compose_config(overrides), run_host_checks=False)
+    except ConfigError as err:
+        missing = repr(str(model_dir.resolve()))
+        others = [problem for problem in err.problems if missing not in problem.message]
+        if others:
+            raise ConfigError(others) from None
+
+
+def prepare(run_dir: Path, steps: int, gpu: bool = False, model: Path | None = None) -> tuple[Path, Path]:
+    """The checkpoint (`model`, else tiny, or Qwen3-0.6B-shaped for --gpu; random weights) and the prompt
+    file, created once per run directory (a rerun resumes on them)."""
+    model_dir, prompts = model or run_dir / "model", run_dir / "data" / "prompts.jsonl"
+    if model is not None and not (model / "config.json").is_file():
+        raise SystemExit(f"skyrl-megatron demo: --model {model}: no config.json there; give an HF checkpoint directory")
     if not (model_dir / "config.json").exists():
         from skyrl_megatron.testing import make_tiny_hf_model  # torch + transformers: only to create it
 
@@ -177,22 +217,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="PPO with GAE and a Megatron critic instead of GRPO (use a run directory of its own)")
     parser.add_argument("--gpu", action="store_true",
                         help="on 1 GPU: a Qwen3-0.6B-shaped policy (bf16), ref and our HF engine colocated")
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=None,
+                        help="--gpu on this many GPUs (2: policy and ref tensor parallel, one engine per GPU)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="an HF checkpoint directory to train instead of the generated random-weight model")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
     args = parser.parse_args(argv)
+    gpus = args.gpus or (1 if args.gpu else 0)
 
-    from skyrl_megatron.cli import compose_config, report_config_error
+    from skyrl_megatron.cli import checked_config, report_config_error
     from skyrl_megatron.config import ConfigError
-    from skyrl_megatron.validation import validate_config
     run_dir: Path = args.out
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, prompts = prepare(run_dir, args.steps, gpu=args.gpu)
+    model_dir = args.model or run_dir / "model"
+    if not (model_dir / "config.json").exists():
+        # the demo creates its model with torch: the rest of the config is checked before that
+        prompts = run_dir / "data" / "prompts.jsonl"
+        planned = run_overrides(run_dir, model_dir, prompts, args.steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
+                                extra=args.overrides)
+        try:
+            check_before_the_model_exists(planned, model_dir)
+        except ConfigError as err:
+            report_config_error(err)
+            return 2
+    model_dir, prompts = prepare(run_dir, args.steps, gpu=bool(gpus), model=args.model)
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
-    overrides = demo_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval)
-    if args.gpu:
-        overrides = merged(overrides, gpu_overrides())
-    overrides = machine_sized(overrides + (ppo_overrides(model_dir) if args.ppo else [])) + args.overrides
+    overrides = run_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
+                              extra=args.overrides)
     # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its
     # first import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
     os.environ.setdefault("LOG_LEVEL", "WARNING")
@@ -201,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
     try:
-        cfg = compose_config(overrides)
-        validate_config(cfg)
+        cfg = checked_config(overrides)
     except ConfigError as err:
         report_config_error(err)
         return 2
@@ -215,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics_file = run_dir / "metrics.jsonl"
     done_before = max((r["step"] for r in read_metrics(metrics_file) if REWARD in r), default=0)
-    policy = "Megatron policy (1 GPU, bf16) + ref" if args.gpu else "Megatron policy (TP=2+SP) + ref"
+    on_gpus = f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    policy = f"Megatron policy ({on_gpus}, bf16) + ref" if gpus else "Megatron policy (TP=2+SP) + ref"
     algorithm = f"PPO (GAE), {policy} + critic" if args.ppo else f"GRPO, {policy}"
-    where = "1 GPU, HF engine colocated (CUDA IPC)" if args.gpu else "CPU (gloo), CPU engine"
+    where = f"{on_gpus}, HF engine colocated (CUDA IPC)" if gpus else "CPU (gloo), CPU engine"
     print(f"skyrl-megatron demo: {algorithm} on {where}; {steps} steps")
     print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
     started = time.perf_counter()
@@ -233,12 +286,13 @@ def main(argv: list[str] | None = None) -> int:
 
     records = [r for r in read_metrics(metrics_file) if REWARD in r]
     by_step = {r["step"]: r for r in records}
-    subtitle = "Megatron workers, HF engine on 1 GPU (colocated)" if args.gpu else "Megatron workers, CPU engine"
+    subtitle = f"Megatron workers, HF engine on {on_gpus} (colocated)" if gpus else "Megatron workers, CPU engine"
     plot = plot_rewards(metrics_file, run_dir / "reward.png", subtitle)
     ordered = [by_step[s][REWARD] for s in sorted(by_step)]
     quarter = max(1, len(ordered) // 4)
     first, last = sum(ordered[:quarter]) / quarter, sum(ordered[-quarter:]) / quarter
-    latest = (run_dir / "ckpts" / "latest_ckpt_global_step.txt").read_text().strip()
+    latest_file = run_dir / "ckpts" / "latest_ckpt_global_step.txt"
+    latest = latest_file.read_text().strip() if latest_file.exists() else None  # none with ckpt_interval <= 0
     print(f"done in {time.perf_counter() - started:.0f} s: mean reward {first:.3f} (first {quarter} steps) -> "
           f"{last:.3f} (last {quarter} steps)")
     print(f"weight sync bitwise equal at every step: {all(r.get('sync/bitwise_equal') == 1.0 for r in records)}")
@@ -248,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             before, after = (sum(pair[i] for pair in updates) / len(updates) for i in (0, 1))
             print(f"critic value loss on each step's batch: {before:.4f} before the critic's update -> "
                   f"{after:.4f} after (mean of {len(updates)} steps)")
-    print(f"checkpoint: {run_dir.resolve() / 'ckpts' / f'global_step_{latest}'}")
+    print(f"checkpoint: {run_dir.resolve() / 'ckpts' / f'global_step_{latest}' if latest else '(none)'}")
     exports = sorted((run_dir / "exports").glob("global_step_*"), key=lambda d: int(d.name.split("_")[-1]))
     print(f"HF export:  {(exports[-1] / 'policy').resolve() if exports else '(none)'}")
     print(f"reward plot: {plot.resolve()}")

@@ -8,7 +8,9 @@ Nothing here changes what the host trainer does; it observes:
 * the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
   same tokens, reported as ``sync/rollout_logprob_max_diff``;
 * in colocated runs, the host's offload/backload traffic of policy and ref (GiB, seconds) and the
-  memory each still held after its last offload, reported as ``offload/<role>_*``;
+  memory each still held after its last offload, reported as ``offload/<role>_*``; on GPUs, the
+  device memory peak of each phase (scoring, training, optimizer step) over the ranks, as
+  ``memory/<role>_<phase>_peak_{allocated,reserved}_gib``;
 * each step's prompt ids and token count are recorded, so a resumed run's data order can be checked;
 * with a critic (PPO), the host's value loss on each step's batch is measured with the values GAE
   used and again after the critic's update (``critic/value_loss_before_update``, ``..._after_update``);
@@ -29,7 +31,6 @@ import torch
 
 from skyrl_megatron.hosts import current
 from skyrl_megatron.demo.task import register_environment
-from skyrl_megatron.weights import tensor_sha256
 
 REWARD = "reward/avg_raw_reward"
 VALUE_LOSS = "critic/critic_loss"  # PPO runs only (`--ppo`)
@@ -153,24 +154,31 @@ def _trainer_class():
 
         def _check_engine_weights(self) -> None:
             exported = ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
-            equal = True
-            for actor in engine_actors(self.inference_engine_client):
-                held = ray.get(actor.named_weights.remote())
-                equal &= {name: tensor_sha256(held[name]) for name in exported} == exported
+            names = list(exported)
+            held = ray.get([actor.weight_digests.remote(names) for actor in engine_actors(self.inference_engine_client)])
+            equal = all(digests == exported for digests in held)
             self.all_metrics["sync/bitwise_equal"] = float(equal)
             self.all_metrics["sync/tensors"] = len(exported)
 
+        def _worker_groups(self):
+            return [(role, group) for role in ("policy", "ref") if (group := getattr(self, f"{role}_model", None))]
+
         def _report_transfers(self) -> None:
             """The host's offload/backload traffic of policy and ref since the last step's scoring
-            (colocated runs), and the memory each worker still held after its last offload."""
-            for role in ("policy", "ref"):
-                group = getattr(self, f"{role}_model", None)
-                if group is None:
-                    continue
+            (colocated runs), and the memory each still held after its last offload (rank 0)."""
+            for role, group in self._worker_groups():
                 summary = ray.get(group.async_run_ray_method("pass_through", "transfer_summary"))[0]
                 if summary.get("transfers"):
                     for key, value in summary.items():
                         self.all_metrics[f"offload/{role}_{key}"] = value
+
+        def _report_memory_peaks(self) -> None:
+            """The device memory peak of each of this step's phases over all ranks (GPU runs)."""
+            for role, group in self._worker_groups():
+                for rank_peaks in ray.get(group.async_run_ray_method("pass_through", "memory_peaks")):
+                    for key, value in rank_peaks.items():
+                        name = f"memory/{role}_{key}"
+                        self.all_metrics[name] = max(value, self.all_metrics.get(name, 0.0))
 
         def postprocess_generator_output(self, generator_output, uids):
             self.all_metrics["data/prompt_uids"] = sorted(set(uids), key=int)
@@ -178,6 +186,7 @@ def _trainer_class():
 
         def train_critic_and_policy(self, data):
             status = super().train_critic_and_policy(data)
+            self._report_memory_peaks()
             if self.critic_model is not None:
                 self._check_critic_update(data)
             return status

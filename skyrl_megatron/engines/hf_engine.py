@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from skyrl_megatron.digests import tensor_sha256
 from skyrl_megatron.engines.broadcast import BroadcastGroup, BroadcastRendezvous
+from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors
 from skyrl_megatron.engines.decoding import Decoder, RouteCapture, Vocabulary, compact_routes
 from skyrl_megatron.engines.sampling import SamplingSettings
 from skyrl_megatron.engines.weight_updates import TensorAnnouncement, check_update, torch_dtype
@@ -64,7 +66,6 @@ class HFEngine:
         )
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # Tied weights appear under each of their names, as an exporter may send either.
-        self._parameters = dict(self.model.named_parameters(remove_duplicate=False))
         self._lock = threading.Lock()
         self._in_flight: set[threading.Event] = set()
         self._broadcast: BroadcastGroup | None = None  # our own weight broadcast group, once joined
@@ -166,10 +167,11 @@ class HFEngine:
 
     @torch.no_grad()
     def _load_blocking(self, names: list[str], tensors: list[torch.Tensor]) -> None:
-        check_update(self._parameters, names, tensors)
         with self._lock:
+            held = checkpoint_named_tensors(self.model)
+            check_update(held, names, tensors)
             for name, tensor in zip(names, tensors):
-                self._parameters[name].copy_(tensor)
+                held[name].copy_(tensor)
 
     async def join_weight_broadcast(self, rendezvous: BroadcastRendezvous, rank: int) -> None:
         """Join the trainer's broadcast group as `rank` (>= 1); returns once every member has joined."""
@@ -216,7 +218,14 @@ class HFEngine:
     async def named_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the current weights under HF names (for checks that a sync delivered bitwise)."""
         with self._lock:
-            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.state_dict().items()}
+            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in checkpoint_named_tensors(self.model).items()}
+
+    async def weight_digests(self, names: list[str] | None = None) -> dict[str, str]:
+        """SHA-256 of each held weight (HF names; `names` or all): a sync check that moves digests, not
+        the model, out of the engine."""
+        with self._lock:
+            held = checkpoint_named_tensors(self.model)
+            return {name: tensor_sha256(held[name]) for name in (names if names is not None else held)}
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -94,6 +94,11 @@ class HostAdapter(ABC):
     def compose_config(self, overrides: list[str]):
         """The host's config with our keys, from ``key=value`` overrides (no side effects)."""
 
+    def light_config(self, overrides: list[str]):
+        """The config from the same overrides, parsed without the host's heavy steps, for our checks to run
+        on before :meth:`compose_config`; None where that is light already (our checks then read its result)."""
+        return None
+
     def unsupported_settings(self, cfg) -> list[tuple[str, Any]]:
         """(key, value) of host settings for its own Megatron backend that ours does not implement."""
         return []

@@ -99,19 +99,16 @@ class SkyRL04(HostAdapter):
         An unknown key inside a worker's ``megatron_config`` is reported by us first, with the closest
         valid key (the host's parser would list every valid field instead).
         """
-        from skyrl_megatron.config import ConfigError, Problem, closest
-        from skyrl_megatron.hosts.skyrl_0_4_config import MegatronSettings
-
-        known = {f.name for f in dataclasses.fields(MegatronSettings)}
-        problems = []
-        for arg in overrides:
-            match = _MEGATRON_KEY.match(arg)
-            if match and match.group(2) not in known:
-                hint = closest(match.group(2), known)
-                problems.append(Problem(arg.split("=", 1)[0], "unknown key", f"did you mean '{hint}'?" if hint else "remove it"))
-        if problems:
-            raise ConfigError(problems)
+        _refuse_unknown_megatron_keys(overrides)
         return self.config_class().from_cli_overrides(self.in_host_names(overrides))
+
+    def light_config(self, overrides: list[str]):
+        """The same parse without the host's root post-init, which imports torch (see
+        ``SkyRLMegatronLightConfig``): our checks read every field they need from it."""
+        from skyrl_megatron.hosts.skyrl_0_4_config import SkyRLMegatronLightConfig
+
+        _refuse_unknown_megatron_keys(overrides)
+        return SkyRLMegatronLightConfig.from_cli_overrides(self.in_host_names(overrides))
 
     def in_host_names(self, overrides: list[str]) -> list[str]:
         """skyrl-train 0.3.1's flat engine keys (``generator.weight_sync_backend=gloo``) under the names 0.4
@@ -311,6 +308,22 @@ class SkyRL04(HostAdapter):
         from skyrl.train.utils.utils import str_to_torch_dtype
 
         return str_to_torch_dtype(cfg.generator.inference_engine.model_dtype)
+
+
+def _refuse_unknown_megatron_keys(overrides: list[str]) -> None:
+    """A key of a worker's ``megatron_config`` that neither the host nor we have, named with the closest one."""
+    from skyrl_megatron.config import ConfigError, Problem, closest
+    from skyrl_megatron.hosts.skyrl_0_4_config import MegatronSettings
+
+    known = {f.name for f in dataclasses.fields(MegatronSettings)}
+    problems = []
+    for arg in overrides:
+        match = _MEGATRON_KEY.match(arg)
+        if match and match.group(2) not in known:
+            hint = closest(match.group(2), known)
+            problems.append(Problem(arg.split("=", 1)[0], "unknown key", f"did you mean '{hint}'?" if hint else "remove it"))
+    if problems:
+        raise ConfigError(problems)
 
 
 def _present_megatron_critic_dp(cfg):

@@ -118,6 +118,19 @@ class SkyRLMegatronConfig(SkyRLTrainConfig):
         super().__post_init__()
 
 
+class SkyRLMegatronLightConfig(SkyRLMegatronConfig):
+    """The same strict parse of the same overrides, without the host's own root ``__post_init__``.
+
+    That one imports torch (for its LoRA weight-sync rule, through
+    ``skyrl.backends.skyrl_train.inference_servers.utils``: about 4 s) and otherwise fills in or checks
+    host fields that our checks do not read. Our checks run on this first, so a bad value of ours is
+    reported before torch loads; nothing runs with it (the full parse follows).
+    """
+
+    def __post_init__(self) -> None:
+        _settle_engine_routes(self)
+
+
 def _settle_engine_routes(cfg: SkyRLMegatronConfig) -> None:
     """Routing replay from the engines' routes (R3) has two spellings: ours
     (``policy.megatron_config.moe_config.routing_replay=r3``) and the host's (``moe_enable_routing_replay``

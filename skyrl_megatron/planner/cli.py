@@ -15,7 +15,7 @@ import sys
 from skyrl_megatron.planner.arch import load_model_arch
 from skyrl_megatron.planner.errors import PlanError
 from skyrl_megatron.planner.layout import Layout
-from skyrl_megatron.planner.memory import GIB, RECOMPUTE_GRANULARITIES, BatchPlan, TrainingSetup, estimate
+from skyrl_megatron.planner.memory import GIB, RECOMPUTE_GRANULARITIES, BatchPlan, MemoryEstimate, TrainingSetup, estimate
 from skyrl_megatron.planner.report import format_estimate, format_suggestions
 from skyrl_megatron.planner.suggest import suggest_layouts
 
@@ -79,18 +79,7 @@ def _run(args: argparse.Namespace) -> str:
     if args.gpu_memory_gib <= 0:
         raise PlanError("--gpu-memory-gib", f"must be positive, got {args.gpu_memory_gib:g}", "give one GPU's memory, e.g. 80")
     arch = load_model_arch(args.model)
-    batch = BatchPlan(
-        micro_batch_tokens=args.micro_batch_tokens,
-        recompute=args.recompute,
-        recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
-        swiglu_fusion=not args.unfused_swiglu,
-    )
-    training = TrainingSetup(
-        lora_rank=args.lora_rank,
-        grad_reduce_in_fp32=not args.no_grad_reduce_in_fp32,
-        distributed_optimizer=not args.no_distributed_optimizer,
-        optimizer_offload_fraction=args.optimizer_offload_fraction,
-    )
+    batch, training = _batch_plan(args), _training_setup(args)
     gpu_memory = args.gpu_memory_gib * GIB
     if args.suggest:
         if args.nodes < 1 or args.gpus_per_node < 1:
@@ -99,7 +88,37 @@ def _run(args: argparse.Namespace) -> str:
             arch, args.nodes, args.gpus_per_node, batch, gpu_memory, training, sequence_parallel=not args.no_sequence_parallel
         )
         return format_suggestions(arch, args.nodes, args.gpus_per_node, batch, training, suggestions, gpu_memory, args.top)
-    layout = Layout(
+    layout = _layout(args)
+    result = estimate(arch, layout, batch, training)
+    return format_estimate(arch, layout, batch, training, result, gpu_memory)
+
+
+def _batch_plan(args: argparse.Namespace) -> BatchPlan:
+    return BatchPlan(
+        micro_batch_tokens=args.micro_batch_tokens,
+        recompute=args.recompute,
+        recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
+        swiglu_fusion=not args.unfused_swiglu,
+    )
+
+
+def _training_setup(args: argparse.Namespace) -> TrainingSetup:
+    return TrainingSetup(
+        lora_rank=args.lora_rank,
+        grad_reduce_in_fp32=not args.no_grad_reduce_in_fp32,
+        distributed_optimizer=not args.no_distributed_optimizer,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+    )
+
+
+def estimate_from_argv(argv: list[str]) -> MemoryEstimate:
+    """The estimate `skyrl-megatron plan <argv>` prints (one layout; no --suggest), as numbers."""
+    args = build_parser().parse_args(argv)
+    return estimate(load_model_arch(args.model), _layout(args), _batch_plan(args), _training_setup(args))
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    return Layout(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         tp=args.tp,
@@ -110,8 +129,6 @@ def _run(args: argparse.Namespace) -> str:
         etp=args.etp,
         sequence_parallel=not args.no_sequence_parallel,
     )
-    result = estimate(arch, layout, batch, training)
-    return format_estimate(arch, layout, batch, training, result, gpu_memory)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def tiny_config(family: str, *, vocab_size: int = 256, **overrides: Any) -> Pret
     otherwise stored silently and a misspelled override (``num_layers=2``) would go unnoticed.
     """
     config_cls, _ = _architecture(family)
-    known = {field.name for field in dataclasses.fields(config_cls)}
+    # head_dim: read by every Qwen3 attention, but Qwen3MoeConfig takes it as a free keyword
+    known = {field.name for field in dataclasses.fields(config_cls)} | {"head_dim"}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise TypeError(f"unknown {config_cls.__name__} field(s): {', '.join(unknown)}")

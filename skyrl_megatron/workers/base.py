@@ -23,6 +23,7 @@ from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.cache import ConversionCacheSettings
 from skyrl_megatron.model.lora import LoraSpec
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
+from skyrl_megatron.workers.memory_peaks import PhasePeaks
 from skyrl_megatron.workers.offload import ModelOffloader, TransferLog
 from skyrl_megatron.workers.out_of_memory import StepKnobs, explains_out_of_memory
 from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
@@ -109,6 +110,7 @@ class MegatronWorkerMixin:
         )
         self.offloader = ModelOffloader(self.built.chunks)
         self.transfer_log = TransferLog()  # the host's offload/backload calls, not our `model_resident` moves
+        self.phase_peaks = PhasePeaks()
         return self.built
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
@@ -126,9 +128,14 @@ class MegatronWorkerMixin:
             packed=bool(self.host_cfg.trainer.use_sample_packing),
         )
 
+    @contextlib.contextmanager
     def _step_guard(self, phase: str):
-        """Scoring or training under this, so an out-of-memory names this worker and the knobs that
-        size its micro-batches (`workers/out_of_memory.py`)."""
+        """Scoring or training under this: an out-of-memory names this worker and the knobs that size
+        its micro-batches (`workers/out_of_memory.py`), and the phase's memory peak is kept."""
+        with self._explains_out_of_memory(phase), self.phase_peaks.measure(phase):
+            yield
+
+    def _explains_out_of_memory(self, phase: str):
         trainer = self.host_cfg.trainer
         micro_key = "micro_train_batch_size_per_gpu" if phase == "training" else "micro_forward_batch_size_per_gpu"
         knobs = StepKnobs(
@@ -215,3 +222,7 @@ class MegatronWorkerMixin:
         """Bytes and seconds the host's offloads/backloads moved since the last call, and the memory
         left after the last offload (see `TransferLog`)."""
         return self.transfer_log.drain()
+
+    def memory_peaks(self) -> dict[str, float]:
+        """The device memory peak of each scoring/training phase since the last call ({} on CPU)."""
+        return self.phase_peaks.drain()

@@ -15,7 +15,8 @@ from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.engines.weight_updates import torch_dtype
 from skyrl_megatron.model.lora import measure_footprint
-from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets, tensor_sha256
+from skyrl_megatron.digests import tensor_sha256
+from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets
 from skyrl_megatron.workers.engine_sync import BUCKET_BYTES as ENGINE_SYNC_BUCKET_BYTES
 from skyrl_megatron.workers.engine_sync import EngineBroadcastSender, is_engine_client
 from skyrl_megatron.workers.training import TrainedRoleMixin

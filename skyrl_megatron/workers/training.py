@@ -31,7 +31,8 @@ class TrainedRoleMixin(MegatronWorkerMixin):
 
     def _optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients: the host's grad-norm metric and ``<role>_lr``."""
-        with torch.profiler.record_function("skyrl_megatron.optimizer_step"):
+        # Adam's moments are created at the first step: the step's own memory peak
+        with torch.profiler.record_function("skyrl_megatron.optimizer_step"), self.phase_peaks.measure("optimizer_step"):
             step = optimizer_step(self.optimizer, self.scheduler)
         self.skipped_steps += int(step.skipped)
         return {

@@ -1,8 +1,9 @@
 """The `skyrl-megatron` command on skyrl-train 0.3.1, where skyrl 0.4 does not match it yet.
 
-On skyrl 0.4: `skyrl-megatron --help` is parsed as a config key (0.4's typed parse has no help), and the
-host's config post-init imports torch and Ray before our checks run (issue 22). Both belong back in
-tests/test_cli.py once 0.4 has them. The command's other tests run on 0.4: tests/test_cli.py.
+On skyrl 0.4: `skyrl-megatron --help` is parsed as a config key (0.4's typed parse has no help), and
+`compose_config` is the host's full parse, whose post-init imports torch. Both belong back in
+tests/test_cli.py once 0.4 has them. The bad-value test is 0.3.1's twin of
+tests/host04/test_skyrl04_config_errors.py. The command's other tests run on 0.4: tests/test_cli.py.
 """
 
 from __future__ import annotations
@@ -43,3 +44,12 @@ def test_a_config_error_is_found_without_importing_torch_megatron_or_ray(hf_conf
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["caught True", "[]"], out.stdout
+
+
+def test_a_bad_value_is_named_with_its_fix_before_torch_loads(run_python, hf_config_dir, bad_value):
+    """The same line as skyrl 0.4 prints for it (tests/host04/test_skyrl04_config_errors.py), exit 2, no torch."""
+    overrides, line = bad_value
+    out = run_python("-m", "skyrl_megatron.cli", f"trainer.policy.model.path={hf_config_dir()}", *overrides)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert [m for m in out.stderr.splitlines() if m.startswith("skyrl-megatron:")] == [line], out.stderr[-2000:]
+    assert not out.loaded("torch")

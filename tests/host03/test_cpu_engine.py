@@ -457,3 +457,29 @@ def test_engine_runs_as_a_ray_actor_behind_the_hosts_wrapper(model_dir, other_mo
         assert_same_generation()
     finally:
         ray.shutdown()
+
+
+def test_a_moe_engine_takes_per_expert_checkpoint_names_into_its_fused_experts(tmp_path):
+    """transformers 5 fuses a MoE layer's experts (``experts.gate_up_proj`` [E, 2I, H], ``down_proj``);
+    weight updates and checkpoints name each expert's projection. The engine writes them into the fused
+    tensors and fingerprints them under the same names; the model then equals one loaded from a
+    checkpoint of those tensors by transformers itself."""
+    from safetensors.torch import load_file
+
+    from skyrl_megatron.digests import tensor_sha256
+
+    make_tiny_hf_model("qwen3_moe", tmp_path / "a", seed=0)
+    make_tiny_hf_model("qwen3_moe", tmp_path / "b", seed=1)
+    engine = CpuInferenceEngine(tmp_path / "a", seed=0)
+    sent = load_file(str(tmp_path / "b" / "model.safetensors"))  # per-expert names, as our export sends
+    assert any(".experts.3.up_proj.weight" in name for name in sent)
+    run(engine.update_named_weights(NamedTensorsUpdateRequest.of(sent)))
+
+    assert run(engine.weight_digests(list(sent))) == {name: tensor_sha256(t) for name, t in sent.items()}
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "b", dtype=torch.float32).state_dict()
+    held = engine.model.state_dict()
+    assert held.keys() == expected.keys() and all(torch.equal(held[k], expected[k]) for k in expected)
+    # a name the model does not have is refused before anything is written
+    with pytest.raises(ValueError, match="experts.99.gate_proj.weight: not a parameter"):
+        run(engine.update_named_weights(NamedTensorsUpdateRequest.of(
+            {"model.layers.0.mlp.experts.99.gate_proj.weight": sent["model.layers.0.mlp.experts.0.gate_proj.weight"]})))

@@ -14,27 +14,27 @@ import io
 import json
 import os
 import re
-import shlex
 import shutil
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from skyrl_megatron.cli import compose_config
+from skyrl_megatron.demo.__main__ import prepare, run_overrides
 from skyrl_megatron.validation import validate_config
 from skyrl_megatron.planner.cli import build_parser
 from skyrl_megatron.planner.cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples" / "megatron"
-MODEL_CONFIGS = EXAMPLES / "model_configs"
+sys.path.insert(0, str(ROOT / "bench"))  # the example readers are the bench's (bench/example_layouts.py)
+from example_layouts import EXAMPLES, MODEL_CONFIGS, launch_overrides, model_config_of, plan_of, scale_example  # noqa: E402
+from gpu_examples import demo_arguments  # noqa: E402
+
 SCRIPTS = sorted(EXAMPLES.glob("run_*.sh"))
 PLANNED = [s for s in SCRIPTS if s.name != "run_fsdp_baseline.sh"]
-PLAN_PREFIX = "#   $ skyrl-megatron plan "
 GPU_MEMORY_GIB = {"H100": 80, "H200": 141}
 HARDWARE = re.compile(r"^# Hardware: (\d+) nodes? x (\d+) (H100|H200) \((\d+) GiB each\)", re.MULTILINE)
-DEFAULT_MODEL = re.compile(r"^MODEL_PATH=\$\{MODEL_PATH:-([^}]+)\}$", re.MULTILINE)
 
 # Published shapes (model cards / config.json on the Hub).
 PUBLISHED = {
@@ -51,40 +51,6 @@ PUBLISHED = {
                             head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
                             tie_word_embeddings=False),
 }  # fmt: skip
-
-
-def model_config_of(script: Path) -> Path:
-    """The architecture JSON of the model a script trains by default (MODEL_PATH=${MODEL_PATH:-Qwen/<name>})."""
-    (model_id,) = DEFAULT_MODEL.findall(script.read_text())
-    return MODEL_CONFIGS / f"{Path(model_id).name}.json"
-
-
-def launch_overrides(script: Path, tmp_path: Path, *extra: str) -> list[str]:
-    """Run the script with a stand-in `skyrl-megatron` that records its arguments; return them."""
-    bin_dir, model_dir, record = tmp_path / "bin", tmp_path / "model", tmp_path / "args"
-    bin_dir.mkdir(parents=True)
-    model_dir.mkdir()
-    shutil.copy(model_config_of(script), model_dir / "config.json")
-    stub = bin_dir / "skyrl-megatron"
-    stub.write_text('#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "$RECORD_ARGS"\n')
-    stub.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("LOGGER", "CKPT_DIR")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", HOME=str(tmp_path / "home"), MODEL_PATH=str(model_dir),
-               DATA_DIR=str(tmp_path / "data"), RECORD_ARGS=str(record))  # fmt: skip
-    subprocess.run(["bash", str(script), *extra], env=env, check=True, timeout=60)
-    return record.read_text().split("\0")[:-1]
-
-
-def plan_of(script: Path) -> tuple[list[str], str]:
-    """The planner arguments and the pasted output in a script's header."""
-    lines = script.read_text().splitlines()
-    (start,) = [i for i, line in enumerate(lines) if line.startswith(PLAN_PREFIX)]
-    pasted = []
-    for line in lines[start + 1 :]:
-        if not line.startswith("#"):
-            break
-        pasted.append(line[4:])
-    return shlex.split(lines[start][len(PLAN_PREFIX) :]), "\n".join(pasted)
 
 
 def test_every_example_is_covered():
@@ -195,3 +161,37 @@ def test_model_configs_carry_the_published_shape_and_load_in_transformers(name, 
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert loaded.model_type == config["model_type"]
     assert loaded.num_hidden_layers == config["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("script", PLANNED, ids=lambda s: s.name)
+def test_each_example_scaled_to_two_gpus_keeps_its_settings_and_validates(script, tmp_path):
+    """bench/gpu_examples.py's runs: the script's Megatron settings at sizes of 2 GPUs (none above 2), its
+    model's widths with fewer layers, composed with the demo's 2-GPU settings: our checks and the host's pass."""
+    example = scale_example(script, tmp_path / "launch", gpus=2)
+    published = json.loads(model_config_of(script).read_text())
+    assert example.layers < published["num_hidden_layers"] or example.model == "Qwen3-1.7B"
+    assert {k: v for k, v in example.model_config.items() if k != "num_hidden_layers"} == \
+        {k: v for k, v in published.items() if k != "num_hidden_layers"}
+    script_overrides = launch_overrides(script, tmp_path / "again")
+    for override in script_overrides:
+        key, value = override.split("=", 1)
+        if ".megatron_config." in key and not key.endswith("_parallel_size"):
+            assert override in example.overrides, f"{override} lost in scaling"
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(example.model_config))
+    args = demo_arguments(example, model_dir, tmp_path / "run")
+    extra = args[args.index("0") + 1:]  # after --ckpt-interval 0: the overrides
+    _, prompts = prepare(tmp_path / "run", steps=2, model=model_dir)
+    cfg = compose_config(run_overrides(tmp_path / "run", model_dir, prompts, 2, 0, gpus=2, extra=extra))
+    validate_config(cfg)
+    for role in ("policy", "ref"):
+        mc = cfg.trainer[role].megatron_config
+        sizes = [mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size]
+        assert sizes[0] * sizes[1] * sizes[2] <= 2 and mc.expert_model_parallel_size <= 2
+    mc = cfg.trainer.policy.megatron_config
+    assert str(mc.max_tokens_per_microbatch) == example.setting("max_tokens_per_microbatch")
+    assert (mc.transformer_config_kwargs.get("recompute_granularity") or None) == \
+        example.setting("transformer_config_kwargs.recompute_granularity")
+    assert cfg.trainer.algorithm.use_kl_loss == compose_config(script_overrides).trainer.algorithm.use_kl_loss
+    assert cfg.trainer.ckpt_interval == 0 and cfg.generator.num_inference_engines == 2

@@ -1,0 +1,75 @@
+"""A bad value of ours on skyrl 0.4: the same line as on skyrl-train 0.3.1, printed before torch loads.
+
+The host's full parse imports torch (its root post-init, about 4 s); our checks run first on its light
+parse of the same overrides (`validation.validate_overrides`), and a good config still goes through the
+full parse and every check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_megatron.cli import checked_config, compose_config
+from skyrl_megatron.config import ConfigError
+from skyrl_megatron.hosts.skyrl_0_4_config import SkyRLMegatronConfig
+from skyrl_megatron.validation import validate_config, validate_overrides
+
+MC = "trainer.policy.megatron_config"
+
+
+@pytest.fixture
+def base(tmp_path, hf_config_dir):
+    return ["trainer.strategy=megatron", f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.runtime=cpu",
+            f"trainer.export_path={tmp_path}/export", f"trainer.ckpt_path={tmp_path}/ckpt"]
+
+
+def _printed(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("skyrl-megatron:")]
+
+
+def test_the_cli_names_a_bad_value_and_its_fix_before_torch_loads(run_python, hf_config_dir, bad_value):
+    overrides, line = bad_value
+    out = run_python("-m", "skyrl_megatron.cli", "trainer.strategy=megatron",
+                     f"trainer.policy.model.path={hf_config_dir()}", *overrides)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert _printed(out.stderr) == [line], out.stderr[-2000:]
+    assert not out.loaded("torch")
+
+
+def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, demo_run_dir):
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(demo_run_dir), f"{MC}.runtime=gpu")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert _printed(out.stderr) == [
+        f"skyrl-megatron: invalid skyrl-megatron config: {MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."]
+    assert not out.loaded("torch")
+
+
+def test_a_first_demo_run_names_a_bad_value_before_it_creates_its_model(run_python, tmp_path):
+    run_dir = tmp_path / "fresh"
+    out = run_python("-m", "skyrl_megatron.demo", "--out", str(run_dir), f"{MC}.runtime=gpu")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert _printed(out.stderr) == [
+        f"skyrl-megatron: invalid skyrl-megatron config: {MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."]
+    assert not out.loaded("torch") and not (run_dir / "model").exists()
+
+
+def test_the_early_check_finds_what_the_full_parse_finds(base, bad_value):
+    overrides, _ = bad_value
+    with pytest.raises(ConfigError) as early:
+        validate_overrides(base + overrides)
+    with pytest.raises(ConfigError) as full:
+        validate_config(compose_config(base + overrides), run_host_checks=False)
+    assert str(early.value) == str(full.value)
+
+
+def test_a_good_config_passes_the_early_check_and_gets_the_hosts_full_parse(base):
+    cfg = checked_config(base + ["trainer.max_prompt_length=64"])
+    assert type(cfg) is SkyRLMegatronConfig
+    assert cfg.generator.max_input_length == 64  # the host's root post-init ran (it fills this in)
+    assert cfg.trainer.algorithm.temperature == cfg.generator.sampling_params.temperature
+
+
+def test_the_hosts_own_parse_rules_still_apply_after_the_early_check(base):
+    """The host's root post-init rules are not part of the early check; the full parse still applies them."""
+    with pytest.raises(ConfigError, match=r"\(command line\): data.dataloader.persistent_workers requires num_workers > 0"):
+        checked_config(base + ["data.dataloader.persistent_workers=true", "data.dataloader.num_workers=0"])
