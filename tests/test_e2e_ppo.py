@@ -1,5 +1,7 @@
 """End to end on CPU: PPO with GAE through the host trainer, policy, ref and critic on Megatron.
 
+On skyrl 0.4 (the default environment); tests/host03 runs the same tests on skyrl-train 0.3.1.
+
 One run of the demo command with ``--ppo`` (``python -m skyrl_megatron.demo --ppo``): the policy on
 2 ranks (TP=2 + SP), a reference worker, a Megatron critic on 1 rank started from the policy's
 checkpoint with a fresh value head, and the CPU engine. The host computes GAE advantages from our

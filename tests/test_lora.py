@@ -10,6 +10,7 @@ PP2 with the loss the TP2 run had continuing.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -58,7 +59,9 @@ class _Session:
         from skyrl_megatron.cli import compose_config
         from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
         from skyrl_megatron.compute.runner import ModelRunner
+        from skyrl_megatron.hosts import current
         from skyrl_megatron.model.build import ModelSpec, build_model
+        from skyrl_megatron.testing.policy_steps import max_seq_len_override
         from skyrl_megatron.optim import OptimizerSettings
         from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
@@ -68,14 +71,15 @@ class _Session:
             hf_dir, parallel=self.parallel, dtype=dtype, wrap_with_ddp=True, ddp_config=DISTRIBUTED_OPTIMIZER, lora=lora
         )
         self.built = build_model(spec)
-        max_seq_len = f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}"
-        cfg = compose_config([f"trainer.policy.optimizer_config.lr={LR}", max_seq_len, *HOST_OVERRIDES])
+        max_seq_len = max_seq_len_override(PROMPT + RESPONSE)
+        host_cfg = compose_config([f"trainer.policy.optimizer_config.lr={LR}", max_seq_len, *HOST_OVERRIDES])
+        cfg = current().our_view(host_cfg)  # what our workers read, on either host
         settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, dtype)
         self.optimizer = settings.build_optimizer(self.built.chunks)
         self.scheduler = settings.build_scheduler(self.optimizer)
         self.runner = ModelRunner(self.built.chunks, self.parallel)
         self.runner.attach_optimizer(self.optimizer)
-        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(cfg.trainer.algorithm))
+        self.objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_cfg.trainer.algorithm))
         self.batch, self.rows = _dp_share(make_rl_batch(ROWS, PROMPT, RESPONSE, seed=5))
 
     def old_logprobs(self) -> torch.Tensor:
@@ -372,6 +376,9 @@ def _assert_exports_reproduce(results: list[dict], job: str, hf_dir: str, name: 
     from peft import PeftModel
     from safetensors.torch import load_file
 
+    from skyrl_megatron.engines.hf_engine import HFEngine
+    from skyrl_megatron.peft_support import installed_peft_version, peft_loads_expert_adapters_into_fused_experts
+
     megatron = next(r[job]["logits"] for r in results if r[job]["logits"] is not None)  # the last stage's
     result = results[0][job]  # rank 0 keeps the exported tensors
     base = _hf_logits(_hf_model(hf_dir))
@@ -389,8 +396,19 @@ def _assert_exports_reproduce(results: list[dict], job: str, hf_dir: str, name: 
 
     peft_model = PeftModel.from_pretrained(_hf_model(hf_dir), result["peft_dir"]).eval()
     diff = (_hf_logits(peft_model) - megatron).abs().max().item()
-    assert diff <= LOGIT_ATOL, f"{name}: PEFT adapter is {diff:.1e} off the Megatron logits"
     assert set(result["adapter_names"]) == set(load_file(Path(result["peft_dir"]) / "adapter_model.safetensors"))
+    engine = HFEngine(hf_dir, seed=0, attn_implementation="eager")  # what adapter sync (weight_sync=adapters) feeds
+    if job == "moe" and not peft_loads_expert_adapters_into_fused_experts():
+        # this peft leaves the per-expert adapters out of transformers 5's fused experts: the probe says so
+        # truly, and our engine refuses such an adapter rather than serve the experts unadapted
+        assert diff > LOGIT_ATOL, f"{name}: peft {installed_peft_version()} loaded the expert adapters: revisit peft_support"
+        with pytest.raises(RuntimeError, match="cannot load into this model's fused experts"):
+            asyncio.run(engine.load_adapter(result["peft_dir"]))
+        return
+    assert diff <= LOGIT_ATOL, f"{name}: PEFT adapter is {diff:.1e} off the Megatron logits"
+    asyncio.run(engine.load_adapter(result["peft_dir"]))
+    diff = (_hf_logits(engine.model) - megatron).abs().max().item()
+    assert diff <= LOGIT_ATOL, f"{name}: the HF engine's adapter sync is {diff:.1e} off the Megatron logits"
 
 
 def _assert_same_footprint(results: list[dict], job: str, reference: dict) -> None:
@@ -417,17 +435,24 @@ def _assert_same_training(got: list[dict], want: list[dict], name: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _ours(cfg):
+    """The composed config as our workers read it (the host's own on skyrl-train 0.3.1)."""
+    from skyrl_megatron.hosts import current
+
+    return current().our_view(cfg)
+
+
 def test_spec_maps_host_keys_onto_megatron_targets(compose):
-    cfg = compose(
+    cfg = _ours(compose(
         "trainer.policy.model.lora.rank=8",
         "trainer.policy.model.lora.alpha=32",
         "trainer.policy.model.lora.target_modules=[q_proj,k_proj,v_proj,down_proj]",
         "trainer.policy.megatron_config.lora_config.lora_type=lora",
-    )
+    ))
     spec = LoraSpec.from_host_config(cfg)
     assert (spec.rank, spec.alpha, spec.scale) == (8, 32.0, 4.0)
     assert spec.megatron_targets() == ["linear_qkv", "linear_fc2"]
-    assert LoraSpec.from_host_config(compose()) is None  # the host's default rank 0: no LoRA
+    assert LoraSpec.from_host_config(_ours(compose())) is None  # the host's default rank 0: no LoRA
 
     assert _spec().megatron_targets() == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     canonical = LoraSpec(rank=2, lora_type="canonical_lora", target_modules=("q_proj", "v_proj", "linear_fc2"))
@@ -446,6 +471,7 @@ def test_config_validation_names_the_lora_key(compose):
     from skyrl_megatron.config import LoraSettings, MegatronWorkerConfig, ModelShape, check_lora
 
     def problems(cfg, shape=None, **megatron):
+        cfg = _ours(cfg)
         mc = MegatronWorkerConfig.from_host_config(cfg, "policy")
         return check_lora(cfg, "policy", dataclasses.replace(mc, **megatron), shape)
 
@@ -465,6 +491,31 @@ def test_config_validation_names_the_lora_key(compose):
     assert problems(compose(lora), moe, tensor_model_parallel_size=2, expert_tensor_parallel_size=1) == []
     attention_only = compose(lora, "trainer.policy.model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
     assert problems(attention_only, moe, tensor_model_parallel_size=2) == []
+
+
+def test_adapter_sync_of_expert_adapters_is_refused_where_peft_cannot_load_them(compose):
+    """Our HF engine loads a synced adapter with the installed peft; one that cannot put per-expert adapters
+    onto transformers 5's fused experts (peft 0.18.1, skyrl 0.4's pin) is named before anything starts."""
+    from skyrl_megatron.config import LoraSettings, MegatronWorkerConfig, ModelShape, check_lora
+    from skyrl_megatron.peft_support import installed_peft_version, peft_loads_expert_adapters_into_fused_experts
+
+    moe = ModelShape("qwen3_moe", num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=8)
+    dense = ModelShape("qwen3", num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=None)
+
+    def problems(shape, weight_sync="adapters", *overrides):
+        cfg = _ours(compose("trainer.policy.model.lora.rank=8", "generator.engine=cpu", *overrides))
+        mc = MegatronWorkerConfig.from_host_config(cfg, "policy")
+        return check_lora(cfg, "policy", dataclasses.replace(mc, lora_config=LoraSettings(weight_sync=weight_sync)), shape)
+
+    assert problems(dense) == [] and problems(moe, "merged") == []
+    assert problems(moe, "adapters", "trainer.policy.model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]") == []
+    if peft_loads_expert_adapters_into_fused_experts():
+        assert problems(moe) == []
+    else:
+        (problem,) = problems(moe)
+        assert problem.key == "trainer.policy.megatron_config.lora_config.weight_sync"
+        assert f"peft {installed_peft_version()} cannot load per-expert adapters" in problem.message
+        assert "set weight_sync=merged" in problem.fix
 
 
 @pytest.mark.slow

@@ -47,7 +47,9 @@ def problems_of(cfg) -> str:
 
 
 def test_moe_config_defaults_reach_every_role_typed(compose):
-    cfg = compose()
+    from skyrl_megatron.hosts import current
+
+    cfg = current().our_view(compose())  # what our workers read, on either host
     for role in ("policy", "ref", "critic"):
         typed = MegatronWorkerConfig.from_host_config(cfg, role).moe_config
         assert typed == MoeSettings()

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,54 +29,6 @@ def _bench_module():
     sys.modules["policy_bench"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.mark.slow
-def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
-    markdown = tmp_path / "benchmarks.md"
-    markdown.write_text("# Benchmarks\n\nearlier text\n")
-    out, chart = tmp_path / "report.json", tmp_path / "chart.png"
-    profiles = tmp_path / "profiles"
-    command = [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--markdown", str(markdown), "--chart", str(chart),
-               "--profile", str(profiles), "--profile-backends", "megatron"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-
-    report = json.loads(out.read_text())
-    assert report["composed_only"] == ["fsdp2:world1", "fsdp2_sdpa:world1"]
-    assert report["fsdp_packed_rows"] == 8 and report["fsdp_flash_attn"] is None  # nothing assembled on CPU
-    (case,) = report["cases"]
-    assert (case["case"], case["gpus"]) == ("megatron:tp2", 2)
-    path = case["path"]
-    assert (path["transformer_engine"], path["attention"]) == (False, "ours (SDPA / varlen)")
-    assert path["torch_threads"] >= 1  # recorded: host-side thread pools were a GPU bottleneck
-    assert report["tokens"] == case["tokens"] > 0
-    for phase in ("forward", "train"):
-        measured = case["phases"][phase]
-        assert len(measured["seconds"]) == report["steps"] == 3
-        assert measured["median_seconds"] == sorted(measured["seconds"])[1]
-        assert measured["tokens_per_s_per_gpu"] == pytest.approx(case["tokens"] / measured["median_seconds"] / 2)
-        assert measured["mfu"] is None  # no GPU peak to measure against
-        # the time inside the workers is part of the driver's
-        assert len(measured["worker_seconds"]) == 3
-        assert all(0 < w <= d for w, d in zip(measured["worker_seconds"], measured["seconds"]))
-    profile = case["profile"]
-    assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0
-    table = Path(profile["file"]).read_text()
-    assert Path(profile["file"]).parent == profiles and "top operators by host time" in table and "aten::" in table
-    # the runner's marked phases, with their wall times (no device on CPU, so no idle analysis)
-    assert "no device activity recorded" in table
-    for phase in ("prepare_micro_batches", "schedule", "loss", "collect", "optimizer_step"):
-        assert f"skyrl_megatron.{phase}" in table
-    assert [p.name for p in profiles.iterdir()] == ["profile_megatron_tp2.txt"]
-
-    text = markdown.read_text()
-    assert text.startswith("# Benchmarks\n\nearlier text\n")
-    # the path column names the kernels that ran: on CPU every fusion is off
-    assert "| megatron:tp2 | ours (SDPA / varlen), fused: none | train |" in text
-    assert case["path"]["fused_kernels"] == []
-    assert "| in worker, s |" in text
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_section_is_replaced_not_repeated(tmp_path):
@@ -140,22 +91,6 @@ def test_bad_cases_are_refused_with_the_fix():
         bench.Case.parse("megatron:world1@fused")
 
 
-def test_a_variant_adds_its_overrides_to_its_case_only(tmp_path):
-    from skyrl_megatron.testing import make_tiny_hf_model
-
-    bench = _bench_module()
-    make_tiny_hf_model("qwen3", tmp_path, seed=0)
-    variants = {"swiglu": ["+trainer.policy.megatron_config.transformer_config_kwargs.bias_activation_fusion=true"]}
-    settings = bench.Settings(str(tmp_path), bench.BatchShape(), str(tmp_path), cpu=True, token_budget=4096,
-                              fsdp_micro_rows=2, recompute=False, steps=1, warmup=1, variants=variants)
-    plain, fused = bench.Case.parse("megatron:tp2", variants), bench.Case.parse("megatron:tp2@swiglu", variants)
-    assert fused.name == "megatron:tp2@swiglu"
-    assert bench.host_overrides(fused, settings) == bench.host_overrides(plain, settings) + variants["swiglu"]
-    cfg = bench.compose(fused, settings)
-    assert cfg.trainer.policy.megatron_config.transformer_config_kwargs.bias_activation_fusion is True
-    assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2
-
-
 def test_render_writes_the_section_from_a_saved_report_and_names_failed_cases(tmp_path):
     bench = _bench_module()
     phase = {"seconds": [2.0, 1.0, 3.0], "median_seconds": 2.0, "tokens_per_s_per_gpu": 500.0, "mfu": 0.25, "peak_gib": 10.0}
@@ -178,27 +113,6 @@ def test_render_writes_the_section_from_a_saved_report_and_names_failed_cases(tm
     assert "at most 8192 tokens each; FSDP2 padded, 2 rows each" in text
     assert "| megatron:world1@big | - | failed: torch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB /x | - |" in text
     assert "- megatron:world1 vs fsdp2:world1: forward 5.00x speed, 0.50x memory, train 2.00x speed, 0.50x memory" in text
-
-
-def test_batch_converts_through_the_hosts_training_iterator():
-    """The host's FSDP workers turn each training micro-batch into an `Experience` by key; the
-    benchmark batch, after the keys the host's forward pass adds, must carry every key it reads
-    (a missing `returns` failed every FSDP2 case of a GPU run)."""
-    from skyrl_train.workers.worker_utils import BatchIterator
-
-    from skyrl_megatron.testing.host_trainer import training_input
-
-    bench = _bench_module()
-    shape = bench.BatchShape(rows=4, prompt_tokens=8, min_response=2, max_response=16)
-    data = training_input(bench.rl_batch(shape, vocab_size=100, pad_token_id=0), shape.max_response)
-    # what `RayPPOTrainer.fwd_logprobs_values_reward` adds without a critic or a reference model
-    data["action_log_probs"] = torch.zeros(shape.rows, shape.max_response)
-    data["base_action_log_probs"] = None
-    data["values"] = None
-    experiences = list(BatchIterator(data, sample_batch_size=2))
-    assert len(experiences) == 2
-    assert torch.equal(experiences[0].returns, data["advantages"][:2])
-    assert experiences[1].sequences.shape == (2, shape.prompt_tokens + shape.max_response)
 
 
 def _gpu_idle_module():
@@ -237,24 +151,6 @@ def test_first_frame_is_ours_megatrons_or_the_hosts():
     assert gpu_idle.first_frame(["torch/a.py(1): f"]) == ""
 
 
-def test_host_fsdp2_baseline_loads_hf_sdpa_where_it_would_pick_eager(tmp_path):
-    """The host's HFModelWrapper picks flash_attention_2 or eager; the benchmark's FSDP2 baseline
-    is HF SDPA (eager's [heads, L, L] scores ran out of memory on the GPU)."""
-    from skyrl_megatron.activation import activate
-    from skyrl_megatron.testing import make_tiny_hf_model
-
-    activate()  # the host's model wrapper imports flash_attn's padding helpers (host compat fixes)
-    from skyrl_train.model_wrapper import HFModelWrapper
-
-    bench = _bench_module()
-    make_tiny_hf_model("qwen3", tmp_path, seed=0)
-    with bench.hf_sdpa_for_eager():
-        wrapped = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
-    assert wrapped.model.config._attn_implementation == "sdpa"
-    unpatched = HFModelWrapper(str(tmp_path), use_flash_attention_2=False, bf16=False)
-    assert unpatched.model.config._attn_implementation == "eager"
-
-
 def test_a_variant_can_set_environment_variables_for_its_case(tmp_path, monkeypatch):
     bench = _bench_module()
     variants = {"seg": ["env:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "+trainer.seed=7"]}
@@ -273,29 +169,6 @@ def test_a_variant_can_set_environment_variables_for_its_case(tmp_path, monkeypa
 def _settings(bench, model_dir, **kwargs):
     return bench.Settings(str(model_dir), bench.BatchShape(), str(model_dir), cpu=True, token_budget=8192,
                           fsdp_micro_rows=2, recompute=False, steps=1, warmup=1, **kwargs)
-
-
-def test_fsdp2_at_its_best_packs_with_flash_attention_and_the_padded_baseline_stays(tmp_path, monkeypatch):
-    from skyrl_megatron.testing import make_tiny_hf_model
-
-    bench = _bench_module()
-    make_tiny_hf_model("qwen3", tmp_path, seed=0)
-    settings = _settings(bench, tmp_path, fsdp_packed_rows=8, flash_attn_site="/standin")
-    best, padded = bench.Case.parse("fsdp2:dp2"), bench.Case.parse("fsdp2_sdpa:dp2")
-    cfg = bench.compose(best, settings)  # the host's and our validation accept it
-    assert (cfg.trainer.strategy, cfg.trainer.flash_attn, cfg.trainer.use_sample_packing) == ("fsdp2", True, True)
-    assert cfg.trainer.micro_train_batch_size_per_gpu == cfg.trainer.micro_forward_batch_size_per_gpu == 8
-    assert cfg.trainer.gradient_checkpointing is False
-    cfg = bench.compose(padded, settings)
-    assert (cfg.trainer.flash_attn, cfg.trainer.use_sample_packing, cfg.trainer.micro_train_batch_size_per_gpu) == (False, False, 2)
-    # rows never exceed the rows each GPU holds (dp2: 32 of the default 64)
-    assert "trainer.micro_train_batch_size_per_gpu=32" in bench.host_overrides(bench.Case.parse("fsdp2:dp2"),
-                                                                                _settings(bench, tmp_path, fsdp_packed_rows=64))
-    # the stand-in goes first on PYTHONPATH for fsdp2 only
-    monkeypatch.setenv("PYTHONPATH", "/a:/b")
-    assert bench.case_environment(best, settings) == {"PYTHONPATH": "/standin:/a:/b"}
-    assert bench.case_environment(padded, settings) == {}
-    assert bench.case_environment(bench.Case.parse("megatron:world1"), settings) == {}
 
 
 def test_fsdp2_rows_default_to_our_token_budget_on_average():

@@ -37,17 +37,11 @@ MOE_LAYOUTS = {"ep2": (2, {"expert": 2})}
 
 
 def _host_logprobs(hf_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The host's own logprob path (HFModelWrapper, eager attention, fp32) on the same batch."""
-    from skyrl_megatron.activation import activate
+    """The installed host's own logprob path (its HFModelWrapper, fp32) on the same batch."""
+    from skyrl_megatron.testing.host_models import host_hf_model
 
-    activate()
-    import skyrl_train.utils.torch_utils as torch_utils
-    from skyrl_train.model_wrapper import HFModelWrapper
-
-    # flash-attn's Triton cross entropy imports without a GPU but cannot run on CPU
-    torch_utils.FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE = False
     batch = make_rl_batch(ROWS, PROMPT, RESPONSE, seed=5)
-    model = HFModelWrapper(hf_dir, bf16=False).eval()
+    model = host_hf_model(hf_dir)
     with torch.no_grad():
         logprobs = model(batch["sequences"], RESPONSE, batch["attention_mask"]).float()
     return logprobs, batch["loss_mask"].bool()
@@ -137,80 +131,3 @@ def test_layout_matches_world1(models, family, name, world, layout):
     runs = _run(model["dir"], world, layout)
     _assert_logprobs_match_host(runs, model["host"])
     _assert_same_training(runs, model["world1"])
-
-
-def _host_loss_terms(hf_dir: str, overrides: list[str], noise: float) -> dict[str, float]:
-    """The host's loss math on the host's own HF logprobs/entropy of the same batch."""
-    from skyrl_megatron.activation import activate
-    from skyrl_megatron.cli import compose_config
-    from skyrl_megatron.testing.rl_batches import perturb_logprobs
-
-    activate()
-    import skyrl_train.utils.torch_utils as torch_utils
-    from skyrl_train.model_wrapper import HFModelWrapper
-    from skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl, masked_mean
-
-    torch_utils.FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE = False
-    batch = make_rl_batch(ROWS, PROMPT, RESPONSE, seed=5)
-    model = HFModelWrapper(hf_dir, bf16=False).eval()
-    with torch.no_grad():
-        logprobs, output = model(
-            batch["sequences"], RESPONSE, batch["attention_mask"], return_output=True, compute_entropy=True
-        )
-    entropy = output["entropy"][:, -RESPONSE - 1 : -1]
-    mask = batch["loss_mask"]
-    old = perturb_logprobs(logprobs.float(), mask, noise, seed=5)
-    base = old - 0.1 * mask
-    cfg = compose_config([*overrides, f"++trainer.algorithm.max_seq_len={PROMPT + RESPONSE}"])
-    algorithm = cfg.trainer.algorithm
-    policy_loss, clip_ratio = PolicyLossRegistry.get(algorithm.policy_loss_type)(
-        logprobs, old, batch["advantages"], config=algorithm, loss_mask=mask, rollout_logprobs=batch["rollout_logprobs"]
-    )
-    kl = masked_mean(compute_approx_kl(logprobs, base, loss_mask=mask, kl_estimator_type="k3"), mask, dim=-1).mean()
-    return {
-        "policy_loss": float(policy_loss),
-        "ppo_clip_ratio": float(clip_ratio),
-        "policy_entropy": float(masked_mean(entropy, mask)),
-        "policy_kl": float(kl),
-    }
-
-
-# every policy-loss type with a different loss reduction; TIS (truncated importance sampling) once
-LOSS_CASES = {
-    "regular-token_mean-tis": ("regular", "token_mean", True),
-    "dual_clip-seq_mean_token_sum_norm": ("dual_clip", "seq_mean_token_sum_norm", False),
-    "gspo-sequence_mean": ("gspo", "sequence_mean", False),
-    "cispo-token_mean": ("cispo", "token_mean", False),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(LOSS_CASES))
-def test_single_rank_step_reproduces_host_loss_math(models, case):
-    loss_type, reduction, tis = LOSS_CASES[case]
-    hf_dir = models("qwen3")["dir"]
-    noise = 0.3  # old logprobs off-policy, so ratios leave 1 and clipping engages
-    algorithm = [
-        f"trainer.algorithm.policy_loss_type={loss_type}",
-        f"trainer.algorithm.loss_reduction={reduction}",
-        f"trainer.algorithm.use_tis={str(tis).lower()}",
-        "trainer.algorithm.tis_imp_ratio_cap=2.0",
-    ]
-    want = _host_loss_terms(hf_dir, [*HOST_OVERRIDES, *algorithm], noise)
-    overrides = (*HOST_OVERRIDES, *algorithm)
-    (result,) = run_on_ranks(
-        policy_steps,
-        1,
-        hf_dir,
-        {},
-        {"micro_batch_size": ROWS},
-        host_overrides=overrides,
-        steps=1,
-        old_logprob_noise=noise,
-        timeout=600,
-    )
-    got = result["history"][0]
-    if loss_type != "gspo":
-        assert want["ppo_clip_ratio"] > 0, "the test batch should clip some tokens"
-    for name, value in want.items():
-        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{case} {name}: {got[name]} vs host {value}"

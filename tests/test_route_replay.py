@@ -7,10 +7,10 @@ replay; with replay it is exactly 1 (every token's log-prob bitwise the scored o
 0) at world 1, EP2, TP2 x EP2 (SP; alltoall and allgather), TP2 x ETP1 x EP2, PP2 x EP2 and
 PP2 x VPP2 with activation recompute, and CP2, and the routes a
 pass replays are bitwise the ones scoring recorded, also when scoring used another micro-batch plan.
-R3: the CPU engine reports the experts its tokens went through; scoring replays them bitwise and
+R3: the HF engine (the host-free core of our CPU/GPU engines) reports the experts its tokens went through; scoring replays them bitwise and
 training's first-step ratio is exactly 1 (world 1; PP2 x EP2 and PP2 x VPP2 with recompute, where each
 stage and chunk takes its layers; TP2 x EP2 with SP and CP2, where they split like their tokens).
-Through skyrl 0.4's trainer: tests/host04.
+Through skyrl 0.4's trainer: tests/host04; skyrl-train 0.3.1 refusing r3: tests/host03.
 
 The flip: two passes over the same tokens can pick different experts where router logits are
 near-tied (a kernel, dtype or batch composition moves a logit by an ulp). `_ScoringFlip` makes that
@@ -140,32 +140,23 @@ def test_routing_replay_is_for_the_policy_and_top_k_routers(compose, hf_config_d
     assert f"{MC}.moe_config.routing_replay: 'sinkhorn' routing does not choose experts by top-k" in msg
     msg = problems_of(
         compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2",
-                f"++{MC}.transformer_config_kwargs.moe_router_fusion=true")
+                f"{MC}.transformer_config_kwargs.moe_router_fusion=true")
     )
     assert f"{MC}.transformer_config_kwargs.moe_router_fusion: Transformer Engine's fused router" in msg
     validate_config(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r2"))  # must not raise
 
 
-def test_r3_is_refused_on_skyrl_train_0_3_1(compose, hf_config_dir):
-    """0.3.1's generator drops any engine's routes (skyrl 0.4 carries them: tests/host04)."""
-    path = hf_config_dir("qwen3_moe")
-    for engine in ("auto", "cpu"):
-        msg = problems_of(compose(f"trainer.policy.model.path={path}", f"{MC}.moe_config.routing_replay=r3", f"generator.engine={engine}"))
-        assert f"{MC}.moe_config.routing_replay: no engine's routes reach the trainer on skyrl-train 0.3.1" in msg
-        assert "use routing_replay=r2 (the policy's scoring routes replayed in training), or skyrl 0.4 for r3" in msg
-
-
-def test_cpu_engine_returns_the_experts_its_tokens_went_through(tmp_path):
+def test_hf_engine_returns_the_experts_its_tokens_went_through(tmp_path):
     """R3's source: per row, every fed token's top-k experts per layer (prompt, then each sampled
     token but the last), the same as one full forward of the finished sequence picks."""
     import asyncio
 
     from transformers import AutoModelForCausalLM
 
-    from skyrl_megatron.engines.cpu_engine import CpuInferenceEngine
+    from skyrl_megatron.engines.hf_engine import HFEngine
 
     make_tiny_hf_model("qwen3_moe", tmp_path, seed=11)
-    engine = CpuInferenceEngine(tmp_path, seed=0, return_routed_experts=True)
+    engine = HFEngine(tmp_path, seed=0, return_routed_experts=True)
     prompts = [[5, 6, 7, 8], [9, 10]]
     params = {"max_tokens": 5, "temperature": 1.0, "ignore_eos": True}
     out = asyncio.run(engine.generate({"prompt_token_ids": prompts, "sampling_params": params}))
@@ -179,7 +170,7 @@ def test_cpu_engine_returns_the_experts_its_tokens_went_through(tmp_path):
         assert got.shape == expected.shape == (len(prompt) + len(response) - 1, 4, 2)
         assert torch.equal(got.sort(-1).values, expected.sort(-1).values)
     assert "rollout_expert_indices" not in asyncio.run(
-        CpuInferenceEngine(tmp_path, seed=0).generate({"prompt_token_ids": prompts, "sampling_params": params})
+        HFEngine(tmp_path, seed=0).generate({"prompt_token_ids": prompts, "sampling_params": params})
     )
 
 
@@ -216,7 +207,7 @@ def _flip_scoring(chunks) -> None:
 def _runs(rank, world_size, hf_dir, plan: dict, rollout: dict | None = None) -> dict:
     out = {}
     for name, (layout, batching, extra) in plan.items():
-        if extra.get("engine_routes"):  # R3: the CPU engine's rollout and routes
+        if extra.get("engine_routes"):  # R3: the HF engine's rollout and routes
             extra = {**extra, "batch": rollout["batch"], "engine_routes": rollout["routes"],
                      "prompt_length": rollout["prompt_length"], "response_length": rollout["response_length"]}
         run = policy_steps(rank, world_size, hf_dir, layout, batching, steps=1, ratio_check=True, prepare=_flip_scoring, **extra)
@@ -287,12 +278,12 @@ ROLLOUT_ROWS, ROLLOUT_PROMPT, ROLLOUT_RESPONSE = 8, 6, 6
 
 @pytest.fixture(scope="module")
 def rollout(moe_model) -> dict:
-    """Rows sampled by the CPU engine with its routes, laid out as the host's training batch."""
+    """Rows sampled by the HF engine with its routes, laid out as the host's training batch."""
     import asyncio
 
-    from skyrl_megatron.engines.cpu_engine import CpuInferenceEngine
+    from skyrl_megatron.engines.hf_engine import HFEngine
 
-    engine = CpuInferenceEngine(moe_model, seed=3, return_routed_experts=True)
+    engine = HFEngine(moe_model, seed=3, return_routed_experts=True)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 200, (int(n),), generator=g).tolist() for n in torch.randint(2, ROLLOUT_PROMPT + 1, (ROLLOUT_ROWS,), generator=g)]
     params = {"max_tokens": ROLLOUT_RESPONSE, "temperature": 1.0, "ignore_eos": True, "min_tokens": 1}

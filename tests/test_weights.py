@@ -262,19 +262,6 @@ def _check_export(case: str, rank: int, expected: dict[str, torch.Tensor], resul
             assert run["gathered_numel"][kind] == result["local_numel"][kind], (where, kind)
 
 
-def test_weight_chunk_carries_the_bucket_to_the_host():
-    from skyrl_megatron.host_api import weight_chunk
-    from skyrl_megatron.weights import WeightBucket
-
-    tensors = [torch.ones(3, 4, dtype=torch.bfloat16), torch.zeros(5)]
-    bucket = WeightBucket.of(["a.weight", "b.bias"], tensors)
-    chunk = weight_chunk(bucket)
-    assert chunk.names == ["a.weight", "b.bias"]
-    assert chunk.dtypes == ["torch.bfloat16", "torch.float32"] and chunk.shapes == [[3, 4], [5]]
-    assert chunk.tensors[0] is tensors[0] and len(chunk) == len(bucket) == 2
-    assert chunk.total_size_bytes == bucket.nbytes == 3 * 4 * 2 + 5 * 4
-
-
 def test_bucket_budget_must_be_positive():
     from skyrl_megatron.weights import iter_weight_buckets
 

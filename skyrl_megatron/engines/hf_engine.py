@@ -208,6 +208,7 @@ class HFEngine:
         """
         from peft import PeftModel
 
+        _check_peft_loads_expert_adapters(self.model, lora_path)
         if self._base_model is None:
             self._base_model = copy.deepcopy(self.model)
         merged = PeftModel.from_pretrained(copy.deepcopy(self._base_model), lora_path).merge_and_unload()
@@ -279,3 +280,27 @@ def start_engine_actors(
         )
         for index in range(num_engines)
     ]
+
+
+def _check_peft_loads_expert_adapters(model: torch.nn.Module, lora_path: str) -> None:
+    """Per-expert adapters into fused experts need a peft that converts them; an older one drops them silently."""
+    from safetensors import safe_open
+
+    from skyrl_megatron.peft_support import (
+        PEFT_WEIGHTS_FILE,
+        installed_peft_version,
+        peft_loads_expert_adapters_into_fused_experts,
+    )
+
+    fused = any(".experts." in name and param.ndim == 3 for name, param in model.named_parameters())
+    if not fused or peft_loads_expert_adapters_into_fused_experts():
+        return
+    with safe_open(str(Path(lora_path) / PEFT_WEIGHTS_FILE), framework="pt") as adapter:
+        experts = [name for name in adapter.keys() if ".experts." in name]
+    if experts:
+        raise RuntimeError(
+            f"the adapter at {lora_path} adapts MoE experts ({experts[0]}, ...), which peft "
+            f"{installed_peft_version()} cannot load into this model's fused experts (it would leave them out). "
+            "Fix: set trainer.policy.megatron_config.lora_config.weight_sync=merged, or install a peft that "
+            "converts them (0.21.2 does)"
+        )

@@ -66,6 +66,10 @@ class HostAdapter(ABC):
     strategies: tuple[str, ...]
     #: the module holding the host's own workers for each of its other strategies
     strategy_worker_modules: dict[str, str]
+    #: the host's own HF model wrapper (its FSDP workers' logprob path) and the torch helpers it calls:
+    #: the reference our parity tests score against, whichever host is installed
+    hf_model_wrapper_module: str
+    torch_utils_module: str
     #: True where the host pre-scales advantages so that a policy loss is a plain sum over the
     #: mini-batch's tokens (0.4); False where each loss call reduces over what it gets (0.3.1)
     policy_losses_are_presummed: bool = False

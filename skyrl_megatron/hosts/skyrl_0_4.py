@@ -76,6 +76,8 @@ class SkyRL04(HostAdapter):
         "fsdp": "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker",
         "fsdp2": "skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker",
     }
+    hf_model_wrapper_module = "skyrl.backends.skyrl_train.workers.model_wrapper"
+    torch_utils_module = "skyrl.backends.skyrl_train.utils.torch_utils"
     policy_losses_are_presummed = True
 
     def apply_compat_fixes(self) -> None:
@@ -371,15 +373,18 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
 
     host_defaults = dataclasses.asdict(MegatronConfig())
     ours = dict(section)
-    moe = dict(ours.get("moe_config") or {})
+    moe = ours.get("moe_config") or {}
+    # anything but a mapping (`moe_config=fast`) stays as given: our checks name it ("must be a mapping")
+    moe = dict(moe) if isinstance(moe, dict) else None
     for host_key, our_key in _HOST_MOE_FIELDS.items():
         value = ours.pop(host_key, None)
-        if value is not None and value != host_defaults.get(host_key) and our_key not in moe:
+        if moe is not None and value is not None and value != host_defaults.get(host_key) and our_key not in moe:
             moe[our_key] = value
     # the host's router replay alone is our R2 (with the engines' routes, SkyRLMegatronConfig made it r3 already)
-    if ours.pop("moe_enable_routing_replay", False) and "routing_replay" not in moe:
+    if ours.pop("moe_enable_routing_replay", False) and moe is not None and "routing_replay" not in moe:
         moe["routing_replay"] = "r2"
-    ours["moe_config"] = moe
+    if moe is not None:
+        ours["moe_config"] = moe
     lora = dict(ours.get("lora_config") or {})
     merge = lora.pop("merge_lora", True)
     if lora.get("weight_sync") is None:

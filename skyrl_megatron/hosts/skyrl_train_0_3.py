@@ -66,6 +66,8 @@ class SkyRLTrain03(HostAdapter):
         "fsdp2": "skyrl_train.workers.fsdp.fsdp_worker",
         "deepspeed": "skyrl_train.workers.deepspeed.deepspeed_worker",
     }
+    hf_model_wrapper_module = "skyrl_train.model_wrapper"
+    torch_utils_module = "skyrl_train.utils.torch_utils"
 
     def __init__(self) -> None:
         self._compat_done = False

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.model.lora_spec import LoraConfigError, LoraSpec
+from skyrl_megatron.peft_support import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
 
 _ADAM_MOMENT_BYTES = 8
 _FP32_MAIN_PARAM_BYTES = 4
@@ -231,8 +232,6 @@ def _unique_parameters(chunks: Sequence[torch.nn.Module]):
 # The adapters under HF names: gathered, merged, or in HF `peft`'s layout
 # ----------------------------------------------------------------------------------------------
 
-PEFT_CONFIG_FILE = "adapter_config.json"
-PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 _LORA_A, _LORA_B = ".lora_A.weight", ".lora_B.weight"
 _BASE_LAYER = ".base_layer"
 _EXPERT_INDEX = re.compile(r"(\.experts\.)(\d+)(\.)")
@@ -331,7 +330,11 @@ class AdapterMerger:
 
 @dataclass(frozen=True)
 class PeftAdapter:
-    """LoRA adapters as HF `peft` stores them: `PeftModel.from_pretrained(base, directory)` reads :meth:`save`."""
+    """LoRA adapters as HF `peft` stores them: `PeftModel.from_pretrained(base, directory)` reads :meth:`save`.
+
+    MoE expert adapters keep per-expert names (the bridge's, vLLM's); on transformers 5's fused experts only
+    a peft that converts them loads them (peft_support).
+    """
 
     config: dict[str, Any]  # adapter_config.json
     state: dict[str, torch.Tensor]  # adapter_model.safetensors: full tensors under peft's names

@@ -49,6 +49,7 @@ def critic_steps(
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.compute.losses import ValueObjective
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
+    from skyrl_megatron.hosts import current
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.model.value_head import ValueHeadInit
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
@@ -62,7 +63,8 @@ def critic_steps(
     head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir if policy_path == "same" else policy_path, seed=seed)
     built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp, value_head=head))
     clip = "null" if value_clip is None else value_clip
-    cfg = compose_config([f"trainer.critic.optimizer_config.lr={lr}", f"trainer.algorithm.value_clip={clip}"])
+    host_cfg = compose_config([f"trainer.critic.optimizer_config.lr={lr}", f"trainer.algorithm.value_clip={clip}"])
+    cfg = current().our_view(host_cfg)  # what our workers read, on either host
     settings = OptimizerSettings.from_host_config(cfg.trainer.critic.optimizer_config, {}, 100, "fp32")
     optimizer = settings.build_optimizer(built.chunks)
     scheduler = settings.build_scheduler(optimizer)
@@ -70,7 +72,7 @@ def critic_steps(
         load_checkpoint(load_dir, built.chunks, optimizer, scheduler)
     runner = ModelRunner(built.chunks, parallel)
     runner.attach_optimizer(optimizer)
-    objective = ValueObjective(cfg.trainer.algorithm)
+    objective = ValueObjective(host_cfg.trainer.algorithm)  # the host's own, as a worker's host_api.algorithm_config
     micro = MicroBatching(**batching)
 
     full = make_rl_batch(rows, prompt_length, response_length, seed=seed)

@@ -14,6 +14,17 @@ from typing import Any
 import torch
 
 
+
+def max_seq_len_override(tokens: int) -> str:
+    """`trainer.algorithm.max_seq_len`, which the host derives in its validation (seq_mean_token_sum_norm
+    needs it): skyrl 0.4's typed config has the field and refuses "+"; skyrl-train 0.3.1's Hydra config
+    has no such key, so it is added ("++")."""
+    from skyrl_megatron.hosts import current
+    from skyrl_megatron.hosts.skyrl_train_0_3 import SkyRLTrain03
+
+    prefix = "++" if isinstance(current(), SkyRLTrain03) else ""
+    return f"{prefix}trainer.algorithm.max_seq_len={tokens}"
+
 def policy_steps(
     rank: int,
     world_size: int,
@@ -61,6 +72,7 @@ def policy_steps(
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
     from skyrl_megatron.compute.router_metrics import RouterMetrics
+    from skyrl_megatron.hosts import current
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -75,9 +87,9 @@ def policy_steps(
     spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp)
     built = build_model(dataclasses.replace(spec, **(spec_overrides or {})))
     inspected = [inspect(built.chunks)] if inspect is not None else []
-    # the host derives max_seq_len in validate_cfg (needed by seq_mean_token_sum_norm)
-    max_seq_len = f"++trainer.algorithm.max_seq_len={prompt_length + response_length}"
-    cfg = compose_config([f"trainer.policy.optimizer_config.lr={lr}", max_seq_len, *host_overrides])
+    max_seq_len = max_seq_len_override(prompt_length + response_length)
+    host_cfg = compose_config([f"trainer.policy.optimizer_config.lr={lr}", max_seq_len, *host_overrides])
+    cfg = current().our_view(host_cfg)  # what our workers read, on either host
     settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, "fp32")
     optimizer = settings.build_optimizer(built.chunks)
     scheduler = settings.build_scheduler(optimizer)
@@ -86,7 +98,8 @@ def policy_steps(
     collector = RouterMetrics.attach(built.chunks) if router_metrics else None
     if collector is not None:
         runner.attach_router_metrics(collector)
-    objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(cfg.trainer.algorithm))
+    # the host's own algorithm config, as its loss functions take it (a worker: host_api.algorithm_config)
+    objective = PolicyObjective(ObjectiveSettings.from_algorithm_config(host_cfg.trainer.algorithm))
     if ratio_check:
         objective = _with_ratio_check(objective)
     micro = MicroBatching(**batching)

@@ -5,7 +5,7 @@ actor) through its `WorkerDispatch`; its `fwd_logprobs_values_reward` scores thr
 `train_critic_and_policy` normalises the advantages over each mini-batch, stages the per-DP chunks
 and calls `forward_backward` + `optim_step` on our workers: 0.4's worker contract, end to end.
 The trainer is built without dataset, inference engines or generator
-(`skyrl_megatron.testing.host_trainer`), as on the 0.3.1 leg (`tests/test_worker_actors.py`).
+(`skyrl_megatron.testing.host_trainer`), as on the 0.3.1 leg (`tests/host03/test_worker_actors.py`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ one-rank policy; its `fwd_logprobs_values_reward` fills the batch's values from 
 its mesh dispatch sends `ppo_train` to the group. Checked: values equal the HF critic's, the host's
 critic metrics come back, repeated steps on one batch lower the value loss, and an offload/backload
 round trip keeps the values and the optimizer state.
+
+skyrl-train 0.3.1's worker contract (`ppo_train`); skyrl 0.4's: tests/host04/test_skyrl04_critic.py.
 """
 
 from __future__ import annotations

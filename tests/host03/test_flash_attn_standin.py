@@ -7,6 +7,9 @@ flash_attention_2 integration loads the stand-in's functions), transformers' thr
 GQA, forward and backward, when the kernel is a reference; the host's imports resolve, and its own
 sample-packing path through the stand-in gives the logprobs of its padded path; flash-attn's
 own padding helpers round-trip; unsupported arguments are refused clearly.
+
+On skyrl-train 0.3.1: the stand-in serves the benchmark's FSDP2 baseline on that host (the GPU machines'
+environment, bench/fetch_wheels.sh), and the probe drives 0.3.1's own sample-packing path.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "bench" / "flash_attn_standin"
 
 

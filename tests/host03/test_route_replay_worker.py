@@ -6,6 +6,8 @@ host's `fwd_logprobs_values_reward` calls our `forward`, which records every row
 a scoring pass first it refuses by name, and after one the first step's ppo_kl is exactly 0. The
 routes of a step do not outlive it. (Bitwise ratio and route checks under every layout, with a
 routing flip constructed, are in test_route_replay.py.)
+
+skyrl-train 0.3.1's worker contract (`ppo_train`); skyrl 0.4's: tests/host04/test_skyrl04_route_replay_r2.py.
 """
 
 from __future__ import annotations

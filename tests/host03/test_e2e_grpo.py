@@ -1,7 +1,6 @@
-"""End to end on CPU under skyrl 0.4: the same tests as the skyrl-train 0.3.1 leg's
-``tests/test_e2e_grpo.py`` (the demo command killed and resumed, bitwise sync, logprobs, reward,
-export, LoRA adapter sync, console), here through skyrl 0.4's trainer, its ``get_inference_client``
-hook serving our HF engine client, and our own weight broadcast."""
+"""End to end on CPU under skyrl-train 0.3.1: the same tests as ``tests/test_e2e_grpo.py`` (the demo
+command killed and resumed, bitwise sync, logprobs, reward, export, LoRA adapter sync, console), which
+runs under skyrl 0.4; here through 0.3.1's trainer, our CPU engine and the host's broadcast sender."""
 
 from test_e2e_grpo import (  # noqa: F401  (pytest collects the imported tests and fixture)
     interrupted_then_resumed,
