@@ -43,14 +43,13 @@ def demo_arguments(example: ScaledExample, model_dir: Path, run_dir: Path, gener
             f"generator.sampling_params.max_generate_length={generate_length}"]  # fmt: skip
 
 
-def create_model(example: ScaledExample, model_dir: Path) -> None:
-    """Random bf16 weights of the scaled shape (built on the CPU: the GPUs run the previous example), with
-    the test tokenizer padded to the published vocabulary."""
+def create_model(example: ScaledExample, model_dir: Path, cpu: bool) -> None:
+    """Random bf16 weights of the scaled shape, with the test tokenizer padded to the published vocabulary."""
     from transformers import AutoConfig
 
     from policy_bench import write_random_checkpoint
 
-    write_random_checkpoint(AutoConfig.for_model(**example.model_config), model_dir, cpu=True)
+    write_random_checkpoint(AutoConfig.for_model(**example.model_config), model_dir, cpu=cpu)
 
 
 def measured_peaks(metrics_file: Path) -> dict[str, float]:
@@ -70,9 +69,9 @@ def reply_length(example: ScaledExample) -> int:
     return SHORT_REPLIES if example.setting("transformer_config_kwargs.recompute_granularity") == "full" else LONG_REPLIES
 
 
-def timed_create_model(example: ScaledExample, model_dir: Path) -> float:
+def timed_create_model(example: ScaledExample, model_dir: Path, cpu: bool) -> float:
     started = time.perf_counter()
-    create_model(example, model_dir)
+    create_model(example, model_dir, cpu)
     return time.perf_counter() - started
 
 
@@ -162,9 +161,16 @@ def main() -> int:
     works = {s: args.out / s.stem for s in scripts}
     examples = {s: scale_example(s, works[s] / "launch", args.gpus) for s in scripts}
     results = []
-    # the next example's checkpoint is written (CPU) while the current one runs (GPUs)
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        ready = {s: pool.submit(timed_create_model, examples[s], MODELS / s.stem) for s in scripts}
+    # The first checkpoint is built on the idle GPUs (a 6B-parameter one takes 90 s on the CPU) by a process
+    # that exits before the first run; each later one on the CPU while the example before it runs.
+    spawn = multiprocessing.get_context("spawn")
+    ready = {}
+    if scripts:
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as gpu_builder:
+            ready[scripts[0]] = gpu_builder.submit(timed_create_model, examples[scripts[0]], MODELS / scripts[0].stem, False)
+            ready[scripts[0]].result()
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        ready |= {s: pool.submit(timed_create_model, examples[s], MODELS / s.stem, True) for s in scripts[1:]}
         for script in scripts:
             length = args.generate_length or reply_length(examples[script])
             results.append(run_example(examples[script], script, works[script], ready[script], gpu_memory_gib,
