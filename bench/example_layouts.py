@@ -158,6 +158,6 @@ def planned_peak(example: ScaledExample, config_path: Path, gpu_memory_gib: floa
     with contextlib.redirect_stdout(printed):
         plan_main(argv)
     result = estimate_from_argv(argv)
-    figures = {key: getattr(result, key) / GIB for key in ("params", "grads", "optimizer", "activations", "transient", "overhead")}
+    figures = {key: getattr(result, key) / GIB for key in ("params", "grads", "optimizer", "activations", "transient", "optimizer_step", "overhead")}
     figures["total"] = result.total / GIB
     return figures, printed.getvalue()

@@ -26,6 +26,7 @@ from skyrl_megatron.planner import (
     stage_parameters,
     suggest_layouts,
 )
+from skyrl_megatron.planner.cli import estimate_from_argv
 from skyrl_megatron.planner.cli import main as plan_main
 from skyrl_megatron.planner.memory import ADAM_STATE_BYTES, GIB, micro_batches_in_flight
 
@@ -200,6 +201,37 @@ def test_lora_trains_only_adapters_and_offload_moves_optimizer_state_off_the_gpu
     assert half == pytest.approx(full.optimizer / 2, abs=1)
 
 
+def test_the_optimizer_step_holds_one_fp32_copy_of_the_gpu_shard_and_counts_only_when_larger_than_backward():
+    model, layout, recomputed = arch("Qwen3-30B-A3B"), Layout(gpus_per_node=8, ep=8), BatchPlan(8192, recompute="full")
+    full = estimate(model, layout, recomputed)
+    assert full.optimizer_step == pytest.approx(full.optimizer / 3, abs=1)  # sqrt(v): one of Adam's three fp32 tensors
+    static = full.params + full.grads + full.optimizer + full.overhead
+    assert full.optimizer_step > full.activations + full.transient
+    assert full.total == static + full.optimizer_step
+    offloaded = estimate(model, layout, recomputed, TrainingSetup(optimizer_offload_fraction=1.0))
+    assert offloaded.optimizer_step == 0  # the CPU share steps on the CPU
+    assert offloaded.total == offloaded.params + offloaded.grads + offloaded.activations + offloaded.transient + offloaded.overhead
+    no_recompute = estimate(arch("Qwen3-1.7B"), Layout(gpus_per_node=8, tp=1), BatchPlan(micro_batch_tokens=16384))
+    assert no_recompute.optimizer_step < no_recompute.activations + no_recompute.transient
+
+
+SCALED_EXAMPLE_RUNS = ROOT / "docs" / "results" / "examples_s14"
+
+
+@pytest.mark.parametrize("run", sorted(p.name for p in SCALED_EXAMPLE_RUNS.glob("run_qwen3_*")))
+def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(run):
+    """The example layouts scaled to 2 x H200 ran 2 GRPO steps (session 14, bench/gpu_examples.py): the plan
+    without its fixed overhead (which covers what the allocator does not count) is at least the policy's
+    peak allocated memory in every phase, and at most 10% above it."""
+    planner_args = {r["script"]: r["planner_args"] for r in json.loads((SCALED_EXAMPLE_RUNS / "results.json").read_text())}
+    directory = SCALED_EXAMPLE_RUNS / run
+    planned = estimate_from_argv(["--model", str(directory / "scaled_config.json"), *planner_args[f"{run}.sh"]])
+    steps = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    measured = max(v for step in steps for k, v in step.items() if k.startswith("memory/policy_") and "allocated" in k) * GIB
+    assert len(steps) == 2 and all(step["sync/bitwise_equal"] == 1.0 for step in steps)
+    assert measured <= planned.total - planned.overhead <= 1.10 * measured
+
+
 # ----------------------------------------------------------------------------------------------
 # Layout validity and suggestions
 # ----------------------------------------------------------------------------------------------
@@ -255,7 +287,7 @@ def test_plan_prints_the_breakdown_and_the_verdict(capsys):
     model = MODEL_CONFIGS / "Qwen3-30B-A3B.json"
     assert plan_main(["--model", str(model), "--ep", "8", "--recompute", "full", "--gpu-memory-gib", "141"]) == 0
     out = capsys.readouterr().out
-    for line in ("params", "grads", "optimizer", "activations", "transient", "overhead", "total"):
+    for line in ("params", "grads", "optimizer", "activations", "transient", "opt. step", "overhead", "total"):
         assert f"\n  {line} " in out
     assert "EP 8, ETP 1, expert-DP 1" in out and "fits 141 GiB" in out
 

@@ -17,6 +17,12 @@ transient    the largest short-lived set during backward, which does not coexist
              weight's fp32 grad accumulator: our logprobs are chunked, no [tokens, vocab] tensor exists),
              one layer's un-recomputed activations (what recomputation rebuilds, and roughly what the
              gradients of a layer's activations take otherwise), or the embedding's gradient.
+opt. step    the optimizer step's temporaries, after backward freed activations and transients:
+             without Transformer Engine or Apex, Megatron steps with PyTorch's AdamW, whose multi-tensor
+             (foreach) update builds sqrt(v) for a whole parameter group at once: 4 B per element of the
+             rank's optimizer shard on the GPU. The peak is the larger of this and activations + transient
+             (measured on 2 x H200, session 14: the step, not backward, set the policy's peak in both
+             scaled MoE examples).
 overhead     a fixed allowance: CUDA context, cuBLAS and NCCL workspaces, a sleeping colocated vLLM.
 
 Activations assume a flash-style core attention (no [s, s] scores; ours is SDPA / varlen flash, or
@@ -94,6 +100,7 @@ class MemoryEstimate:
     activations: int
     transient: int
     transient_source: str
+    optimizer_step: int
     overhead: int
     parameters_on_gpu: int
     layers_on_stage: int
@@ -102,7 +109,8 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.overhead
+        backward = self.activations + self.transient
+        return self.params + self.grads + self.optimizer + max(backward, self.optimizer_step) + self.overhead
 
     def fits(self, gpu_memory_bytes: float) -> bool:
         return self.total <= USABLE_FRACTION * gpu_memory_bytes
@@ -312,7 +320,8 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
     dense_shards = layout.dp * layout.cp if training.distributed_optimizer else 1
     expert_shards = layout.expert_dp if training.distributed_optimizer else 1
     on_gpu_share = 1.0 - training.optimizer_offload_fraction
-    optimizer = ADAM_STATE_BYTES * (trainable_dense / dense_shards + trainable_expert / expert_shards) * on_gpu_share
+    shard_on_gpu = (trainable_dense / dense_shards + trainable_expert / expert_shards) * on_gpu_share
+    optimizer = ADAM_STATE_BYTES * shard_on_gpu
 
     layers = stage_layers(arch, layout, stage)
     saved_per_pass = sum(layer_activation_bytes(arch, layout, batch, moe_layer=arch.is_moe_layer(i)) for i in layers)
@@ -328,6 +337,7 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
         activations=round(in_flight * saved_per_pass),
         transient=round(transient),
         transient_source=source,
+        optimizer_step=round(FP32 * shard_on_gpu),
         overhead=FIXED_OVERHEAD_BYTES,
         parameters_on_gpu=parameters_on_gpu,
         layers_on_stage=len(layers),
