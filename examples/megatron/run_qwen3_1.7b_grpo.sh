@@ -33,6 +33,7 @@ NUM_NODES=1
 GPUS_PER_NODE=8
 TP=1                     # 1.7B fits one GPU: all data parallel
 TOKENS_PER_MICROBATCH=8192
+RECOMPUTE=null           # no activation recompute: it fits (the plan above); skyrl 0.4 would default to full
 NUM_ENGINES=8            # vLLM engines x their TP must cover every GPU (colocate_all)
 ENGINE_TP=1
 
@@ -50,6 +51,7 @@ skyrl-megatron \
   trainer.policy.megatron_config.max_tokens_per_microbatch=$TOKENS_PER_MICROBATCH \
   trainer.ref.megatron_config.tensor_model_parallel_size=$TP \
   trainer.ref.megatron_config.max_tokens_per_microbatch=$TOKENS_PER_MICROBATCH \
+  trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity=$RECOMPUTE \
   trainer.use_sample_packing=true \
   trainer.algorithm.advantage_estimator=grpo \
   trainer.algorithm.use_kl_loss=true \

@@ -63,6 +63,9 @@ _ENGINE_KEYS = {
     "inference_engine_data_parallel_size": "data_parallel_size",
     "inference_engine_expert_parallel_size": "expert_parallel_size",
     "enable_return_routed_experts": "enable_return_routed_experts",  # (0.4 only: engine routes for R3)
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    # 0.4 is always async: its own parse drops `async_engine=true` and refuses `false` with its message
+    "async_engine": "async_engine",
 }
 
 

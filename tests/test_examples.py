@@ -3,9 +3,9 @@ gives overrides that compose and pass the full validation (ours and the host's) 
 plans; its pasted memory plan is what the planner prints today for exactly its layout, and fits the GPU
 its header names. The architecture JSONs carry the published shapes and load in transformers.
 
-On skyrl-train 0.3.1: the scripts are written in its keys (`generator.async_engine`,
-`generator.gpu_memory_utilization`), which skyrl 0.4's typed config refuses; back in tests/ once the
-examples run on 0.4."""
+The scripts are written in skyrl-train 0.3.1's keys, which skyrl 0.4 takes too (its adapter renames the
+moved generator keys); the same checks run on both hosts (tests/host03/test_examples_on_skyrl_train.py),
+each reading the composed config through our view of it."""
 
 from __future__ import annotations
 
@@ -21,15 +21,14 @@ from pathlib import Path
 import pytest
 
 from skyrl_megatron.cli import compose_config
-from skyrl_megatron.demo.__main__ import prepare, run_overrides
+from skyrl_megatron.hosts import current
 from skyrl_megatron.validation import validate_config
 from skyrl_megatron.planner.cli import build_parser
 from skyrl_megatron.planner.cli import main as plan_main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # the example readers are the bench's (bench/example_layouts.py)
-from example_layouts import EXAMPLES, MODEL_CONFIGS, launch_overrides, model_config_of, plan_of, scale_example  # noqa: E402
-from gpu_examples import demo_arguments  # noqa: E402
+from example_layouts import EXAMPLES, MODEL_CONFIGS, launch_overrides, model_config_of, plan_of  # noqa: E402
 
 SCRIPTS = sorted(EXAMPLES.glob("run_*.sh"))
 PLANNED = [s for s in SCRIPTS if s.name != "run_fsdp_baseline.sh"]
@@ -53,6 +52,11 @@ PUBLISHED = {
 }  # fmt: skip
 
 
+def our_view(host_cfg):
+    """The composed config as our checks and workers read it (skyrl-train 0.3.1's shape, on either host)."""
+    return current().our_view(host_cfg)
+
+
 def test_every_example_is_covered():
     assert {s.name for s in SCRIPTS} == {
         "run_qwen3_1.7b_grpo.sh",
@@ -69,9 +73,10 @@ def test_every_example_is_covered():
 def test_overrides_compose_and_pass_validation(script, tmp_path):
     overrides = launch_overrides(script, tmp_path)
     assert overrides[-1].startswith("trainer.run_name=")  # nothing after "$@" was lost
-    cfg = compose_config(overrides)
+    host_cfg = compose_config(overrides)
+    validate_config(host_cfg)  # ours (layout against the model's shape) and the host's validate_cfg
+    cfg = our_view(host_cfg)
     assert cfg.trainer.policy.model.path == str(tmp_path / "model")
-    validate_config(cfg)  # ours (layout against the model's shape) and the host's validate_cfg
     placement = cfg.trainer.placement
     engines = cfg.generator.num_inference_engines * cfg.generator.inference_engine_tensor_parallel_size
     assert placement.colocate_all and engines == placement.policy_num_nodes * placement.policy_num_gpus_per_node
@@ -102,7 +107,7 @@ def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_p
     assert (plan.nodes, plan.gpus_per_node) == (int(nodes), int(gpus))
     assert plan.gpu_memory_gib == int(gib) == GPU_MEMORY_GIB[gpu]
 
-    cfg = compose_config(launch_overrides(script, tmp_path))
+    cfg = our_view(compose_config(launch_overrides(script, tmp_path)))
     placement, mc = cfg.trainer.placement, cfg.trainer.policy.megatron_config
     assert (placement.policy_num_nodes, placement.policy_num_gpus_per_node) == (plan.nodes, plan.gpus_per_node)
     planned = (plan.tp, plan.pp, plan.vpp, plan.cp, plan.ep, plan.etp if plan.etp is not None else plan.tp)
@@ -130,8 +135,8 @@ def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_p
 
 
 def test_fsdp_baseline_trains_the_same_run_with_the_hosts_fsdp2(tmp_path):
-    megatron = compose_config(launch_overrides(EXAMPLES / "run_qwen3_1.7b_grpo.sh", tmp_path / "megatron"))
-    fsdp = compose_config(launch_overrides(EXAMPLES / "run_fsdp_baseline.sh", tmp_path / "fsdp"))
+    megatron = our_view(compose_config(launch_overrides(EXAMPLES / "run_qwen3_1.7b_grpo.sh", tmp_path / "megatron")))
+    fsdp = our_view(compose_config(launch_overrides(EXAMPLES / "run_fsdp_baseline.sh", tmp_path / "fsdp")))
     assert (megatron.trainer.strategy, fsdp.trainer.strategy) == ("megatron", "fsdp2")
     assert model_config_of(EXAMPLES / "run_fsdp_baseline.sh") == model_config_of(EXAMPLES / "run_qwen3_1.7b_grpo.sh")
     for section in ("generator", "environment", "trainer.algorithm", "trainer.placement", "trainer.policy.optimizer_config"):
@@ -161,37 +166,3 @@ def test_model_configs_carry_the_published_shape_and_load_in_transformers(name, 
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert loaded.model_type == config["model_type"]
     assert loaded.num_hidden_layers == config["num_hidden_layers"]
-
-
-@pytest.mark.parametrize("script", PLANNED, ids=lambda s: s.name)
-def test_each_example_scaled_to_two_gpus_keeps_its_settings_and_validates(script, tmp_path):
-    """bench/gpu_examples.py's runs: the script's Megatron settings at sizes of 2 GPUs (none above 2), its
-    model's widths with fewer layers, composed with the demo's 2-GPU settings: our checks and the host's pass."""
-    example = scale_example(script, tmp_path / "launch", gpus=2)
-    published = json.loads(model_config_of(script).read_text())
-    assert example.layers < published["num_hidden_layers"] or example.model == "Qwen3-1.7B"
-    assert {k: v for k, v in example.model_config.items() if k != "num_hidden_layers"} == \
-        {k: v for k, v in published.items() if k != "num_hidden_layers"}
-    script_overrides = launch_overrides(script, tmp_path / "again")
-    for override in script_overrides:
-        key, value = override.split("=", 1)
-        if ".megatron_config." in key and not key.endswith("_parallel_size"):
-            assert override in example.overrides, f"{override} lost in scaling"
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(example.model_config))
-    args = demo_arguments(example, model_dir, tmp_path / "run")
-    extra = args[args.index("0") + 1:]  # after --ckpt-interval 0: the overrides
-    _, prompts = prepare(tmp_path / "run", steps=2, model=model_dir)
-    cfg = compose_config(run_overrides(tmp_path / "run", model_dir, prompts, 2, 0, gpus=2, extra=extra))
-    validate_config(cfg)
-    for role in ("policy", "ref"):
-        mc = cfg.trainer[role].megatron_config
-        sizes = [mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size]
-        assert sizes[0] * sizes[1] * sizes[2] <= 2 and mc.expert_model_parallel_size <= 2
-    mc = cfg.trainer.policy.megatron_config
-    assert str(mc.max_tokens_per_microbatch) == example.setting("max_tokens_per_microbatch")
-    assert (mc.transformer_config_kwargs.get("recompute_granularity") or None) == \
-        example.setting("transformer_config_kwargs.recompute_granularity")
-    assert cfg.trainer.algorithm.use_kl_loss == compose_config(script_overrides).trainer.algorithm.use_kl_loss
-    assert cfg.trainer.ckpt_interval == 0 and cfg.generator.num_inference_engines == 2
