@@ -1,5 +1,5 @@
 """bench/gpu_examples.py's scaled checkpoint of an example's model: host-neutral (no host config is read), so
-it runs on skyrl 0.4; the example scripts themselves are in 0.3.1's keys (tests/host03/test_examples.py)."""
+it runs on skyrl 0.4; the example scripts are checked in tests/test_examples.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_the_scaled_checkpoint_keeps_the_shape_it_is_given(tmp_path):
     small = {"hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
     shrunk = type(example)(**{**example.__dict__, "model_config": {**example.model_config, **small}})
-    create_model(shrunk, tmp_path / "model")
+    create_model(shrunk, tmp_path / "model", cpu=True)
     config = AutoConfig.from_pretrained(tmp_path / "model")
     assert (config.model_type, config.num_hidden_layers) == ("qwen3_moe", example.layers)
     assert {key: getattr(config, key) for key in small} == small
