@@ -206,6 +206,19 @@ def test_tokenizer_vocab_size_is_exact(vocab_size: int):
     assert max(tokenizer.get_vocab().values()) == vocab_size - 1
 
 
+def test_filler_tokens_decode_to_nothing_and_stay_out_of_the_added_token_table():
+    """Sampled fillers vanish from decoded text (with or without skip_special_tokens), and a published-size
+    vocabulary keeps only the real special tokens as added tokens: 151,839 added fillers made the
+    tokenizer take half a minute to load and to pickle."""
+    from skyrl_megatron.testing.tokenizer import SPECIAL_TOKENS
+
+    tokenizer = toolkit.make_tiny_tokenizer(151936)
+    filler = tokenizer.convert_tokens_to_ids("<|unused_151000|>")
+    ids = [*tokenizer.encode("2+"), filler, *tokenizer.encode("3")]
+    assert filler > 151000 and tokenizer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True) == "2+3"
+    assert {t.content for t in tokenizer.added_tokens_decoder.values()} == set(SPECIAL_TOKENS)
+
+
 def test_tokenizer_rejects_too_small_vocab():
     with pytest.raises(ValueError, match="vocab_size"):
         toolkit.make_tiny_tokenizer(64)
