@@ -325,8 +325,8 @@ def test_out_of_memory_in_a_training_step_names_the_worker_and_the_knobs(actors)
         actors.trainer.train_critic_and_policy(long_data)
     message = str(raised.value)
     assert WorkerOutOfMemory.__name__ in message or isinstance(raised.value, WorkerOutOfMemory), message
-    # both DP ranks run out of memory; whichever reports first reaches the driver
-    assert re.search(r"policy worker rank (\d)/2 \(dp \1, cp 0, tp 0, pp 0\) ran out of memory while training", message), message
+    # both TP ranks run out of memory; whichever reports first reaches the driver, with its own coordinates
+    assert re.search(r"policy worker rank (\d)/2 \(dp 0, cp 0, tp \1, pp 0\) ran out of memory while training", message), message
     assert "trainer.policy.megatron_config.max_tokens_per_microbatch" in message
     assert "recompute_granularity=full" in message
     # the failed step left the workers usable
