@@ -147,7 +147,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gpus", type=int, default=2)
-    parser.add_argument("--only", default="", help="run the scripts whose name contains this")
+    parser.add_argument("--only", default="", help="run the scripts whose name contains one of these (comma-separated)")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per example run")
     parser.add_argument("--generate-length", type=int, default=0,
                         help=f"tokens per reply (0: {LONG_REPLIES} without recompute, {SHORT_REPLIES} with full recompute)")
@@ -157,7 +157,8 @@ def main() -> int:
     import torch
 
     gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    scripts = [s for s in sorted(EXAMPLES.glob("run_qwen3_*.sh")) if args.only in s.name]
+    wanted = args.only.split(",")
+    scripts = [s for s in sorted(EXAMPLES.glob("run_qwen3_*.sh")) if any(part in s.name for part in wanted)]
     works = {s: args.out / s.stem for s in scripts}
     examples = {s: scale_example(s, works[s] / "launch", args.gpus) for s in scripts}
     results = []
