@@ -20,13 +20,23 @@ import torch
 _FUSED_EXPERTS = re.compile(r"^(?P<experts>.*\.experts)\.(?P<projection>gate_up_proj|down_proj)$")
 
 
+def _is_fused_experts(name: str, parameter: torch.Tensor):
+    """The name's match (experts module, projection) where `parameter` is a fused [E, ...] expert tensor."""
+    fused = _FUSED_EXPERTS.match(name)
+    return fused if fused is not None and parameter.dim() == 3 else None
+
+
+def has_fused_experts(model: torch.nn.Module) -> bool:
+    return any(_is_fused_experts(name, parameter) for name, parameter in model.named_parameters())
+
+
 def checkpoint_named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter under its checkpoint name(s): fused expert tensors as per-expert views, tied
     weights under each of their names (an exporter may send either)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        fused = _FUSED_EXPERTS.match(name)
-        if fused is None or parameter.dim() != 3:
+        fused = _is_fused_experts(name, parameter)
+        if fused is None:
             tensors[name] = parameter
             continue
         experts, data = fused["experts"], parameter.data

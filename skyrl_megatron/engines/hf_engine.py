@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from skyrl_megatron.digests import tensor_sha256
 from skyrl_megatron.engines.broadcast import BroadcastGroup, BroadcastRendezvous
-from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors
+from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors, has_fused_experts
 from skyrl_megatron.engines.decoding import Decoder, RouteCapture, Vocabulary, compact_routes
 from skyrl_megatron.engines.sampling import SamplingSettings
 from skyrl_megatron.engines.weight_updates import TensorAnnouncement, check_update, torch_dtype
@@ -292,8 +292,7 @@ def _check_peft_loads_expert_adapters(model: torch.nn.Module, lora_path: str) ->
         peft_loads_expert_adapters_into_fused_experts,
     )
 
-    fused = any(".experts." in name and param.ndim == 3 for name, param in model.named_parameters())
-    if not fused or peft_loads_expert_adapters_into_fused_experts():
+    if not has_fused_experts(model) or peft_loads_expert_adapters_into_fused_experts():
         return
     with safe_open(str(Path(lora_path) / PEFT_WEIGHTS_FILE), framework="pt") as adapter:
         experts = [name for name in adapter.keys() if ".experts." in name]
