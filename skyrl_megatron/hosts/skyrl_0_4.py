@@ -376,18 +376,18 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
 
     host_defaults = dataclasses.asdict(MegatronConfig())
     ours = dict(section)
-    moe = ours.get("moe_config") or {}
-    # anything but a mapping (`moe_config=fast`) stays as given: our checks name it ("must be a mapping")
-    moe = dict(moe) if isinstance(moe, dict) else None
+    from_host = {}
     for host_key, our_key in _HOST_MOE_FIELDS.items():
         value = ours.pop(host_key, None)
-        if moe is not None and value is not None and value != host_defaults.get(host_key) and our_key not in moe:
-            moe[our_key] = value
+        if value is not None and value != host_defaults.get(host_key):
+            from_host[our_key] = value
     # the host's router replay alone is our R2 (with the engines' routes, SkyRLMegatronConfig made it r3 already)
-    if ours.pop("moe_enable_routing_replay", False) and moe is not None and "routing_replay" not in moe:
-        moe["routing_replay"] = "r2"
-    if moe is not None:
-        ours["moe_config"] = moe
+    if ours.pop("moe_enable_routing_replay", False):
+        from_host["routing_replay"] = "r2"
+    moe = ours.get("moe_config") or {}
+    # anything but a mapping (`moe_config=fast`) stays as given: our checks name it ("must be a mapping")
+    if isinstance(moe, dict):
+        ours["moe_config"] = {**from_host, **moe}  # keys moe_config sets itself win
     lora = dict(ours.get("lora_config") or {})
     merge = lora.pop("merge_lora", True)
     if lora.get("weight_sync") is None:
