@@ -134,7 +134,7 @@ def _planner_args(example: ScaledExample) -> list[str]:
     if tokens:
         args += ["--micro-batch-tokens", tokens]
     recompute = example.setting("transformer_config_kwargs.recompute_granularity")
-    if recompute:
+    if recompute and recompute != "null":  # `null` in a script: recompute off, the planner's default
         args += ["--recompute", recompute]
     return args
 

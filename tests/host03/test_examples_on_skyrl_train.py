@@ -20,6 +20,7 @@ from test_examples import (  # noqa: F401  (collected here again, under this hos
 )
 
 from skyrl_megatron.demo.__main__ import prepare, run_overrides
+from skyrl_megatron.planner.cli import estimate_from_argv
 from skyrl_megatron.validation import validate_config
 
 from example_layouts import launch_overrides, model_config_of, scale_example  # noqa: E402  (on the path through test_examples)
@@ -59,3 +60,8 @@ def test_each_example_scaled_to_two_gpus_keeps_its_settings_and_validates(script
         (example.setting("transformer_config_kwargs.recompute_granularity") or "null")
     assert cfg.trainer.algorithm.use_kl_loss == our_view(compose_config(script_overrides)).trainer.algorithm.use_kl_loss
     assert cfg.trainer.ckpt_interval == 0 and cfg.generator.num_inference_engines == 2
+    # the plan printed beside the run: the planner takes the scaled layout's arguments (`null` recompute is its `none`)
+    planned = estimate_from_argv(["--model", str(model_dir / "config.json"), *example.planner_args])
+    assert planned.total > 0
+    recompute = mc.transformer_config_kwargs.get("recompute_granularity")
+    assert example.planner_args.count("--recompute") == (1 if recompute else 0)
