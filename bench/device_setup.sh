@@ -15,7 +15,7 @@
 # .whl2: skyrl-train and the small pure-Python packages its imports and Ray's need (loguru, pydantic,
 #        fastapi, starlette, uvicorn, opentelemetry, jsonschema, ...)
 # .whl3, .whl4: the two halves of ray-2.51.1 (cp312 manylinux2014)
-# .whl5: annotated-types, sniffio
+# .whl5: annotated-types, sniffio, py-spy (stack dumps of a stalled run)
 # .whl6: botocore, jmespath, datasets, multiprocess, dill, torchdata, skyrl-gym (imported by the host
 #        trainer), and flash_attn_pkg: flash-attn 2.8.3's own pure-Python padding helpers and Triton
 #        cross entropy, unchanged (the host imports both). No CUDA extension: its __init__ here is a

@@ -49,8 +49,10 @@ download .whl2 $(pinned skyrl-train loguru pydantic pydantic_core typing-inspect
     opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-http \
     opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos \
     jsonschema jsonschema-specifications referencing rpds-py)
-# .whl5 (call 2)
+# .whl5 (call 2); py-spy (not in the venv: pinned here) dumps the stacks of a run that stalls on the machine
 download .whl5 $(pinned annotated-types sniffio)
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl5 py-spy==0.4.3
 # .whl6 (call 2): imported by the host trainer's modules
 download .whl6 $(pinned botocore jmespath datasets multiprocess dill torchdata skyrl-gym)
 
