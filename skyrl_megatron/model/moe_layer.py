@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from skyrl_megatron.model import token_sort
+
 _classes: dict[str, type] = {}
 
 
@@ -86,6 +88,7 @@ def grouped_moe_layer_class() -> type:
                 # MoELayer builds its dispatcher inline (no spec entry), so the choice is made here,
                 # after the experts exist: the device-resident counts are only for experts that read them.
                 if counts_can_stay_on_device(config, self.token_dispatcher, self.experts):
+                    token_sort.install()  # Megatron's own regrouping would read the counts on the host
                     self.token_dispatcher = _dispatcher_class()(
                         self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
                     )

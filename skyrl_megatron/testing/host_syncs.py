@@ -31,8 +31,13 @@ class HostSync:
 
 
 def _stack() -> str:
-    frames = [f for f in traceback.extract_stack() if "/torch/" not in f.filename and f.filename != __file__]
+    frames = [f for f in traceback.extract_stack() if not _plumbing(f.filename)]
     return "".join(traceback.format_list(frames[-6:]))
+
+
+def _plumbing(filename: str) -> bool:
+    """torch's own frames, this probe's, and the CPU runtime's redirection of CUDA calls."""
+    return "/torch/" in filename or filename == __file__ or filename.endswith("skyrl_megatron/runtime.py")
 
 
 class _Wrapped:
