@@ -1,8 +1,9 @@
 """MoE at EP1 without device-to-host syncs (issue 17): the sync check, and the step time before and after.
 
-A Qwen3-30B-A3B-shaped Megatron model (hidden 2048, 128 experts, top-8, expert FFN 768, 4 layers,
-random weights, bf16, one GPU, EP1, our TE-free spec with grouped experts) trains on a packed RL
-batch (forward + backward through `ModelRunner.train_mini_batch`, no optimizer step):
+A Qwen3-30B-A3B-shaped Megatron model (hidden 2048, 128 experts, top-8, expert FFN 768, 8 layers as
+in the session-9 runs, vocabulary 32k, random weights, bf16, one GPU, EP1, our TE-free spec with
+grouped experts) scores and trains on a packed RL batch (`ModelRunner.response_logprobs`, and
+forward + backward through `ModelRunner.train_mini_batch`; no optimizer step):
 
 1. `layer_sync_check`: each MoE layer alone, forward and backward on the hidden states it saw in
    that step, under `torch.cuda.set_sync_debug_mode("error")`, once per path:
@@ -10,21 +11,24 @@ batch (forward + backward through `ModelRunner.train_mini_batch`, no optimizer s
    dispatcher copies them to the host and waits, as before) shows the sync the check is for.
    The first sync of each layer is reported with its stack.
 2. `step_syncs`: every synchronising call of one whole training step (new path) under the
-   "warn" mode, grouped by call site (the MoE layers' share and the rest: micro-batch planning,
+   "warn" mode, grouped by call site (the MoE files' share and the rest: micro-batch planning,
    loss totals, ...), to show what is left of the host-boundness.
-3. `timing`: median seconds of a training step and of the MoE layers alone (forward + backward),
-   old and new path on the same model, and the GPU's busy share of a step (kernel time / wall).
+3. `timing`: median seconds of a scoring pass, a training step and the MoE layers alone (forward +
+   backward), old and new path on the same model, and the GPU's busy share of a training step
+   (kernel time / wall).
 
 Prediction (to be measured, not a result): the old path waits once per MoE layer and forward
-(activation recompute adds one per recomputed layer), so the GPU drains its queue 4 x micro-batches
-times a step here and idles while the host launches what follows. Without the waits the host runs
-ahead and a step takes about max(host, GPU) instead of host + the GPU time after each wait. We
-expect the MoE layers' forward + backward 1.2-1.6x faster at EP1 on an 8k-token micro-batch, a
-training step 10-30% faster, and the GPU's busy share of a step up from about half toward 65-80%
-(more with more MoE layers per step and with smaller micro-batches, where launching dominates).
-The reasoning is in docs/perf_notes.md (issue 17).
+(after the first permutation, with attention, router and permutation still queued), so the host
+idles until the GPU drains and the GPU then idles while the host launches the experts' kernels.
+Removing the token regrouping's syncs (eight per layer and forward, `model/token_sort.py`) saved
+18% of a training step and 35% of a scoring pass (session 9, run C); the remaining wait is the first
+of each such group and carried most of the drain, so we expect about a third to a half of that
+again: scoring 10-25% faster, a training step 5-15% faster (its backward had no such wait), the
+MoE layers alone 1.1-1.4x, and the GPU's busy share of a step up by 5-15 points. More with smaller
+micro-batches, where launching dominates; nothing where the GPU is the bound. The reasoning is in
+docs/perf_notes.md (issue 17).
 
-    python bench/gpu_moe_sync_check.py [--tokens 8192] [--rows 16] [--layers 4] [--path both|old|new] [--out FILE]
+    python bench/gpu_moe_sync_check.py [--tokens 8192] [--rows 16] [--layers 8] [--path both|old|new] [--out FILE]
     python bench/gpu_moe_sync_check.py --smoke    # CPU, a tiny model of the same structure, fp32:
         the sync check there is the CPU probe (`testing/host_syncs.HostSyncProbe`), timing is not meaningful
 Exit status 1 when the new path made a sync in an MoE layer (or no MoE layer kept its counts on the device).
@@ -230,7 +234,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192, help="token budget of a packed micro-batch")
     parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--path", choices=("both", "old", "new"), default="both", help="which paths to time")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model (checks the script)")
@@ -242,6 +246,7 @@ def main(argv=None) -> int:
         parser.error("no GPU: use --smoke for the CPU check of this script")
     shape, dtype = (SHAPE, "bf16") if on_gpu else (SMOKE_SHAPE, "fp32")
     rows, prompt, response = (args.rows, args.tokens // args.rows // 2, args.tokens // args.rows // 2) if on_gpu else (4, 8, 8)
+    layers_count = args.layers if on_gpu else 4
     budget = args.tokens if on_gpu else 64
     _init("cuda" if on_gpu else "cpu")
 
@@ -252,11 +257,11 @@ def main(argv=None) -> int:
     from skyrl_megatron.parallel import ParallelConfig
     from skyrl_megatron.testing.rl_batches import make_rl_batch
 
-    chunks = build(shape, args.layers, dtype)
+    chunks = build(shape, layers_count, dtype)
     layers = [m for m in chunks[0].modules() if isinstance(m, grouped_moe_layer_class())]
     out: dict = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "shape": {**shape, "num_hidden_layers": args.layers},
+        "shape": {**shape, "num_hidden_layers": layers_count},
         "micro_batch_tokens": budget,
         "moe_layers": len(layers),
         "dispatchers": sorted({type(layer.token_dispatcher).__name__ for layer in layers}),
@@ -269,6 +274,10 @@ def main(argv=None) -> int:
     def step():
         runner.train_mini_batch(batch["sequences"], batch["attention_mask"], train, _pg_objective,
                                 MicroBatching(max_tokens=budget), dp_group=ps.get_data_parallel_group())
+
+    def score():
+        with torch.no_grad():
+            runner.response_logprobs(batch["sequences"], batch["attention_mask"], response, MicroBatching(max_tokens=budget))
 
     set_counts_on_device(chunks, True)
     capture = MoeInputs(layers)
@@ -292,13 +301,14 @@ def main(argv=None) -> int:
     for path in ("old", "new") if args.path == "both" else (args.path,):
         set_counts_on_device(chunks, path == "new")
         out["timing"][path] = {
+            "score_s": timed(score, on_gpu, args.repeats),
             "step_s": timed(step, on_gpu, args.repeats),
             "moe_layers_fwd_bwd_s": timed(moe_layers_alone, on_gpu, args.repeats),
             "gpu_busy_share": busy_share(step) if on_gpu else None,
         }
     if args.path == "both":
         old, new = out["timing"]["old"], out["timing"]["new"]
-        out["timing"]["speedup"] = {k: round(old[k] / new[k], 3) for k in ("step_s", "moe_layers_fwd_bwd_s")}
+        out["timing"]["speedup"] = {k: round(old[k] / new[k], 3) for k in ("score_s", "step_s", "moe_layers_fwd_bwd_s")}
 
     new_syncs = out["layer_sync_check"]["new"]
     ok = not new_syncs and out["dispatchers"] == ["DeviceCountsDispatcher"]

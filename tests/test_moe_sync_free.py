@@ -226,3 +226,31 @@ def test_grouped_linear_on_tensor_counts_reads_nothing_on_the_host_for_any_token
     (list_out, list_grads, _), (out, grads, found) = results
     assert not found, "\n".join(s.what + "\n" + s.stack for s in found)
     assert torch.equal(out, list_out) and all(torch.equal(a, b) for a, b in zip(grads, list_grads))
+
+
+def _dispatchers(rank, world_size, hf_dir: str, expert: int, overrides: dict) -> list[str]:
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    parallel = ParallelConfig(expert=expert)
+    initialize_model_parallel(parallel)
+    spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", transformer_overrides={"moe_grouped_gemm": True, **overrides})
+    model = build_model(spec).chunks[0]
+    layers = [m for m in model.modules() if isinstance(m, grouped_moe_layer_class())]
+    return sorted({type(layer.token_dispatcher).__name__ for layer in layers}) if layers else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world,expert,overrides",
+    [(2, 2, {}), (1, 1, {"moe_expert_capacity_factor": 1.0})],
+    ids=["EP2", "capacity_factor"],
+)
+def test_every_other_case_keeps_megatrons_dispatcher(tmp_path, world, expert, overrides):
+    """Where a collective needs host split sizes (EP2) or sizes depend on the data (token dropping)."""
+    hf_dir = tmp_path / "hf"
+    make_tiny_hf_model("qwen3_moe", hf_dir, seed=3)
+    for names in run_on_ranks(_dispatchers, world, str(hf_dir), expert, overrides):
+        assert names == ["MoEAlltoAllTokenDispatcher"]
