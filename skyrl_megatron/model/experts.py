@@ -301,8 +301,11 @@ def grouped_experts_class():
     (activation, probabilities, recompute, offloading), the counts passed as they came. Where the
     dispatcher kept them on the device (`model/moe_layer.py`, EP1), the grouped GEMMs' offsets are
     summed there, and no step of the experts waits for the device. Counts the dispatcher copied to
-    the host (EP > 1) are summed on the host and copied over, as before. Built on first use
-    (Megatron is imported late).
+    the host (EP > 1) are summed on the host and copied over, as before. Megatron-Bridge's
+    per-expert LoRA adapters take either form (they read a tensor with `.tolist()`: with LoRA on the
+    experts that read remains). Not a forward of our own: Megatron's is long (activation fusion,
+    recompute, offloading) and stays right as it changes; only the one conversion is skipped.
+    Built on first use (Megatron is imported late).
     """
     global _grouped_experts_class
     if _grouped_experts_class is None:
