@@ -144,7 +144,7 @@ def test_grouped_experts_equal_sequential_experts(tmp_path):
     sequential = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), False, cache_root)[0]
     grouped = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), True, cache_root)[0]
     assert (sequential["cache_hit"], grouped["cache_hit"]) == (False, True)
-    assert grouped["kinds"] == ["TEGroupedMLP"] and sequential["kinds"] == ["SequentialMLP"]
+    assert grouped["kinds"] == ["GroupedExperts"] and sequential["kinds"] == ["SequentialMLP"]
     num_experts = 8
     assert grouped["runs"] == {((0, num_experts),)} and sequential["runs"] == set()
     torch.testing.assert_close(grouped["logits"], sequential["logits"], rtol=0, atol=1e-5)

@@ -30,12 +30,17 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-# torch._grouped_mm needs every operand's row stride to be a multiple of 16 bytes.
+# torch._grouped_mm needs every operand's strides, but the unit one, to be multiples of 16 bytes.
 _ALIGNMENT_BYTES = 16
 
 
 def _aligned(*tensors: Tensor) -> bool:
-    return all(t.shape[-1] * t.element_size() % _ALIGNMENT_BYTES == 0 for t in tensors)
+    """Whether the kernel takes these operands. Judged by strides, not by the last dimension: the
+    weight gradient's `grad_output.t()` is a transposed view whose last dimension is the routed token
+    count (any number) while its memory rows are `out` wide."""
+    return all(
+        stride * t.element_size() % _ALIGNMENT_BYTES == 0 for t in tensors for stride in t.stride() if stride != 1
+    )
 
 
 def back_to_back_runs(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
@@ -71,7 +76,8 @@ def stacked_weights(weights: Sequence[Tensor]) -> Tensor:
 
 
 def _grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
-    """torch._grouped_mm, or its definition as a loop of matmuls where the kernel's alignment rules fail.
+    """torch._grouped_mm, or its definition as a loop of matmuls where the kernel's alignment rules fail
+    (the loop reads the offsets on the host: a device sync on GPU, for unaligned feature sizes only).
 
     2-D x 3-D: rows of `a` split by `offsets` (cumulative ends), group g times b[g].
     2-D x 2-D: the shared inner dimension split by `offsets`, one [m, n] product per group.
@@ -130,10 +136,25 @@ def _weight_gradients(x: Tensor, grad_output: Tensor, offsets: Tensor, weights: 
     return placeholder.unbind(0)
 
 
-def grouped_linear(x: Tensor, tokens_per_expert: Sequence[int], weights: Sequence[Tensor], fuse_wgrad: bool = False) -> Tensor:
+TokenCounts = Sequence[int] | Tensor  # tokens per local expert: a host list, or a tensor (on the device: no sync)
+
+
+def expert_offsets(tokens_per_expert: TokenCounts, device: torch.device) -> Tensor:
+    """The grouped GEMM's `offs` on `device`: each expert's cumulative row end, int32.
+
+    From a tensor the sum runs where the tensor lies, so counts already on the device never visit
+    the host; a host list (or host tensor) is summed there and copied over, as before.
+    """
+    if isinstance(tokens_per_expert, Tensor):
+        ends = tokens_per_expert.to(torch.int64).cumsum(0).to(torch.int32)
+    else:
+        ends = torch.tensor(list(tokens_per_expert), dtype=torch.int64).cumsum(0).to(torch.int32)
+    return ends if ends.device == device else ends.to(device, non_blocking=True)
+
+
+def grouped_linear(x: Tensor, tokens_per_expert: TokenCounts, weights: Sequence[Tensor], fuse_wgrad: bool = False) -> Tensor:
     """Expert g's rows of `x` (consecutive, `tokens_per_expert[g]` of them) times weights[g]^T."""
-    ends = torch.tensor(list(tokens_per_expert), dtype=torch.int64).cumsum(0).to(torch.int32)
-    offsets = ends.to(x.device, non_blocking=True)
+    offsets = expert_offsets(tokens_per_expert, x.device)
     return _GroupedLinearFunction.apply(x, offsets, fuse_wgrad, *weights)
 
 
@@ -208,7 +229,7 @@ class _GroupedLinear(torch.nn.Module):
     def expert_weights(self) -> list[Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_local_experts)]
 
-    def forward(self, x: Tensor, tokens_per_expert: Sequence[int]) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, tokens_per_expert: TokenCounts) -> tuple[Tensor, None]:
         return grouped_linear(x, tokens_per_expert, self.expert_weights(), self.fuse_wgrad), None
 
     def backward_dw(self) -> None:
@@ -255,15 +276,62 @@ class RowGroupedLinear(_GroupedLinear):
     partition_dim = 1
 
 
+class _CountsKeptOnDevice:
+    """tokens_per_expert handed through `TEGroupedMLP.forward` as the tensor it is.
+
+    Megatron's non-fused forward turns the counts into a host list (`tokens_per_expert.tolist()`, a
+    device-to-host sync on GPU) only to pass that list on to its linears (and to the bias and FP8
+    paddings, which grouped experts without TE never take); ours read the counts as a tensor.
+    """
+
+    def __init__(self, counts: Tensor):
+        self.counts = counts
+
+    def tolist(self) -> Tensor:
+        return self.counts
+
+
+_grouped_experts_class = None
+
+
+def grouped_experts_class():
+    """`GroupedExperts`: Megatron's TEGroupedMLP whose linears take the token counts as a tensor.
+
+    A subclass rather than a patch of `TEGroupedMLP.forward`: its forward runs Megatron's unchanged
+    (activation, probabilities, recompute, offloading), the counts passed as they came. Where the
+    dispatcher kept them on the device (`model/moe_layer.py`, EP1), the grouped GEMMs' offsets are
+    summed there, and no step of the experts waits for the device. Counts the dispatcher copied to
+    the host (EP > 1) are summed on the host and copied over, as before. Megatron-Bridge's
+    per-expert LoRA adapters take either form (they read a tensor with `.tolist()`: with LoRA on the
+    experts that read remains). Not a forward of our own: Megatron's is long (activation fusion,
+    recompute, offloading) and stays right as it changes; only the one conversion is skipped.
+    Built on first use (Megatron is imported late).
+    """
+    global _grouped_experts_class
+    if _grouped_experts_class is None:
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+        class GroupedExperts(TEGroupedMLP):
+            def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **buffers):
+                if isinstance(tokens_per_expert, Tensor):
+                    tokens_per_expert = _CountsKeptOnDevice(tokens_per_expert)
+                return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **buffers)
+
+        GroupedExperts.__module__ = __name__
+        _grouped_experts_class = GroupedExperts
+    return _grouped_experts_class
+
+
 def grouped_experts_builder():
-    """The experts entry of a local MoE layer spec: Megatron's TEGroupedMLP over our grouped linears."""
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    """The experts entry of a local MoE layer spec: `GroupedExperts` (TEGroupedMLP) over our grouped linears."""
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
 
     _register_with_bridge()
     import functools
 
     return functools.partial(
-        TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=ColumnGroupedLinear, linear_fc2=RowGroupedLinear)
+        grouped_experts_class(),
+        submodules=GroupedMLPSubmodules(linear_fc1=ColumnGroupedLinear, linear_fc2=RowGroupedLinear),
     )
 
 

@@ -55,14 +55,16 @@ def _with_core_attention(layer, core_attention):
 
 
 def _with_grouped_experts(layer):
-    """A copy of an MoE TransformerLayer spec whose experts run as grouped GEMMs (model/experts.py)."""
+    """A copy of an MoE TransformerLayer spec whose experts run as grouped GEMMs (model/experts.py), in
+    an MoE layer that keeps the experts' token counts on the device where it can (model/moe_layer.py)."""
     import functools
 
     from skyrl_megatron.model.experts import grouped_experts_builder
+    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class
 
     moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
     submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_experts_builder())
-    mlp = functools.partial(moe.func, *moe.args, **{**moe.keywords, "submodules": submodules})
+    mlp = functools.partial(grouped_moe_layer_class(), *moe.args, **{**moe.keywords, "submodules": submodules})
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 

@@ -1,0 +1,115 @@
+"""The MoE layer of our local (TE-free) spec: token counts stay on the device where nothing needs them on the host.
+
+Megatron-Core's alltoall dispatcher copies the tokens-per-expert counts (and the all-to-all split
+sizes) to the host on a side stream and waits for that copy in every MoE layer and pass
+(`_maybe_dtoh_and_synchronize`): the all-to-all needs host split sizes, and TE's grouped linears
+and `SequentialMLP` need host counts. With one expert-parallel rank and no expert tensor
+parallelism there is no all-to-all or all-gather, and in the dropless case every size is static
+(tokens x top-k); our grouped experts (`model/experts.py`) take the counts as a device tensor, and
+the chunk regrouping between dispatch and experts is the identity (`model/token_sort.py` returns
+its input). The wait is then only a stall: the host cannot queue the next layers' kernels until
+the device has caught up.
+
+`GroupedMoELayer` is Megatron's `MoELayer` whose alltoall dispatcher, in that case only, keeps
+the counts on the device (`DeviceCountsDispatcher`). Every other case (EP > 1, expert TP > 1, token
+dropping or padding to capacity, router padding, another dispatcher, other experts, inference-
+optimised layers, CUDA graphs) keeps Megatron's dispatcher as it is. Megatron's non-fused `permute`
+is already free of data-dependent sizes for dropless routing (an argsort, not masked_select), and
+its `unpermute` is a scatter-add, so neither needs replacing.
+
+`set_counts_on_device(model, False)` restores the copy-and-wait (the previous path) for
+comparisons and benchmarks.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from skyrl_megatron.model import token_sort
+
+_classes: dict[str, type] = {}
+
+
+def _dispatcher_class() -> type:
+    """DeviceCountsDispatcher, built on first use (Megatron is imported late)."""
+    if "dispatcher" not in _classes:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
+            """Megatron's alltoall dispatcher without the device-to-host copy and wait at EP1.
+
+            Overrides `_maybe_dtoh_and_synchronize`, the one place the dispatcher moves its counts
+            to the host and waits: with `counts_on_device` it hands `tokens_per_expert` on as the
+            device tensor it is. Only built where no collective needs host sizes (see
+            `GroupedMoELayer`); the split sizes it would also copy are None there.
+            """
+
+            counts_on_device = True
+
+            def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+                if self.counts_on_device:
+                    return tokens_per_expert
+                return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+
+        DeviceCountsDispatcher.__module__ = __name__
+        _classes["dispatcher"] = DeviceCountsDispatcher
+    return _classes["dispatcher"]
+
+
+def counts_can_stay_on_device(config, dispatcher, experts) -> bool:
+    """Whether no step of this MoE layer needs the token counts on the host (see the module docstring)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from skyrl_megatron.model.experts import grouped_experts_class
+
+    return (
+        type(dispatcher) is MoEAlltoAllTokenDispatcher
+        and dispatcher.ep_size == 1
+        and dispatcher.tp_size == 1  # expert tensor parallelism all-gathers by host split sizes
+        and not config.moe_pad_expert_input_to_capacity
+        and config.moe_expert_capacity_factor is None  # dropping: the output size is data-dependent
+        and not config.moe_router_padding_for_quantization
+        and config.cuda_graph_impl == "none"
+        and config.transformer_impl != "inference_optimized"
+        and isinstance(experts, grouped_experts_class())
+    )
+
+
+def grouped_moe_layer_class() -> type:
+    """`GroupedMoELayer`: Megatron's MoELayer, its dispatcher swapped for `DeviceCountsDispatcher` where it can be."""
+    if "layer" not in _classes:
+        from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
+
+        class GroupedMoELayer(MoELayer):
+            def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
+                if pg_collection is None:
+                    pg_collection = get_default_pg_collection()
+                super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
+                # MoELayer builds its dispatcher inline (no spec entry), so the choice is made here,
+                # after the experts exist: the device-resident counts are only for experts that read them.
+                if counts_can_stay_on_device(config, self.token_dispatcher, self.experts):
+                    token_sort.install()  # Megatron's own regrouping would read the counts on the host
+                    self.token_dispatcher = _dispatcher_class()(
+                        self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
+                    )
+                    if self.use_shared_expert and self.shared_expert_overlap:
+                        self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+        GroupedMoELayer.__module__ = __name__
+        _classes["layer"] = GroupedMoELayer
+    return _classes["layer"]
+
+
+def set_counts_on_device(model: nn.Module | list, on: bool) -> int:
+    """Switch every `DeviceCountsDispatcher` under `model` (a module or chunks); returns how many there are.
+
+    Off, each waits for the counts on the host as Megatron's dispatcher does (the previous path).
+    """
+    chunks = model if isinstance(model, list) else [model]
+    switched = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if "dispatcher" in _classes and isinstance(getattr(module, "token_dispatcher", None), _classes["dispatcher"]):
+                module.token_dispatcher.counts_on_device = on
+                switched += 1
+    return switched
