@@ -7,9 +7,10 @@ weight update writes, so per-expert adapters land in transformers 5's fused expe
 
 Why not peft's own merge (``PeftModel.from_pretrained(...).merge_and_unload()``): peft before 0.21
 (skyrl 0.4 pins 0.18.1) cannot put per-expert adapters onto fused experts and leaves them out
-silently. This one path works with any peft, or none, and gives the same weights to fp32 rounding;
-it is also cheaper: it touches only the adapted tensors, where peft's path copies the whole model
-(twice, to keep the base) and loads every tensor back.
+silently. This one path works with any peft, or none, and is as exact (the same logits as peft 0.21.2's
+merge, bitwise, on a 166M dense and a 494M Qwen3-MoE model) and faster: it touches only the adapted
+tensors, where peft's path copied the whole model (twice, to keep the base) and loaded every tensor
+back (CPU, per load after the first: 1.8 s against 2.9 s dense, 3-5 s against 6-16 s MoE).
 
 Adapters never stack: with adapter sync the trainer never sends base weights, so every adapter
 applies to the weights as they were before any adapter touched them. Those are kept per adapted
