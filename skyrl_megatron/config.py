@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from skyrl_megatron.megatron_fields import section_fields
 from skyrl_megatron.model.lora_spec import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
-from skyrl_megatron.peft_support import installed_peft_version, peft_loads_expert_adapters_into_fused_experts
 
 if TYPE_CHECKING:
     from skyrl_megatron.parallel import ParallelConfig
@@ -614,23 +613,7 @@ def check_lora(cfg, role: str, mc: MegatronWorkerConfig, shape: ModelShape | Non
                 "set expert_tensor_parallel_size=1 (experts split over EP only), or target only attention modules",
             )
         )
-    problems += _check_expert_adapter_sync(cfg, role, settings, spec, shape)
     return problems
-
-
-def _check_expert_adapter_sync(cfg, role: str, settings, spec: LoraSpec | None, shape: ModelShape | None) -> list[Problem]:
-    """Our HF engine loads a synced adapter with the installed peft, which must be able to put expert
-    adapters onto transformers 5's fused experts (peft_capability); else it would serve the experts unadapted."""
-    if (role != "policy" or settings.weight_sync != "adapters" or spec is None or not spec.adapts_mlp
-            or shape is None or not shape.num_experts or cfg.generator.get("engine", "auto") not in HF_ENGINES
-            or peft_loads_expert_adapters_into_fused_experts()):
-        return []
-    return [Problem(
-        f"trainer.{role}.megatron_config.lora_config.weight_sync",
-        f"adapter sync of LoRA on the experts of {shape.model_type}: the installed peft {installed_peft_version()} "
-        "cannot load per-expert adapters into transformers 5's fused experts (it would leave them out)",
-        "set weight_sync=merged, or install a peft that converts them (0.21.2 does), or target only attention modules",
-    )]
 
 
 def _check_against_model(prefix: str, shape: ModelShape, tp: int, pp: int, vpp: int | None, ep: int) -> list[Problem]:

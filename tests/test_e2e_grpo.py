@@ -177,7 +177,7 @@ def test_reward_goes_up_and_the_final_export_holds_the_trained_policy(interrupte
 def test_lora_demo_syncs_adapters_to_the_engine_by_one_override_more(tmp_path):
     """`trainer.policy.model.lora.rank=8` turns the demo into LoRA training (merged sync by default, see
     the README); with `weight_sync=adapters` the worker writes a PEFT directory each step, the engine
-    loads it with peft, and still holds exactly the trainer's merged weights."""
+    merges it (engines/lora_merge.py), and still holds exactly the trainer's merged weights."""
     run_dir = tmp_path / "lora"
     out = subprocess.run(
         [sys.executable, "-m", "skyrl_megatron.demo", "--out", str(run_dir), "--steps", "2",

@@ -3,9 +3,11 @@
 One spawn of ranks per world size and layout trains LoRA adapters for three steps with the host's
 objective, then exports them merged and as a PEFT adapter. Checked here, against a world-1 run:
 losses and grad norms under TP2 (+SP), PP2 and EP2 (Qwen3-MoE); the frozen base is bitwise
-unchanged and only adapters sit in the optimizer; the merged export and the PEFT adapter reproduce
-the trained Megatron model's logits in Hugging Face; a TP2 checkpoint (adapters only) resumes under
-PP2 with the loss the TP2 run had continuing.
+unchanged and only adapters sit in the optimizer; the merged export, the PEFT adapter and our HF
+engine's adapter sync (its own merge, MoE experts included, on any peft) reproduce the trained Megatron
+model's logits in Hugging Face; a TP2 checkpoint (adapters only) resumes under PP2 with the loss the
+TP2 run had continuing. The engine's merge also: replaces, never stacks, adapters; matches peft's on a
+dense rsLoRA adapter; refuses what it cannot merge by its adapter_config.json key.
 """
 
 from __future__ import annotations
@@ -372,12 +374,12 @@ def _hf_model(path: str):
 
 
 def _assert_exports_reproduce(results: list[dict], job: str, hf_dir: str, name: str) -> None:
-    """Merged export and PEFT adapter, loaded in HF, give the trained Megatron model's logits."""
+    """Merged export, PEFT adapter (in peft, where it can load it) and our engine's adapter sync give the
+    trained Megatron model's logits in HF."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
     from skyrl_megatron.engines.hf_engine import HFEngine
-    from skyrl_megatron.peft_support import installed_peft_version, peft_loads_expert_adapters_into_fused_experts
 
     megatron = next(r[job]["logits"] for r in results if r[job]["logits"] is not None)  # the last stage's
     result = results[0][job]  # rank 0 keeps the exported tensors
@@ -394,21 +396,22 @@ def _assert_exports_reproduce(results: list[dict], job: str, hf_dir: str, name: 
     assert on_disk.keys() == result["merged"].keys()
     assert all(torch.equal(on_disk[k], result["merged"][k]) for k in on_disk), "save_hf_model != iter_hf_weights"
 
-    peft_model = PeftModel.from_pretrained(_hf_model(hf_dir), result["peft_dir"]).eval()
-    diff = (_hf_logits(peft_model) - megatron).abs().max().item()
     assert set(result["adapter_names"]) == set(load_file(Path(result["peft_dir"]) / "adapter_model.safetensors"))
+    if job != "moe" or _peft_converts_per_expert_adapters():
+        # peft before 0.21 (skyrl 0.4's 0.18.1) leaves per-expert adapters out of transformers 5's fused experts
+        peft_model = PeftModel.from_pretrained(_hf_model(hf_dir), result["peft_dir"]).eval()
+        diff = (_hf_logits(peft_model) - megatron).abs().max().item()
+        assert diff <= LOGIT_ATOL, f"{name}: PEFT adapter is {diff:.1e} off the Megatron logits"
     engine = HFEngine(hf_dir, seed=0, attn_implementation="eager")  # what adapter sync (weight_sync=adapters) feeds
-    if job == "moe" and not peft_loads_expert_adapters_into_fused_experts():
-        # this peft leaves the per-expert adapters out of transformers 5's fused experts: the probe says so
-        # truly, and our engine refuses such an adapter rather than serve the experts unadapted
-        assert diff > LOGIT_ATOL, f"{name}: peft {installed_peft_version()} loaded the expert adapters: revisit peft_support"
-        with pytest.raises(RuntimeError, match="cannot load into this model's fused experts"):
-            asyncio.run(engine.load_adapter(result["peft_dir"]))
-        return
-    assert diff <= LOGIT_ATOL, f"{name}: PEFT adapter is {diff:.1e} off the Megatron logits"
     asyncio.run(engine.load_adapter(result["peft_dir"]))
     diff = (_hf_logits(engine.model) - megatron).abs().max().item()
     assert diff <= LOGIT_ATOL, f"{name}: the HF engine's adapter sync is {diff:.1e} off the Megatron logits"
+
+
+def _peft_converts_per_expert_adapters() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft.utils.transformers_weight_conversion") is not None
 
 
 def _assert_same_footprint(results: list[dict], job: str, reference: dict) -> None:
@@ -493,29 +496,132 @@ def test_config_validation_names_the_lora_key(compose):
     assert problems(attention_only, moe, tensor_model_parallel_size=2) == []
 
 
-def test_adapter_sync_of_expert_adapters_is_refused_where_peft_cannot_load_them(compose):
-    """Our HF engine loads a synced adapter with the installed peft; one that cannot put per-expert adapters
-    onto transformers 5's fused experts (peft 0.18.1, skyrl 0.4's pin) is named before anything starts."""
+def test_adapter_sync_of_expert_lora_into_our_engine_passes_the_config_check(compose):
+    """Our HF engine merges a synced adapter itself (engines/lora_merge.py), per-expert adapters onto
+    transformers 5's fused experts included, whatever peft is installed: nothing to refuse."""
     from skyrl_megatron.config import LoraSettings, MegatronWorkerConfig, ModelShape, check_lora
-    from skyrl_megatron.peft_support import installed_peft_version, peft_loads_expert_adapters_into_fused_experts
 
     moe = ModelShape("qwen3_moe", num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=8)
     dense = ModelShape("qwen3", num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=None)
 
-    def problems(shape, weight_sync="adapters", *overrides):
-        cfg = _ours(compose("trainer.policy.model.lora.rank=8", "generator.engine=cpu", *overrides))
+    def problems(shape, weight_sync="adapters"):
+        cfg = _ours(compose("trainer.policy.model.lora.rank=8", "generator.engine=cpu"))
         mc = MegatronWorkerConfig.from_host_config(cfg, "policy")
         return check_lora(cfg, "policy", dataclasses.replace(mc, lora_config=LoraSettings(weight_sync=weight_sync)), shape)
 
-    assert problems(dense) == [] and problems(moe, "merged") == []
-    assert problems(moe, "adapters", "trainer.policy.model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]") == []
-    if peft_loads_expert_adapters_into_fused_experts():
-        assert problems(moe) == []
-    else:
-        (problem,) = problems(moe)
-        assert problem.key == "trainer.policy.megatron_config.lora_config.weight_sync"
-        assert f"peft {installed_peft_version()} cannot load per-expert adapters" in problem.message
-        assert "set weight_sync=merged" in problem.fix
+    assert problems(moe) == [] and problems(dense) == [] and problems(moe, "merged") == []
+
+
+def _random_adapter(model_dir: str, out: Path, seed: int, modules: tuple[str, ...], **config) -> Path:
+    """A PEFT LoRA directory laid out as our export writes it (expert adapters per expert), with random A
+    and B on every weight of `modules`; `config` overrides adapter_config.json's keys."""
+    from safetensors.torch import save_file
+
+    from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, weight in checkpoint_named_tensors(_hf_model(model_dir)).items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in modules:
+            out_features, in_features = weight.shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = 0.1 * torch.randn(RANK, in_features, generator=generator)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = 0.1 * torch.randn(out_features, RANK, generator=generator)
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    settings = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": list(modules), "bias": "none",
+                "use_dora": False, "use_rslora": False, "modules_to_save": None, "task_type": "CAUSAL_LM", **config}
+    (out / "adapter_config.json").write_text(json.dumps(settings))
+    return out
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERTS_AND_ATTENTION = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
+
+
+def test_engine_adapter_load_replaces_the_previous_one(checkpoints, tmp_path):
+    """A second adapter applies to the base, not on top of the first: weights only the first adapted
+    (here the experts) go back to the base, bitwise; loading the first again gives the same weights."""
+    from skyrl_megatron.engines.hf_engine import HFEngine
+
+    moe = checkpoints["qwen3_moe"]
+    first = _random_adapter(moe, tmp_path / "first", 1, EXPERTS_AND_ATTENTION)
+    second = _random_adapter(moe, tmp_path / "second", 2, ATTENTION)
+    engine, fresh = HFEngine(moe), HFEngine(moe)
+    base = asyncio.run(engine.named_weights())
+
+    asyncio.run(engine.load_adapter(str(first)))
+    with_first = asyncio.run(engine.named_weights())
+    experts = [name for name in base if ".experts." in name]
+    assert experts and all(not torch.equal(with_first[name], base[name]) for name in experts)
+    assert not torch.equal(_hf_logits(engine.model), _hf_logits(fresh.model))
+
+    asyncio.run(engine.load_adapter(str(second)))
+    asyncio.run(fresh.load_adapter(str(second)))
+    held, wanted = asyncio.run(engine.named_weights()), asyncio.run(fresh.named_weights())
+    assert all(torch.equal(held[name], wanted[name]) for name in wanted), "the second adapter stacked on the first"
+    assert all(torch.equal(held[name], base[name]) for name in experts)
+
+    asyncio.run(engine.load_adapter(str(first)))
+    again = asyncio.run(engine.named_weights())
+    assert all(torch.equal(again[name], with_first[name]) for name in with_first)
+
+
+def test_engine_merge_matches_peft_on_a_dense_rslora_adapter(checkpoints, tmp_path):
+    """The engine's own merge against peft's, on what every peft loads (dense, rsLoRA's alpha / sqrt(r))."""
+    from peft import PeftModel
+
+    from skyrl_megatron.engines.hf_engine import HFEngine
+
+    dense = checkpoints["qwen3"]
+    adapter = _random_adapter(dense, tmp_path / "rslora", 3, EXPERTS_AND_ATTENTION, use_rslora=True)
+    engine = HFEngine(dense, attn_implementation="eager")
+    asyncio.run(engine.load_adapter(str(adapter)))
+    expected = _hf_logits(PeftModel.from_pretrained(_hf_model(dense), str(adapter)).eval())
+    assert (expected - _hf_logits(_hf_model(dense))).abs().max() > 100 * LOGIT_ATOL  # the adapter matters
+    assert (_hf_logits(engine.model) - expected).abs().max() <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("use_dora", True), ("modules_to_save", ["lm_head"]), ("bias", "lora_only"), ("lora_bias", True),
+     ("target_parameters", ["mlp.experts.gate_up_proj"]), ("alpha_pattern", {"q_proj": 16}),
+     ("init_lora_weights", "pissa"), ("peft_type", "LOHA")],
+)
+def test_engine_refuses_an_adapter_it_cannot_merge_by_its_key(checkpoints, tmp_path, key, value):
+    from skyrl_megatron.engines.hf_engine import HFEngine
+    from skyrl_megatron.engines.lora_merge import AdapterError
+
+    moe = checkpoints["qwen3_moe"]
+    adapter = _random_adapter(moe, tmp_path / "adapter", 4, EXPERTS_AND_ATTENTION, **{key: value})
+    engine = HFEngine(moe)
+    before = asyncio.run(engine.weight_digests())
+    with pytest.raises(AdapterError, match=f"adapter_config.json: {key}="):
+        asyncio.run(engine.load_adapter(str(adapter)))
+    assert asyncio.run(engine.weight_digests()) == before
+
+
+def test_engine_refuses_adapters_the_model_or_config_does_not_name(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from skyrl_megatron.engines.hf_engine import HFEngine
+    from skyrl_megatron.engines.lora_merge import AdapterError
+
+    moe = checkpoints["qwen3_moe"]
+    engine = HFEngine(moe)
+    before = asyncio.run(engine.weight_digests())
+    untargeted = _random_adapter(moe, tmp_path / "untargeted", 5, EXPERTS_AND_ATTENTION, target_modules=list(ATTENTION))
+    with pytest.raises(AdapterError, match=r"experts\.\d+\.\w+_proj, which target_modules"):
+        asyncio.run(engine.load_adapter(str(untargeted)))
+    missing = _random_adapter(moe, tmp_path / "missing", 5, EXPERTS_AND_ATTENTION)
+    tensors = load_file(str(missing / "adapter_model.safetensors"))
+    for factor in ("A", "B"):  # an expert the model does not have
+        tensors[f"base_model.model.model.layers.0.mlp.experts.99.gate_proj.lora_{factor}.weight"] = tensors[
+            f"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_{factor}.weight"].clone()
+    save_file(tensors, str(missing / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"experts\.99\.gate_proj\.weight, which this model does not have"):
+        asyncio.run(engine.load_adapter(str(missing)))
+    assert asyncio.run(engine.weight_digests()) == before
 
 
 @pytest.mark.slow

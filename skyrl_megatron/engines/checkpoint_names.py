@@ -26,10 +26,6 @@ def _is_fused_experts(name: str, parameter: torch.Tensor):
     return fused if fused is not None and parameter.dim() == 3 else None
 
 
-def has_fused_experts(model: torch.nn.Module) -> bool:
-    return any(_is_fused_experts(name, parameter) for name, parameter in model.named_parameters())
-
-
 def checkpoint_named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter under its checkpoint name(s): fused expert tensors as per-expert views, tied
     weights under each of their names (an exporter may send either)."""

@@ -18,7 +18,6 @@ either way every tensor is checked against the model before any is written.
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from skyrl_megatron.digests import tensor_sha256
 from skyrl_megatron.engines.broadcast import BroadcastGroup, BroadcastRendezvous
-from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors, has_fused_experts
+from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors
 from skyrl_megatron.engines.decoding import Decoder, RouteCapture, Vocabulary, compact_routes
+from skyrl_megatron.engines.lora_merge import AdapterMerge, LoraAdapter
 from skyrl_megatron.engines.sampling import SamplingSettings
 from skyrl_megatron.engines.weight_updates import TensorAnnouncement, check_update, torch_dtype
 
@@ -68,7 +68,7 @@ class HFEngine:
         self._lock = threading.Lock()
         self._in_flight: set[threading.Event] = set()
         self._broadcast: BroadcastGroup | None = None  # our own weight broadcast group, once joined
-        self._base_model = None  # the weights LoRA adapters apply to, kept at the first adapter load
+        self._adapters = AdapterMerge()  # LoRA adapters merged in, over the base weights they apply to
         self._sleeping = False
 
     def _eos_ids(self) -> set[int]:
@@ -199,21 +199,17 @@ class HFEngine:
     async def load_adapter(self, lora_path: str) -> None:
         await asyncio.to_thread(self._load_adapter_blocking, lora_path)
 
-    @torch.no_grad()
     def _load_adapter_blocking(self, lora_path: str) -> None:
-        """Serve base + the PEFT adapter at `lora_path`, merged (peft's own merge), replacing any earlier one.
+        """Serve base + the PEFT adapter at `lora_path`, merged by checkpoint name (``lora_merge``: our own
+        merge, not peft's, which drops per-expert adapters on fused experts before peft 0.21),
+        replacing any earlier one.
 
-        The base is the model as it was before the first adapter arrived: with adapter sync the
+        The base is each weight as it was before the first adapter touched it: with adapter sync the
         trainer never sends base weights, so adapters must not stack.
         """
-        from peft import PeftModel
-
-        _check_peft_loads_expert_adapters(self.model, lora_path)
-        if self._base_model is None:
-            self._base_model = copy.deepcopy(self.model)
-        merged = PeftModel.from_pretrained(copy.deepcopy(self._base_model), lora_path).merge_and_unload()
+        adapter = LoraAdapter.read(lora_path)  # read and checked outside the lock: generation goes on
         with self._lock:
-            self.model.load_state_dict(merged.state_dict())
+            self._adapters.apply(checkpoint_named_tensors(self.model), adapter)
 
     async def named_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the current weights under HF names (for checks that a sync delivered bitwise)."""
@@ -281,25 +277,3 @@ def start_engine_actors(
         for index in range(num_engines)
     ]
 
-
-def _check_peft_loads_expert_adapters(model: torch.nn.Module, lora_path: str) -> None:
-    """Per-expert adapters into fused experts need a peft that converts them; an older one drops them silently."""
-    from safetensors import safe_open
-
-    from skyrl_megatron.peft_support import (
-        PEFT_WEIGHTS_FILE,
-        installed_peft_version,
-        peft_loads_expert_adapters_into_fused_experts,
-    )
-
-    if not has_fused_experts(model) or peft_loads_expert_adapters_into_fused_experts():
-        return
-    with safe_open(str(Path(lora_path) / PEFT_WEIGHTS_FILE), framework="pt") as adapter:
-        experts = [name for name in adapter.keys() if ".experts." in name]
-    if experts:
-        raise RuntimeError(
-            f"the adapter at {lora_path} adapts MoE experts ({experts[0]}, ...), which peft "
-            f"{installed_peft_version()} cannot load into this model's fused experts (it would leave them out). "
-            "Fix: set trainer.policy.megatron_config.lora_config.weight_sync=merged, or install a peft that "
-            "converts them (0.21.2 does)"
-        )

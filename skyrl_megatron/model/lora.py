@@ -333,7 +333,7 @@ class PeftAdapter:
     """LoRA adapters as HF `peft` stores them: `PeftModel.from_pretrained(base, directory)` reads :meth:`save`.
 
     MoE expert adapters keep per-expert names (the bridge's, vLLM's); on transformers 5's fused experts only
-    a peft that converts them loads them (peft_support).
+    a peft that converts them (0.21 on) loads them; our HF engine merges them itself (`engines/lora_merge.py`).
     """
 
     config: dict[str, Any]  # adapter_config.json
