@@ -56,3 +56,19 @@ def test_full_recompute_is_not_offered_again_and_other_errors_pass_unchanged():
             raise ValueError("unrelated")
     with explains_out_of_memory(WORKER, "training", _knobs()):
         pass  # a step that fits raises nothing
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+])
+def test_gpu_allocator_failures_outside_the_caching_allocator_are_named_too(error):
+    """On a GPU an allocation can fail in cuBLAS's workspace or a kernel's own cudaMalloc: a RuntimeError in
+    that library's words, not torch.OutOfMemoryError. They get the same message; other CUDA errors do not."""
+    with pytest.raises(WorkerOutOfMemory, match=r"ran out of memory while training \((CUDA|.*CUBLAS)"):
+        with explains_out_of_memory(WORKER, "training", _knobs(max_tokens=8192)):
+            raise error
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        with explains_out_of_memory(WORKER, "training", _knobs()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")

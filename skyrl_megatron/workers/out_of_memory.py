@@ -23,11 +23,17 @@ class WorkerOutOfMemory(RuntimeError):
     """A worker ran out of accelerator (or host) memory in a step; the message says what to turn."""
 
 
+# Allocator failures that do not come through PyTorch's caching allocator arrive as RuntimeErrors (or
+# torch.AcceleratorError, one of them) worded by their library: the CPU allocator, cuBLAS's workspace,
+# a kernel launch's own cudaMalloc.
+_OUT_OF_MEMORY_WORDINGS = ("can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA raises ``torch.OutOfMemoryError``; the CPU allocator a RuntimeError of its own wording."""
+    """CUDA's caching allocator raises ``torch.OutOfMemoryError``; other allocators a RuntimeError in their words."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    return isinstance(error, RuntimeError) and any(wording in str(error) for wording in _OUT_OF_MEMORY_WORDINGS)
 
 
 @dataclass(frozen=True)
