@@ -6,6 +6,8 @@
 #
 #   call 1 (carry .whl .whl3):            bash bench/device_setup.sh 1
 #   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
+#   for bench/gpu_attention_kernels.py also (flash-attn-4 and the CuTe DSL, about 97 MiB):
+#   call 3 (carry .whl7): bash bench/device_setup.sh 3;  call 4 (carry .whl8): source bench/device_setup.sh 4 && ...
 #
 # The folders are ignored (.gitignore: /.whl*/); `bash bench/fetch_wheels.sh` rebuilds them
 # on a fresh checkout with `pip download`, at the versions installed in .venv-skyrl-train (about 57 and 50
@@ -16,6 +18,8 @@
 #        fastapi, starlette, uvicorn, opentelemetry, jsonschema, ...)
 # .whl3, .whl4: the two halves of ray-2.51.1 (cp312 manylinux2014)
 # .whl5: annotated-types, sniffio, py-spy (stack dumps of a stalled run)
+# .whl7, .whl8: flash-attn-4 4.0.0b36 (flash_attn.cute), quack-kernels, the CuTe DSL (its CUDA 13 library wheel
+#        in two halves, its libs-core), apache-tvm-ffi, torch-c-dlpack-ext
 # .whl6: botocore, jmespath, datasets, multiprocess, dill, torchdata, skyrl-gym (imported by the host
 #        trainer), and flash_attn_pkg: flash-attn 2.8.3's own pure-Python padding helpers and Triton
 #        cross entropy, unchanged (the host imports both). No CUDA extension: its __init__ here is a
@@ -46,8 +50,28 @@ case "$1" in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     echo "device_setup: part 2 done"
     ;;
+  3)
+    # flash-attn-4 and the CuTe DSL, for bench/gpu_attention_kernels.py only: into their own target, so
+    # that pip's --upgrade cannot replace /tmp/site/flash_attn (flash-attn 2's files the host imports)
+    test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }
+    mkdir -p /tmp/stage/fa4
+    cp .whl7/* /tmp/stage/fa4/  # installed in part 4, in one pip call: the DSL's base and CUDA 13 wheels
+    echo "device_setup: part 3 done"  # share the directory nvidia_cutlass_dsl, which --upgrade would replace
+    ;;
+  4)
+    test -f /tmp/stage/fa4/cutlasspart_aa || { echo "device_setup: run part 3 first, within 30 s" >&2; return 1 2>/dev/null || exit 1; }
+    cat /tmp/stage/fa4/cutlasspart_aa .whl8/cutlasspart_ab > /tmp/stage/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+    ${PIP/\/tmp\/site//tmp/fa4site} /tmp/stage/fa4/*.whl >/dev/null 2>&1
+    # flash-attn-4 is the namespace flash_attn.cute: put it inside the flash_attn package already there
+    cp -r /tmp/fa4site/flash_attn/cute /tmp/site/flash_attn/
+    # the DSL's .pth (not read from a --target directory) puts its dsl_packages on the path
+    export PYTHONPATH=/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/bench
+    export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    ln -sfn ../config skyrl_megatron/conf
+    echo "device_setup: part 4 done"
+    ;;
   *)
-    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2" >&2
+    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2 | bash bench/device_setup.sh 3 | source bench/device_setup.sh 4" >&2
     return 2 2>/dev/null || exit 2
     ;;
 esac

@@ -72,6 +72,28 @@ for file in bert_padding.py ops/__init__.py ops/triton/__init__.py ops/triton/cr
 done
 rm -rf "$tmp"
 
+# .whl7 + .whl8 (calls 3 and 4, only for bench/gpu_attention_kernels.py): flash-attn-4's CuTe kernels and the
+# CuTe DSL they compile with (not in the venv: pinned here). The DSL's CUDA 13 library wheel (92 MB) travels
+# in two halves, joined on the machine by device_setup.sh 4.
+FA4_PINS=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+          nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)  # the image has
+# cuda-bindings, cuda-pathfinder and einops (.library/device/KINDS.md)
+CUTLASS_LIBS=nvidia-cutlass-dsl-libs-cu13==4.8.1
+rm -rf .whl7 .whl8
+mkdir -p .whl7 .whl8
+download .whl7 --pre "${FA4_PINS[@]}"
+tmp=$(mktemp -d)
+download "$tmp" "$CUTLASS_LIBS"
+cutlass_wheel="nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl"  # the name device_setup.sh 4 joins into
+test -f "$tmp/$cutlass_wheel" || { echo "fetch_wheels: expected $cutlass_wheel, got $(ls "$tmp")" >&2; exit 1; }
+(cd "$tmp" && split -b 47M "$cutlass_wheel" cutlasspart_)
+mv "$tmp/cutlasspart_aa" .whl7/
+mv "$tmp/cutlasspart_ab" .whl8/
+test ! -e "$tmp/cutlasspart_ac" || { echo "fetch_wheels: the CuTe DSL wheel split in more than two parts" >&2; exit 1; }
+rm -rf "$tmp"
+
 echo "fetch_wheels: MiB per device call (limit 64, the working tree included):"
 echo "  call 1 (.whl .whl3):             $(du -cm .whl .whl3 | tail -1 | cut -f1)"
 echo "  call 2 (.whl2 .whl4 .whl5 .whl6): $(du -cm .whl2 .whl4 .whl5 .whl6 | tail -1 | cut -f1)"
+echo "  call 3 (.whl7):                   $(du -cm .whl7 | tail -1 | cut -f1)"
+echo "  call 4 (.whl8):                   $(du -cm .whl8 | tail -1 | cut -f1)"
