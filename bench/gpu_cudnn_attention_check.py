@@ -1,13 +1,19 @@
-"""cuDNN ragged attention against FA2 varlen for packed causal micro-batches, on one GPU.
+"""Packed causal attention kernels against FA2 varlen on our micro-batches, on one GPU.
 
-torch 2.11's `torch.nn.attention.varlen.varlen_attn` runs FA2 kernels: its cuDNN branch is switched
-off (`_should_use_cudnn` returns False). The aten ops it would call, `_cudnn_attention_forward` and
-`_cudnn_attention_backward`, take the same `cu_seqlens`. Before our core attention can offer them,
-they must agree with FA2 on our micro-batches (values and gradients, GQA included) and be faster.
-This script measures both on packed micro-batches shaped like the policy benchmark's (log-uniform
-sequence lengths, 8,192 tokens, Qwen3-4B heads). Not a CI test: it needs CUDA and cuDNN.
+torch 2.11's `torch.nn.attention.varlen.varlen_attn` (the model's packed path) runs FA2 kernels. Two
+candidates must agree with it on our micro-batches (values and gradients against an fp32 reference,
+GQA included) and be faster before our core attention can offer them:
+- cuDNN ragged attention (`cudnn`, session 8): its cuDNN branch is switched off
+  (`_should_use_cudnn` returns False); the aten ops it would call, `_cudnn_attention_forward` and
+  `_cudnn_attention_backward`, take the same `cu_seqlens`.
+- flash-attn-4's CuTe kernels (`fa4`, session 15): `flash_attn.cute` ships Hopper kernels of the FA3
+  design (`flash_fwd_sm90`, `flash_bwd_sm90`), compiled at first use; `bench/device_setup.sh` parts 3-4
+  install it. Prediction in docs/perf_notes.md.
+This script measures them on packed micro-batches shaped like the policy benchmark's (log-uniform
+sequence lengths, 8,192 tokens, Qwen3-4B heads): errors, forward and forward + backward milliseconds,
+and the first call on new shapes. Not a CI test: it needs CUDA.
 
-Usage (on the GPU machine): python bench/gpu_cudnn_attention_check.py --out cudnn_attention.json
+Usage (on the GPU machine): python bench/gpu_cudnn_attention_check.py --out attention.json [--kernels flash,fa4]
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 
 import torch
@@ -87,6 +94,14 @@ def reference(q, k, v, q_lengths, k_lengths, scale):
     return torch.cat(outputs)
 
 
+def flash_attn_4(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    result = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                    max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+    return result[0] if isinstance(result, tuple) else result  # (out, lse) where it returns both
+
+
 def cumulative(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
@@ -98,10 +113,27 @@ KERNELS = {
     "cudnn_fixed_max": lambda q, k, v, cu_q, cu_k, max_q, max_k, budget, scale: cudnn(
         q, k, v, cu_q, cu_k, budget, budget, scale
     ),
+    "fa4": lambda q, k, v, cu_q, cu_k, max_q, max_k, budget, scale: flash_attn_4(q, k, v, cu_q, cu_k, max_q, max_k, scale),
 }
 
 
-def check(tokens: int, seed: int, groups: int, query_fraction: int = 1) -> dict:
+def forward_ms(fn, inputs, constants, repeats: int = 20) -> float:
+    """Median device time of the forward alone, without autograd (the scoring pass)."""
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*inputs, *constants)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs, *constants)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check(tokens: int, seed: int, groups: int, kernels: list[str], query_fraction: int = 1) -> dict:
     """One packed micro-batch; query_fraction 2 keeps each segment's last half of queries (the
     shape of our context-parallel segments, where alignment matters)."""
     torch.manual_seed(seed)
@@ -120,12 +152,14 @@ def check(tokens: int, seed: int, groups: int, query_fraction: int = 1) -> dict:
     constants = [cu_q, cu_k, max(q_lengths), max(k_lengths), tokens, scale]
     result = {"sequences": len(k_lengths), "max_len": max(k_lengths), "kv_heads": groups,
               "query_fraction": query_fraction}
-    for name, fn in KERNELS.items():
+    for name in kernels:
+        fn = KERNELS[name]
         try:
             out, grads = run_with_grads(fn, [q, k, v], constants, grad)
             result[name] = {
                 "max_error": (out.float() - truth.detach()).abs().max().item(),
                 "max_grad_error": max((g.float() - l.grad).abs().max().item() for g, l in zip(grads, leaves)),
+                "fwd_ms": forward_ms(fn, [q, k, v], constants),
                 "fwd_bwd_ms": device_ms(fn, [q, k, v], constants, grad),
             }
         except Exception as error:  # a backend that refuses these inputs is a finding, not a crash
@@ -134,13 +168,14 @@ def check(tokens: int, seed: int, groups: int, query_fraction: int = 1) -> dict:
     return result
 
 
-def first_call_ms(tokens: int, seeds: range) -> dict:
+def first_call_ms(tokens: int, seeds: range, kernels: list[str]) -> dict:
     """Wall time of the first forward + backward on micro-batches of new shapes (new sequence
     lengths and counts, as every RL step brings): cuDNN builds an execution graph per new shape,
     FA2 has nothing to build. The second call on the same shape is the warm time."""
     scale = 1.0 / math.sqrt(HEAD_DIM)
     report = {}
-    for name, fn in KERNELS.items():
+    for name in kernels:
+        fn = KERNELS[name]
         times = []
         for seed in seeds:
             lengths = packed_lengths(tokens - 8 * seed, seed)  # a different total as well
@@ -165,15 +200,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_cudnn_attention_check.json")
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
     args = parser.parse_args()
+    kernels = args.kernels.split(",")
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        parser.error(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
-        "cases": [check(args.tokens, seed, groups) for seed in (0, 1) for groups in (GROUPS, HEADS)],
-        "segment_cases": [check(args.tokens, 2, GROUPS, query_fraction=2)],
+        "cases": [check(args.tokens, seed, groups, kernels) for seed in (0, 1) for groups in (GROUPS, HEADS)],
+        "segment_cases": [check(args.tokens, 2, GROUPS, kernels, query_fraction=2)],
     }
-    report["first_call"] = first_call_ms(args.tokens, range(10, 16))
+    report["first_call"] = first_call_ms(args.tokens, range(10, 16), kernels)
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
 
