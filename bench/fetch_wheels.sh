@@ -24,9 +24,21 @@ download() {  # download DIR SPEC...: binary wheels for the machine (CPython 3.1
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${PLATFORMS[@]}" -d "$dir" "$@"
 }
+download_in_halves() {  # SPEC WHEEL PART_SIZE PREFIX DIR_A DIR_B: a wheel too large for one device call,
+    # split in two parts that device_setup.sh joins back into WHEEL on the machine
+    local spec=$1 wheel=$2 size=$3 prefix=$4 first=$5 second=$6 dir
+    dir=$(mktemp -d)
+    download "$dir" "$spec"
+    test -f "$dir/$wheel" || { echo "fetch_wheels: expected $wheel, got $(ls "$dir")" >&2; exit 1; }
+    (cd "$dir" && split -b "$size" "$wheel" "$prefix")
+    mv "$dir/${prefix}aa" "$first/"
+    mv "$dir/${prefix}ab" "$second/"
+    test ! -e "$dir/${prefix}ac" || { echo "fetch_wheels: $wheel split in more than two parts" >&2; exit 1; }
+    rm -rf "$dir"
+}
 
-rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6
-mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6
+rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8
+mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8
 
 # .whl (call 1): the training stack
 download .whl $(pinned megatron-core megatron-bridge transformers tokenizers omegaconf hydra-core)
@@ -34,14 +46,8 @@ download .whl $(pinned megatron-core megatron-bridge transformers tokenizers ome
 "$PY" -m pip download -q --no-deps --no-binary :all: -d .whl "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
 
 # .whl3 + .whl4: Ray in two halves, joined on the machine by device_setup.sh 2
-tmp=$(mktemp -d)
-download "$tmp" "ray==$(version ray)"
-ray_wheel="ray-$(version ray)-cp312-cp312-manylinux2014_x86_64.whl"  # the name device_setup.sh 2 joins into
-test -f "$tmp/$ray_wheel" || { echo "fetch_wheels: expected $ray_wheel, got $(ls "$tmp")" >&2; exit 1; }
-(cd "$tmp" && split -b 38M "$ray_wheel" raypart_)
-mv "$tmp/raypart_aa" .whl3/
-mv "$tmp/raypart_ab" .whl4/
-test ! -e "$tmp/raypart_ac" || { echo "fetch_wheels: Ray's wheel split in more than two parts" >&2; exit 1; }
+# (the wheel's name is the one device_setup.sh 2 joins into)
+download_in_halves "ray==$(version ray)" "ray-$(version ray)-cp312-cp312-manylinux2014_x86_64.whl" 38M raypart_ .whl3 .whl4
 
 # .whl2 (call 2): the host and the small pure-Python packages its imports (and Ray's) need
 download .whl2 $(pinned skyrl-train loguru pydantic pydantic_core typing-inspection fastapi starlette uvicorn \
@@ -61,6 +67,7 @@ download .whl6 $(pinned botocore jmespath datasets multiprocess dill torchdata s
 # CUDA extension: device_setup.sh puts a version line in place of its __init__, and
 # bench/flash_attn_standin/ adds attention functions on torch's FlashAttention-2 kernels.
 FA_VERSION=$(version flash_attn)
+tmp=$(mktemp -d)
 # (pip prepares its metadata by running its setup.py: in the venv, which has torch, with no CUDA build)
 FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
     -d "$tmp" "flash-attn==$FA_VERSION"
@@ -72,25 +79,16 @@ for file in bert_padding.py ops/__init__.py ops/triton/__init__.py ops/triton/cr
 done
 rm -rf "$tmp"
 
-# .whl7 + .whl8 (calls 3 and 4, only for bench/gpu_attention_kernels.py): flash-attn-4's CuTe kernels and the
+# .whl7 + .whl8 (calls 3 and 4, only for the fa4 kernel of bench/gpu_cudnn_attention_check.py): flash-attn-4's CuTe kernels and the
 # CuTe DSL they compile with (not in the venv: pinned here). The DSL's CUDA 13 library wheel (92 MB) travels
 # in two halves, joined on the machine by device_setup.sh 4.
 FA4_PINS=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
           nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)  # the image has
 # cuda-bindings, cuda-pathfinder and einops (.library/device/KINDS.md)
-CUTLASS_LIBS=nvidia-cutlass-dsl-libs-cu13==4.8.1
-rm -rf .whl7 .whl8
-mkdir -p .whl7 .whl8
 download .whl7 --pre "${FA4_PINS[@]}"
-tmp=$(mktemp -d)
-download "$tmp" "$CUTLASS_LIBS"
-cutlass_wheel="nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl"  # the name device_setup.sh 4 joins into
-test -f "$tmp/$cutlass_wheel" || { echo "fetch_wheels: expected $cutlass_wheel, got $(ls "$tmp")" >&2; exit 1; }
-(cd "$tmp" && split -b 47M "$cutlass_wheel" cutlasspart_)
-mv "$tmp/cutlasspart_aa" .whl7/
-mv "$tmp/cutlasspart_ab" .whl8/
-test ! -e "$tmp/cutlasspart_ac" || { echo "fetch_wheels: the CuTe DSL wheel split in more than two parts" >&2; exit 1; }
-rm -rf "$tmp"
+# (the wheel's name is the one device_setup.sh 4 joins into)
+download_in_halves nvidia-cutlass-dsl-libs-cu13==4.8.1 nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+    47M cutlasspart_ .whl7 .whl8
 
 echo "fetch_wheels: MiB per device call (limit 64, the working tree included):"
 echo "  call 1 (.whl .whl3):             $(du -cm .whl .whl3 | tail -1 | cut -f1)"
