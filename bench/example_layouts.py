@@ -81,8 +81,10 @@ class ScaledExample:
     planner_args: list[str]  # `skyrl-megatron plan` arguments for exactly that layout (model path last)
 
     def setting(self, name: str, role: str = "policy") -> str | None:
+        """The script's value of `megatron_config.<name>`; None where it is unset or set to `null`."""
         prefix = f"trainer.{role}.megatron_config.{name}="
-        return next((o[len(prefix):] for o in self.overrides if o.startswith(prefix)), None)
+        value = next((o[len(prefix):] for o in self.overrides if o.startswith(prefix)), None)
+        return None if value == "null" else value
 
 
 def _scaled_sizes(overrides: list[str], role: str, gpus: int) -> dict[str, int]:
@@ -134,7 +136,7 @@ def _planner_args(example: ScaledExample) -> list[str]:
     if tokens:
         args += ["--micro-batch-tokens", tokens]
     recompute = example.setting("transformer_config_kwargs.recompute_granularity")
-    if recompute and recompute != "null":  # `null` in a script: recompute off, the planner's default
+    if recompute:
         args += ["--recompute", recompute]
     return args
 
