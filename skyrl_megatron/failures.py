@@ -33,7 +33,15 @@ class WorkerIdentity:
                 f"pid {self.pid} on {self.node_ip})")
 
 
-class WorkerFailure(RuntimeError):
+class ReportedFailure(RuntimeError):
+    """Training stopped for a reason its message states in full (which worker, what to change).
+
+    Raised in a worker or task, it reaches the driver wrapped in Ray's `RayTaskError`, whose text
+    is the remote traceback; `reported_failure` unwraps it so the user sees the message alone.
+    """
+
+
+class WorkerFailure(ReportedFailure):
     """Training stopped because worker processes died; the message names them."""
 
 
@@ -91,6 +99,15 @@ def dead_workers() -> list[WorkerIdentity]:
         except ray.exceptions.RayActorError:
             dead.append(probes[ref])
     return sorted(dead, key=lambda identity: (identity.role, identity.rank))
+
+
+def reported_failure(error: BaseException) -> ReportedFailure | None:
+    """The `ReportedFailure` that `error` is or wraps (Ray's `RayTaskError` keeps it as `cause`), else None."""
+    while error is not None:
+        if isinstance(error, ReportedFailure) and not isinstance(error, ray.exceptions.RayTaskError):
+            return error
+        error = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
+    return None
 
 
 def explain(error: BaseException) -> WorkerFailure | None:

@@ -75,25 +75,36 @@ def run_experiment(
     By default the trainer runs in a Ray task, as the host's own main does (the driver may sit on a
     small head node). `in_driver` runs it in this process instead, so its progress bar and prints
     reach the terminal directly. A worker process that dies is reported as a
-    :class:`~skyrl_megatron.failures.WorkerFailure` naming its role, rank and mesh coordinates.
+    :class:`~skyrl_megatron.failures.WorkerFailure` naming its role, rank and mesh coordinates; a
+    worker's own report (out of memory, with the keys to turn) is raised as itself.
     """
     import ray
 
+    from skyrl_megatron.failures import reported_failure
+
     initialize_ray(cfg, log_to_driver=log_to_driver, quiet=quiet)
-    if in_driver:
-        _run_experiment_in_task(cfg, experiment_cls)
-    else:
-        ray.get(_experiment_task.remote(cfg, experiment_cls))
+    try:
+        if in_driver:
+            _run_experiment_in_task(cfg, experiment_cls)
+        else:
+            ray.get(_experiment_task.remote(cfg, experiment_cls))
+    except ray.exceptions.RayTaskError as error:
+        reported = reported_failure(error)
+        if reported is None:
+            raise
+        raise reported from None  # the worker's message alone, not Ray's remote traceback
 
 
 def _run_experiment_in_task(cfg, experiment_cls=None) -> None:
-    from skyrl_megatron.failures import explain
+    from skyrl_megatron.failures import explain, reported_failure
 
     activate()
     experiment_cls = experiment_cls or current().base_experiment_class()
     try:
         experiment_cls(cfg).run()
     except Exception as error:
+        if reported_failure(error) is not None:
+            raise  # a worker's own report: run_experiment unwraps it
         failure = explain(error)
         if failure is None:
             raise

@@ -72,3 +72,30 @@ def test_gpu_allocator_failures_outside_the_caching_allocator_are_named_too(erro
     with pytest.raises(RuntimeError, match="illegal memory access"):
         with explains_out_of_memory(WORKER, "training", _knobs()):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_the_driver_gets_the_workers_message_without_rays_wrapping():
+    """Through Ray a worker's WorkerOutOfMemory arrives as RayTaskError(WorkerOutOfMemory) whose text is
+    the remote traceback; nested once more when the trainer ran in a Ray task. The driver unwraps it to
+    the worker's own exception; any other task error stays Ray's."""
+    import ray
+
+    from skyrl_megatron.failures import ReportedFailure, reported_failure
+
+    with pytest.raises(WorkerOutOfMemory) as raised:
+        with explains_out_of_memory(WORKER, "training", _knobs(max_tokens=8192)):
+            _allocate_too_much()
+    original = raised.value
+
+    in_worker = ray.exceptions.RayTaskError("ppo_train", "Traceback (most recent call last): ...", original)
+    at_trainer = in_worker.as_instanceof_cause()
+    in_task = ray.exceptions.RayTaskError("_run_experiment_in_task", "Traceback ...", at_trainer)
+    assert isinstance(at_trainer, WorkerOutOfMemory) and str(at_trainer) != str(original)  # Ray's text, not the worker's
+    for wrapped in (at_trainer, in_task):
+        unwrapped = reported_failure(wrapped)
+        assert unwrapped is original and isinstance(unwrapped, ReportedFailure)
+        assert str(unwrapped).startswith(f"{WORKER} ran out of memory while training") and "Traceback" not in str(unwrapped)
+
+    other = ray.exceptions.RayTaskError("ppo_train", "Traceback ...", ValueError("bad shape")).as_instanceof_cause()
+    assert reported_failure(other) is None
+    assert reported_failure(ValueError("bad shape")) is None

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_megatron.demo.experiment import (
         REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
     )
-    from skyrl_megatron.failures import WorkerFailure
+    from skyrl_megatron.failures import ReportedFailure
     from skyrl_megatron.launch import run_experiment
 
     metrics_file = run_dir / "metrics.jsonl"
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False, quiet=True)
-        except WorkerFailure as failure:
+        except ReportedFailure as failure:  # a dead worker, or a worker's report (out of memory)
             print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
             return 1
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from skyrl_megatron.failures import ReportedFailure
 from skyrl_megatron.workers.offload import device_memory_gib
 
 
-class WorkerOutOfMemory(RuntimeError):
+class WorkerOutOfMemory(ReportedFailure):
     """A worker ran out of accelerator (or host) memory in a step; the message says what to turn."""
 
 
