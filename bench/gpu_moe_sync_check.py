@@ -28,6 +28,12 @@ MoE layers alone 1.1-1.4x, and the GPU's busy share of a step up by 5-15 points.
 micro-batches, where launching dominates; nothing where the GPU is the bound. The reasoning is in
 docs/perf_notes.md (issue 17).
 
+Measured (H200, 2026-11-27, session 16; docs/results/s16_2026-11-27/moe_ep1/): the prediction failed as far
+as that run shows: the new path was slower (step 0.180 vs 0.151 s, scoring 0.055 vs 0.051 s, MoE layers alone
+0.122 vs 0.086 s), timed old first then new; and CUDA's sync debug mode saw no sync on either path (Megatron
+waits on an Event, which it does not report). Since then the paths alternate within each repeat, the GPU
+layer check also records explicit waits, and each path gets a kernel summary of one profiled step.
+
     python bench/gpu_moe_sync_check.py [--tokens 8192] [--rows 16] [--layers 8] [--path both|old|new] [--out FILE]
     python bench/gpu_moe_sync_check.py --smoke    # CPU, a tiny model of the same structure, fp32:
         the sync check there is the CPU probe (`testing/host_syncs.HostSyncProbe`), timing is not meaningful
@@ -139,10 +145,17 @@ def layer_sync_check(layers, inputs, on_gpu: bool) -> list[dict]:
     found = []
     for index, layer in enumerate(layers):
         if on_gpu:
+            # torch's sync debug mode names implicit syncs (.item(), .tolist(), value-sized ops) but not
+            # an explicit Event/Stream wait, which is how Megatron's dispatcher waits for its counts
+            # (session 16: the old path showed nothing); the probe records those waits.
             _sync(True)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                layer_pass(layer, inputs[index])
+                with HostSyncProbe() as probe:
+                    layer_pass(layer, inputs[index])
+                # only its explicit waits: its value reads also count host tensors, which on a GPU are no sync
+                found += [{"layer": index, "what": s.what, "stack": s.stack} for s in probe.found
+                          if s.what.endswith("synchronize")]
             except RuntimeError as error:
                 if "synchroniz" not in str(error):
                     raise
@@ -199,17 +212,48 @@ def step_syncs(step, on_gpu: bool) -> dict:
             "stacks": {site: stacks[site] for site, _ in sites.most_common(8) if site in stacks}}
 
 
-def timed(fn, on_gpu: bool, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
+def _seconds(fn, on_gpu: bool) -> float:
+    _sync(on_gpu)
+    start = time.perf_counter()
+    fn()
+    _sync(on_gpu)
+    return time.perf_counter() - start
+
+
+def timed_paths(fn, switch, paths: tuple[str, ...], on_gpu: bool, repeats: int) -> dict[str, float]:
+    """Median seconds of `fn` per path, the paths alternating within each repeat (ABBA order), so that
+    drift over the run (clocks, allocator growth) falls on both alike; session 16 timed old then new."""
+    for path in paths:  # warm-up of each
+        switch(path)
         fn()
-    times = []
-    for _ in range(repeats):
-        _sync(on_gpu)
-        start = time.perf_counter()
-        fn()
-        _sync(on_gpu)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for repeat in range(repeats):
+        for path in paths if repeat % 2 == 0 else tuple(reversed(paths)):
+            switch(path)
+            times[path].append(_seconds(fn, on_gpu))
+    return {path: statistics.median(values) for path, values in times.items()}
+
+
+def kernel_summary(step, top: int = 12) -> dict | None:
+    """One profiled step (GPU): kernel time, kernel count, and the operators with the most device time."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        _sync(True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        ops = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+        return {
+            "device_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 2),
+            "host_ops": sum(e.count for e in events if e.device_type.name == "CPU"),
+            "top": [{"op": e.key[:80], "count": e.count, "device_ms": round(e.self_device_time_total / 1e3, 2),
+                     "host_ms": round(e.self_cpu_time_total / 1e3, 2)} for e in ops],
+        }
+    except Exception as error:  # noqa: BLE001 (a measurement extra; the timings stand without it)
+        print(f"kernel summary not measured: {error}", file=sys.stderr)
+        return None
 
 
 def busy_share(step) -> float | None:
@@ -297,15 +341,19 @@ def main(argv=None) -> int:
         for index, layer in enumerate(layers):
             layer_pass(layer, inputs[index])
 
-    out["timing"] = {}
-    for path in ("old", "new") if args.path == "both" else (args.path,):
+    paths = ("old", "new") if args.path == "both" else (args.path,)
+
+    def switch(path: str) -> None:
         set_counts_on_device(chunks, path == "new")
-        out["timing"][path] = {
-            "score_s": timed(score, on_gpu, args.repeats),
-            "step_s": timed(step, on_gpu, args.repeats),
-            "moe_layers_fwd_bwd_s": timed(moe_layers_alone, on_gpu, args.repeats),
-            "gpu_busy_share": busy_share(step) if on_gpu else None,
-        }
+
+    measured = {name: timed_paths(fn, switch, paths, on_gpu, args.repeats)
+                for name, fn in (("score_s", score), ("step_s", step), ("moe_layers_fwd_bwd_s", moe_layers_alone))}
+    out["timing"] = {}
+    for path in paths:
+        switch(path)
+        out["timing"][path] = {name: values[path] for name, values in measured.items()}
+        out["timing"][path]["gpu_busy_share"] = busy_share(step) if on_gpu else None
+        out["timing"][path]["kernels"] = kernel_summary(step) if on_gpu else None
     if args.path == "both":
         old, new = out["timing"]["old"], out["timing"]["new"]
         out["timing"]["speedup"] = {k: round(old[k] / new[k], 3) for k in ("score_s", "step_s", "moe_layers_fwd_bwd_s")}
@@ -316,7 +364,9 @@ def main(argv=None) -> int:
     text = json.dumps(out, indent=1, default=str)
     if args.out:
         args.out.write_text(text)
-    summary = {k: out[k] for k in ("device", "moe_layers", "dispatchers", "tokens_per_step", "timing", "ok")}
+    summary = {k: out[k] for k in ("device", "moe_layers", "dispatchers", "tokens_per_step", "ok")}
+    summary["timing"] = {p: {k: v for k, v in t.items() if k != "kernels"} if isinstance(t, dict) else t
+                         for p, t in out["timing"].items()}
     summary["layer_syncs"] = {p: [(s["layer"], s["what"]) for s in v] for p, v in out["layer_sync_check"].items()}
     summary["step_syncs"] = {k: out["step_syncs"][k] for k in ("total", "in_moe_files", "by_site")}
     print(json.dumps(summary, indent=1, default=str))
