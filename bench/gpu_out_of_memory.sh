@@ -1,14 +1,14 @@
 #!/bin/bash
 # A GPU out-of-memory on purpose (issue 20): the 1.7B example's DP2 layout on 2 GPUs with one mini-batch
 # of 128 rows per rank in one micro-batch and no recompute, far over the card; the run must stop with
-# `WorkerOutOfMemory` naming the worker and the keys that fix it. While it starts, py-spy dumps the
-# driver's and the Ray workers' stacks every OOM_DUMP_EVERY seconds (start-up attribution).
+# `WorkerOutOfMemory` naming the worker and the keys that fix it. While it runs, py-spy dumps the
+# driver's and the Ray workers' stacks every OOM_DUMP_EVERY seconds into $OUT/pyspy.txt (start-up attribution).
 # Run after `source bench/device_setup.sh 2`; writes under $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 MODEL=/tmp/oom_model
 RUN=/tmp/gpu_oom
-mkdir -p "$OUT/pyspy"
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.csv"
 python - <<'PY'
 from pathlib import Path
@@ -29,13 +29,7 @@ echo "${COMMAND[*]}" > "$OUT/command.txt"
 START=$(date +%s)
 timeout ${OOM_RUN_TIMEOUT:-480} "${COMMAND[@]}" > "$OUT/run.log" 2>&1 &
 DEMO=$!
-while kill -0 $DEMO 2>/dev/null; do
-  sleep ${OOM_DUMP_EVERY:-15}
-  T=$(( $(date +%s) - START ))
-  { echo "=== t=${T}s driver"; py-spy dump --pid $DEMO 2>&1
-    for PID in $(pgrep -f "ray::" | head -8); do echo "=== t=${T}s pid $PID $(tr '\0' ' ' < /proc/$PID/cmdline | cut -c1-80)"; py-spy dump --pid $PID 2>&1; done
-  } > "$OUT/pyspy/t$(printf %04d $T).txt" 2>&1
-done
+bash bench/pyspy_watch.sh $DEMO "$OUT/pyspy.txt" ${OOM_DUMP_EVERY:-15} &
 wait $DEMO; echo "demo exit code $? after $(( $(date +%s) - START )) s" >> "$OUT/run.log"
 cp "$RUN"/*.jsonl "$OUT/" 2>/dev/null
 grep -n -E "OutOfMemory|out of memory|max_tokens_per_microbatch|recompute" "$OUT/run.log" | head -20
