@@ -115,6 +115,7 @@ class SkyRLMegatronConfig(SkyRLTrainConfig):
 
     def __post_init__(self) -> None:
         _settle_engine_routes(self)
+        _settle_token_budget(self)
         super().__post_init__()
 
 
@@ -129,6 +130,20 @@ class SkyRLMegatronLightConfig(SkyRLMegatronConfig):
 
     def __post_init__(self) -> None:
         _settle_engine_routes(self)
+        _settle_token_budget(self)
+
+
+def _settle_token_budget(cfg: SkyRLMegatronConfig) -> None:
+    """skyrl 0.4's own Megatron and FSDP workers pack micro-batches by ``trainer.max_tokens_per_microbatch``
+    (-1: off). A user coming from them sets that key; ours is per role
+    (``trainer.<role>.megatron_config.max_tokens_per_microbatch``). The host's value fills each role
+    that leaves ours unset; a role's own value wins (e.g. a larger budget for the reference)."""
+    if cfg.trainer.strategy != "megatron" or (cfg.trainer.max_tokens_per_microbatch or -1) <= 0:
+        return
+    for role in ("policy", "ref", "critic"):
+        megatron = getattr(cfg.trainer, role).megatron_config
+        if megatron.max_tokens_per_microbatch is None:
+            megatron.max_tokens_per_microbatch = cfg.trainer.max_tokens_per_microbatch
 
 
 def _settle_engine_routes(cfg: SkyRLMegatronConfig) -> None:
