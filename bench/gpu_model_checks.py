@@ -4,7 +4,8 @@
    scored by our Megatron path (bridge conversion, our core attention, chunked vocab-parallel
    logprobs) vs Hugging Face with SDPA attention; mean and max |logprob diff| over response tokens.
 2. varlen attention: our packed (THD) kernel path (`varlen_attn`) vs per-sequence SDPA, and the
-   context-parallel segment layout (bottom-right causal) vs its masked-SDPA reference, in bf16.
+   context-parallel segment layout (bottom-right causal) vs its masked-SDPA reference, in bf16
+   (flash-attn-4, `attention_kernel=flash4`, against varlen_attn and fp32: bench/gpu_fa4_check.py).
 3. one training step (forward + backward + Adam) of 1 x 4096 tokens for Qwen3-1.7B and -4B shapes:
    our Megatron path vs Hugging Face (SDPA) + FSDP2, tokens/s, MFU and peak memory.
 
@@ -129,6 +130,7 @@ def varlen_vs_sdpa() -> dict:
     import torch.nn.functional as F
 
     from skyrl_megatron.model.attention import CausalSegments, attend_segments, context_parallel_segments
+    from skyrl_megatron.model.attention_kernels import SegmentKernel
 
     torch.manual_seed(0)
     lengths = [17, 300, 1024, 64, 2000]
@@ -140,7 +142,7 @@ def varlen_vs_sdpa() -> dict:
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     segments = CausalSegments(cu, cu, max(lengths), max(lengths))
     scale = dim**-0.5
-    ours = attend_segments(q, k, v, segments, scale, flash=True)
+    ours = attend_segments(q, k, v, segments, scale, SegmentKernel.VARLEN)
     reference = []
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         ref = F.scaled_dot_product_attention(
@@ -158,8 +160,8 @@ def varlen_vs_sdpa() -> dict:
     q_local = torch.randn(cp_total // 2, heads, dim, device="cuda", dtype=torch.bfloat16)
     k_all = torch.randn(cp_total, groups, dim, device="cuda", dtype=torch.bfloat16)
     v_all = torch.randn(cp_total, groups, dim, device="cuda", dtype=torch.bfloat16)
-    flash = attend_segments(q_local, k_all, v_all, segs, scale, flash=True)
-    masked = attend_segments(q_local.float(), k_all.float(), v_all.float(), segs, scale, flash=False)
+    flash = attend_segments(q_local, k_all, v_all, segs, scale, SegmentKernel.VARLEN)
+    masked = attend_segments(q_local.float(), k_all.float(), v_all.float(), segs, scale, SegmentKernel.MASKED_SDPA)
     cp = (flash.float() - masked).abs()
     return {
         "packed_vs_per_sequence_sdpa": {"max_abs": packed.max().item(), "mean_abs": packed.mean().item()},

@@ -393,7 +393,9 @@ class _Measured:
             from skyrl_megatron.model.bridge_import import have_transformer_engine
 
             te = have_transformer_engine() and torch.cuda.is_available()
-            attention = "TE" if te else "ours (SDPA / varlen)"
+            # the packed kernel the model was built with (megatron_config.attention_kernel, model/attention.py)
+            packed = {"sdpa": "masked SDPA"}.get(self.built.segment_kernel, self.built.segment_kernel)
+            attention = "TE" if te else f"ours (SDPA / {packed})"
             return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels), **threads}
         config = getattr(getattr(model, "model", model), "config", None)
         path = {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from skyrl_megatron.megatron_fields import section_fields
+from skyrl_megatron.model.attention_kernels import ATTENTION_KERNELS, FLASH4_INSTALL_FIX, SegmentKernel, flash4_installed
 from skyrl_megatron.model.lora_spec import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ class MegatronWorkerConfig:
     force_reconvert: bool = False
     empty_cuda_cache: bool = True
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
+    attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (model/attention_kernels.py)
     ddp_config: dict[str, Any] = field(default_factory=dict)
     optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -496,6 +498,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
         problems.append(Problem(f"{prefix}.moe_config.routing_replay", f"r3 replays MoE routes, but {shape.model_type} "
                                 "at the model path has no experts", "set routing_replay=null for a dense model"))
     problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
+    problems += _attention_kernel_problems(f"{prefix}.attention_kernel", mc.attention_kernel, mc.runtime)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
 
@@ -559,6 +562,22 @@ def _fused_kernel_problems(key: str, names) -> list[Problem]:
         for name in names
         if name not in FUSED_KERNELS
     ]
+
+
+def _attention_kernel_problems(key: str, kernel, runtime: str) -> list[Problem]:
+    """What can be told before any worker starts; the GPU's generation is checked at model build
+    (`model/attention.select_segment_kernel`)."""
+    if kernel not in ATTENTION_KERNELS:
+        hint = _did_you_mean(str(kernel), ATTENTION_KERNELS)
+        return [Problem(key, f"unknown kernel {kernel!r}", f"use one of {', '.join(ATTENTION_KERNELS)}"
+                        + (f" ({hint})" if hint.startswith("did") else ""))]
+    gpu_only = (SegmentKernel.FLASH4.value, SegmentKernel.VARLEN.value)
+    if kernel in gpu_only and runtime == "cpu":
+        return [Problem(key, f"{kernel} runs on GPUs, and runtime is cpu", "set attention_kernel=auto (masked SDPA on CPU)")]
+    if kernel == SegmentKernel.FLASH4.value and not flash4_installed():
+        return [Problem(key, "flash4 needs flash-attn-4 (the module flash_attn.cute), which is not installed here",
+                        FLASH4_INSTALL_FIX)]
+    return []
 
 
 def flex_backend_available(backend: str) -> bool:

@@ -54,6 +54,9 @@ BAD_VALUES = {
     "fused_kernels": ([f"{MC}.fused_kernels=[rope,swigl]"],
                       f"{MC}.fused_kernels: unknown kernel 'swigl'. Fix: did you mean 'swiglu'? "
                       "(known: rms_norm, rope, swiglu, logprobs)."),
+    "attention_kernel": ([f"{MC}.attention_kernel=flash3"],
+                         f"{MC}.attention_kernel: unknown kernel 'flash3'. Fix: use one of auto, flash4, varlen, sdpa "
+                         "(did you mean 'flash4'?)."),
     "tp_vs_gpus": (["trainer.placement.policy_num_gpus_per_node=3", f"{MC}.tensor_model_parallel_size=2"],
                    f"{MC}.tensor/pipeline/context_parallel_size: policy world size 3 (trainer.placement.policy_num_nodes "
                    "* policy_num_gpus_per_node) is not divisible by TP*PP*CP = 2*1*1 = 2. Fix: choose sizes whose "

@@ -16,6 +16,7 @@ import torch
 
 from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
 from skyrl_megatron.compute.microbatch.model_inputs import unpack_to_padded
+from skyrl_megatron.model.attention_kernels import SegmentKernel
 from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit, context_parallel_index
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.testing import run_on_ranks
@@ -23,6 +24,7 @@ from skyrl_megatron.testing import run_on_ranks
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 SCALE = 1.0 / math.sqrt(HEAD_DIM)
 ATOL = 1e-5
+MASKED_SDPA = SegmentKernel.MASKED_SDPA  # the CPU runtime's segment kernel (what `auto` picks there)
 
 
 # ---- the yardstick -----------------------------------------------------------------------------------
@@ -70,13 +72,13 @@ def test_packed_segments_match_reference_with_gqa():
     seq_lengths = [5, 1, 9, 3]
     query, key, value = _qkv(sum(seq_lengths))
     cu = torch.tensor([0, *seq_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    output = attend_segments(query, key, value, CausalSegments(cu, cu, 9, 9), SCALE, flash=False)
+    output = attend_segments(query, key, value, CausalSegments(cu, cu, 9, 9), SCALE, kernel=MASKED_SDPA)
     expected = _reference(query, key, value, seq_lengths)
     assert output.shape == query.shape
     assert (output - expected).abs().max().item() <= ATOL
     # packing must isolate sequences: attending over one unsegmented row changes later sequences
     whole = torch.tensor([0, sum(seq_lengths)], dtype=torch.int32)
-    unsegmented = attend_segments(query, key, value, CausalSegments(whole, whole, 18, 18), SCALE, flash=False)
+    unsegmented = attend_segments(query, key, value, CausalSegments(whole, whole, 18, 18), SCALE, kernel=MASKED_SDPA)
     assert (unsegmented[5:] - expected[5:]).abs().max().item() > 1e-2
 
 
@@ -93,7 +95,7 @@ def test_context_parallel_segments_reproduce_full_attention(cp_size):
     gathered_key, gathered_value = (torch.cat([x[index] for index in local]) for x in (key, value))
     for rank, index in enumerate(local):
         segments = context_parallel_segments(seq_lengths, rank, cp_size, torch.device("cpu"))
-        output = attend_segments(query[index], gathered_key, gathered_value, segments, SCALE, flash=False)
+        output = attend_segments(query[index], gathered_key, gathered_value, segments, SCALE, kernel=MASKED_SDPA)
         assert (output - expected[index]).abs().max().item() <= ATOL
 
 

@@ -1,5 +1,5 @@
-"""Core attention without Transformer Engine: torch SDPA and flash `varlen_attn`, with packed (THD)
-sequences and context parallelism (CP).
+"""Core attention without Transformer Engine: torch SDPA and a segment kernel (flash-attn-4, torch's
+`varlen_attn` or masked SDPA), with packed (THD) sequences and context parallelism (CP).
 
 It takes the place of Megatron's local `DotProductAttention` (which materialises S x S scores and
 supports neither THD nor CP) through the layer spec (:mod:`skyrl_megatron.model.layer_spec`), with the
@@ -20,8 +20,19 @@ shorter than its keys):
   the chunk's end.
   A padded batch under CP is the packed case with B sequences of length s * CP.
 
-The segment kernel is flash `varlen_attn` on CUDA in half precision, otherwise one SDPA call with a
-block-diagonal causal mask (exact; O(T^2) memory, meant for the CPU runtime and fp32 checks).
+The segment kernel (:class:`~skyrl_megatron.model.attention_kernels.SegmentKernel`) is picked in one
+place, :func:`select_segment_kernel`, from `megatron_config.attention_kernel` (default `auto`), the
+runtime, the dtype, the GPU and what is installed:
+
+* `flash4`: flash-attn-4's CuTe kernels (`flash_attn.cute`, an optional beta library compiled at first
+  use): Hopper (sm90) and Blackwell (sm100) GPUs in bf16/fp16; `auto` takes it wherever it can run;
+* `varlen`: torch's `varlen_attn` (FlashAttention-2 kernels), any CUDA GPU in bf16/fp16; `auto`'s
+  choice on other GPUs or without flash-attn-4;
+* `sdpa`: one SDPA call with a block-diagonal causal mask (exact; O(T^2) memory, meant for the CPU
+  runtime and fp32 checks); `auto`'s choice on CPU and in fp32.
+
+All three align a segment's causal mask bottom-right. A kernel asked for by name that cannot run here
+is an error naming the key, never a quiet fallback.
 """
 
 from __future__ import annotations
@@ -34,6 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from skyrl_megatron.model.attention_kernels import (
+    ATTENTION_KERNELS,
+    AUTO,
+    FLASH4_COMPUTE_MAJORS,
+    FLASH4_INSTALL_FIX,
+    KEY,
+    SegmentKernel,
+    flash4_installed,
+)
 from skyrl_megatron.model.context_parallel_layout import context_parallel_chunks, gathered_to_global_index
 from skyrl_megatron.runtime import Runtime, current_runtime, quiet_megatron_import
 
@@ -46,20 +66,71 @@ with quiet_megatron_import():
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import is_layer_window_attention
 
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def use_flash_varlen(runtime: Runtime, dtype: torch.dtype) -> bool:
-    """The one place that picks the segment kernel: flash attention runs on CUDA in half precision."""
-    return not runtime.is_cpu and dtype in _FLASH_DTYPES
+class AttentionKernelError(ValueError):
+    """The `attention_kernel` asked for cannot run here; the message names the key and the fix."""
 
 
-def describe_core_attention(runtime: Runtime) -> str:
+@functools.lru_cache(maxsize=16)
+def _compute_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _device_index(device: torch.device | None) -> int:
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
+def _flash4_obstacle(runtime: Runtime, dtype: torch.dtype, device: torch.device | None) -> tuple[str, str] | None:
+    """Why flash-attn-4 cannot run here, and the fix; None when it can."""
     if runtime.is_cpu:
-        packed = "masked SDPA (packed, CPU)"
-    else:
-        packed = "varlen_attn (packed, GPU bf16/fp16; masked SDPA in fp32)"
-    return f"torch SDPA (padded) / {packed}, CP all-gather"
+        return "flash-attn-4 runs on GPUs, and this worker runs the CPU runtime", f"set {KEY}=auto (masked SDPA on CPU)"
+    if dtype not in _HALF_DTYPES:
+        return f"flash-attn-4 runs in bf16/fp16, and the model computes in {dtype}", f"set trainer.bf16=true, or {KEY}=auto"
+    if not flash4_installed():  # before any CUDA call: where it is missing, nothing asks the GPU
+        return "flash-attn-4 (flash_attn.cute) is not installed", FLASH4_INSTALL_FIX
+    major, minor = _compute_capability(_device_index(device))
+    if major not in FLASH4_COMPUTE_MAJORS:
+        name = torch.cuda.get_device_name(_device_index(device))
+        problem = f"flash-attn-4 is used on Hopper (sm90) and Blackwell (sm100) GPUs; this one is sm{major}{minor} ({name})"
+        return problem, f"set {KEY}=auto, or varlen"
+    return None
+
+
+def select_segment_kernel(
+    runtime: Runtime, dtype: torch.dtype, setting: str = AUTO, device: torch.device | None = None
+) -> SegmentKernel:
+    """The one place that picks the segment kernel, for `megatron_config.attention_kernel` = `setting`.
+
+    auto: flash-attn-4 where it is installed and the GPU is sm90/sm100 in bf16/fp16 (measured faster than
+    varlen_attn, docs/perf_notes.md), else `varlen_attn` on a GPU in bf16/fp16, else masked SDPA.
+    """
+    if setting not in ATTENTION_KERNELS:
+        raise AttentionKernelError(f"{KEY}: unknown kernel {setting!r}. Fix: use one of {', '.join(ATTENTION_KERNELS)}.")
+    if setting == SegmentKernel.MASKED_SDPA.value:
+        return SegmentKernel.MASKED_SDPA
+    gpu_half = not runtime.is_cpu and dtype in _HALF_DTYPES
+    if setting == SegmentKernel.VARLEN.value:
+        if not gpu_half:
+            where = "the CPU runtime" if runtime.is_cpu else str(dtype)
+            raise AttentionKernelError(f"{KEY}=varlen: varlen_attn runs on CUDA in bf16/fp16, not in {where}. "
+                                       f"Fix: set {KEY}=auto.")
+        return SegmentKernel.VARLEN
+    obstacle = _flash4_obstacle(runtime, dtype, device)
+    if setting == SegmentKernel.FLASH4.value:
+        if obstacle is not None:
+            raise AttentionKernelError(f"{KEY}=flash4: {obstacle[0]}. Fix: {obstacle[1]}.")
+        return SegmentKernel.FLASH4
+    if obstacle is None:
+        return SegmentKernel.FLASH4
+    return SegmentKernel.VARLEN if gpu_half else SegmentKernel.MASKED_SDPA
+
+
+def describe_core_attention(runtime: Runtime, dtype: torch.dtype, setting: str = AUTO) -> str:
+    """The log line's words for the kernels a model of `dtype` runs (raises where `setting` cannot run)."""
+    kernel = select_segment_kernel(runtime, dtype, setting)
+    return f"torch SDPA (padded) / {kernel.label} (packed), CP all-gather"
 
 
 @dataclass(frozen=True)
@@ -121,28 +192,53 @@ def segment_causal_mask(segments: CausalSegments) -> Tensor:
     return (q_segment[:, None] == k_segment[None, :]) & (k_position[None, :] <= q_position[:, None])
 
 
-def attend_segments(
-    query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments, scale: float, flash: bool
-) -> Tensor:
-    """Causal attention over segments. query [Tq, heads, d], key/value [Tk, groups, d] -> [Tq, heads, d]."""
-    if segments.key_index is not None:
-        key = key.index_select(0, segments.key_index)
-        value = value.index_select(0, segments.key_index)
-    if flash:
-        from torch.nn.attention.varlen import varlen_attn
+@functools.lru_cache(maxsize=1)
+def _flash4_varlen():
+    """flash-attn-4's varlen entry, imported once (at model build: its CuTe DSL takes a few seconds)."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as exc:
+        # `auto` comes here too: the fix names the kernel that needs no flash-attn-4
+        raise AttentionKernelError(f"{KEY}: flash-attn-4 is installed but `from flash_attn.cute import "
+                                   f"flash_attn_varlen_func` failed ({exc}). Fix: reinstall it "
+                                   f"(pip install flash-attn-4), or set {KEY}=varlen.") from exc
+    return flash_attn_varlen_func
 
-        # window (-1, 0) is varlen_attn's causal mode; flash aligns it bottom-right, as segments require
-        return varlen_attn(
-            query,
-            key,
-            value,
-            segments.cu_seqlens_q,
-            segments.cu_seqlens_k,
-            segments.max_seqlen_q,
-            segments.max_seqlen_k,
-            scale=scale,
-            window_size=(-1, 0),
-        )
+
+def _flash4_segments(query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments, scale: float) -> Tensor:
+    # flash-attn-4 aligns its causal mask bottom-right when queries are fewer than keys, as segments require
+    result = _flash4_varlen()(
+        query,
+        key,
+        value,
+        cu_seqlens_q=segments.cu_seqlens_q,
+        cu_seqlens_k=segments.cu_seqlens_k,
+        max_seqlen_q=segments.max_seqlen_q,
+        max_seqlen_k=segments.max_seqlen_k,
+        softmax_scale=scale,
+        causal=True,
+    )
+    return result[0] if isinstance(result, tuple) else result  # (out, lse) in some releases
+
+
+def _varlen_segments(query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments, scale: float) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    # window (-1, 0) is varlen_attn's causal mode; flash aligns it bottom-right, as segments require
+    return varlen_attn(
+        query,
+        key,
+        value,
+        segments.cu_seqlens_q,
+        segments.cu_seqlens_k,
+        segments.max_seqlen_q,
+        segments.max_seqlen_k,
+        scale=scale,
+        window_size=(-1, 0),
+    )
+
+
+def _masked_sdpa_segments(query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments, scale: float) -> Tensor:
     output = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0),
         key.transpose(0, 1).unsqueeze(0),
@@ -152,6 +248,23 @@ def attend_segments(
         enable_gqa=True,
     )
     return output.squeeze(0).transpose(0, 1)
+
+
+_SEGMENT_KERNELS = {
+    SegmentKernel.FLASH4: _flash4_segments,
+    SegmentKernel.VARLEN: _varlen_segments,
+    SegmentKernel.MASKED_SDPA: _masked_sdpa_segments,
+}
+
+
+def attend_segments(
+    query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments, scale: float, kernel: SegmentKernel
+) -> Tensor:
+    """Causal attention over segments. query [Tq, heads, d], key/value [Tk, groups, d] -> [Tq, heads, d]."""
+    if segments.key_index is not None:
+        key = key.index_select(0, segments.key_index)
+        value = value.index_select(0, segments.key_index)
+    return _SEGMENT_KERNELS[kernel](query, key, value, segments, scale)
 
 
 def _sbhd_to_bhsd(x: Tensor) -> Tensor:
@@ -170,7 +283,9 @@ def _all_gather_over_context_parallel(tensor: Tensor, group) -> Tensor:
 
 
 class CoreAttention(MegatronModule):
-    """Causal self-attention core: SDPA / varlen flash attention, THD packing, CP by K/V all-gather."""
+    """Causal self-attention core: SDPA (padded) / a segment kernel (packed), CP by K/V all-gather.
+
+    `attention_kernel` is `megatron_config.attention_kernel` (the layer spec binds it)."""
 
     def __init__(
         self,
@@ -182,6 +297,7 @@ class CoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        attention_kernel: str = AUTO,
     ):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -214,6 +330,12 @@ class CoreAttention(MegatronModule):
         # the plain one.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.runtime = current_runtime()
+        self.attention_kernel = attention_kernel
+        self._kernels: dict[tuple[torch.dtype, torch.device], SegmentKernel] = {}
+        # chosen (and refused, where it cannot run) at model build, for the model's dtype on this device
+        self.segment_kernel = self._segment_kernel(config.params_dtype, self.runtime.torch_device)
+        if self.segment_kernel is SegmentKernel.FLASH4:
+            _flash4_varlen()
 
     def forward(
         self,
@@ -262,7 +384,7 @@ class CoreAttention(MegatronModule):
         if self.cp_size == 1:
             max_seqlen = params.max_seqlen_q or int(cu_seqlens.diff().max())
             segments = CausalSegments(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
-            output = attend_segments(query, key, value, segments, self.softmax_scale, self._flash(query))
+            output = attend_segments(query, key, value, segments, self.softmax_scale, self._kernel(query))
         else:
             output = self._context_parallel(query, key, value, tuple(cu_seqlens.diff().tolist()))
         return output.reshape(output.shape[0], -1)
@@ -271,7 +393,13 @@ class CoreAttention(MegatronModule):
         key = _all_gather_over_context_parallel(key, self.cp_group)
         value = _all_gather_over_context_parallel(value, self.cp_group)
         segments = context_parallel_segments(seq_lengths, self.cp_group.rank(), self.cp_size, query.device)
-        return attend_segments(query, key, value, segments, self.softmax_scale, self._flash(query))
+        return attend_segments(query, key, value, segments, self.softmax_scale, self._kernel(query))
 
-    def _flash(self, query: Tensor) -> bool:
-        return use_flash_varlen(self.runtime, query.dtype)
+    def _kernel(self, query: Tensor) -> SegmentKernel:
+        return self._segment_kernel(query.dtype, query.device)
+
+    def _segment_kernel(self, dtype: torch.dtype, device: torch.device) -> SegmentKernel:
+        # decided once per dtype and device: the decision reads the GPU and looks for flash-attn-4
+        if (dtype, device) not in self._kernels:
+            self._kernels[dtype, device] = select_segment_kernel(self.runtime, dtype, self.attention_kernel, device)
+        return self._kernels[dtype, device]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.config import MoeSettings
+from skyrl_megatron.model.attention_kernels import AUTO
 from skyrl_megatron.model.bridge_import import have_transformer_engine, import_bridge
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
@@ -58,6 +59,8 @@ class ModelSpec:
     moe: MoeSettings = field(default_factory=MoeSettings)  # routing/dispatch of MoE models; ignored for dense
     # generated kernels for the TE-free layers on GPU (model/fusions.py); ignored on CPU
     fused_kernels: tuple[str, ...] = DEFAULT_FUSED_KERNELS
+    # the packed segment kernel of our core attention (model/attention.py): auto | flash4 | varlen | sdpa
+    attention_kernel: str = AUTO
     # None: the LM head (logprobs); else the critic's scalar value head (model/value_head.py)
     value_head: ValueHeadInit | None = None
 
@@ -108,6 +111,18 @@ class BuiltModel:
             "logprobs": self.fused_logprobs,
         }
         return tuple(name for name, used in present.items() if used)
+
+    @property
+    def segment_kernel(self) -> str | None:
+        """The packed-attention kernel our core attention runs in the model's dtype (`attention_kernel`'s
+        value: flash4, varlen, sdpa); None where Transformer Engine's attention runs."""
+        from skyrl_megatron.model.attention import CoreAttention
+
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                if isinstance(module, CoreAttention):
+                    return module.segment_kernel.value
+        return None
 
 
 def _hf_model_type(hf_path: str) -> str:
@@ -180,7 +195,9 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         settings["gradient_accumulation_fusion"] = False
     for key, value in settings.items():
         setattr(provider, key, value)
-    provider.transformer_layer_spec = layer_spec_for(provider, runtime, fused_norms=spec.fused("rms_norm", runtime))
+    provider.transformer_layer_spec = layer_spec_for(
+        provider, runtime, fused_norms=spec.fused("rms_norm", runtime), attention_kernel=spec.attention_kernel
+    )
     provider.finalize()
     return provider
 

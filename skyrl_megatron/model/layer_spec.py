@@ -2,9 +2,9 @@
 
 Transformer Engine's layer spec when TE is importable on GPU; otherwise Megatron's local (TE-free)
 layer spec with our sequence-parallel-capable torch norms in place of Megatron's wrapped ones
-(including the block's final norm) and our core attention (SDPA / varlen flash attention, packed
-sequences, context parallelism) in place of Megatron's `DotProductAttention`. The choice is logged
-once per process.
+(including the block's final norm) and our core attention (SDPA, a packed segment kernel chosen by
+`megatron_config.attention_kernel`, context parallelism) in place of Megatron's `DotProductAttention`.
+The choice is logged once per process.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 
+from skyrl_megatron.model.attention_kernels import AUTO, KEY
 from skyrl_megatron.model.bridge_import import have_transformer_engine
 from skyrl_megatron.model.norm import FusedTorchNorm, TorchNorm
 from skyrl_megatron.runtime import Runtime
@@ -68,8 +69,9 @@ def _with_grouped_experts(layer):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 
-def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False):
-    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention.
+def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False, attention_kernel: str = AUTO):
+    """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention
+    (its segment kernel from `attention_kernel`, `megatron_config.attention_kernel`).
 
     MoE layers with `moe_grouped_gemm` run their experts as grouped GEMMs (Megatron's local spec
     would run them one by one, whatever the flag says).
@@ -91,21 +93,26 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
     )
     norm = FusedTorchNorm if fused_norms else TorchNorm
     layer = _replace_modules(layer, WrappedTorchNorm, norm)
-    layer = _with_core_attention(layer, CoreAttention)
+    # Megatron calls the core-attention builder with keywords; the partial adds the setting
+    layer = _with_core_attention(layer, functools.partial(CoreAttention, attention_kernel=attention_kernel))
     if config.num_moe_experts and config.moe_grouped_gemm:
         layer = _with_grouped_experts(layer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
-def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False):
+def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attention_kernel: str = AUTO):
     """The spec (or spec factory) to set as `provider.transformer_layer_spec`.
 
     `fused_norms`: RMSNorm as a generated kernel in the local spec (TE brings its own).
+    `attention_kernel`: the packed segment kernel of our core attention; refused here, at model build,
+    where it cannot run (e.g. flash4 on a GPU older than Hopper).
     """
     if have_transformer_engine() and not runtime.is_cpu:
         from megatron.bridge.models.gpt_provider import transformer_engine_layer_spec
 
+        if attention_kernel != AUTO:
+            logger.warning("%s=%s is ignored: Transformer Engine's attention runs", KEY, attention_kernel)
         _report("transformer_engine")
         return transformer_engine_layer_spec
     from skyrl_megatron.model.attention import describe_core_attention
@@ -115,6 +122,6 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False):
         experts = "; experts: " + ("grouped GEMM" if provider.moe_grouped_gemm else "sequential")
     _report(
         f"local (Megatron-Core layers, {'fused' if fused_norms else 'torch'} norms; TE not installed); "
-        f"core attention: {describe_core_attention(runtime)}{experts}"
+        f"core attention: {describe_core_attention(runtime, provider.params_dtype, attention_kernel)}{experts}"
     )
-    return functools.partial(local_block_spec, fused_norms=fused_norms)
+    return functools.partial(local_block_spec, fused_norms=fused_norms, attention_kernel=attention_kernel)

@@ -92,6 +92,7 @@ class MegatronWorkerMixin:
             cache=ConversionCacheSettings(root=m.checkpoint_cache_dir, force_reconvert=m.force_reconvert),
             moe=m.moe_config,
             fused_kernels=tuple(m.fused_kernels),
+            attention_kernel=m.attention_kernel,
             # only a trained role gets adapters; the reference model is the frozen base
             lora=LoraSpec.from_host_config(self.host_cfg, self.role) if self.trains else None,
         )

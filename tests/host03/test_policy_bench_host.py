@@ -73,7 +73,8 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     (case,) = report["cases"]
     assert (case["case"], case["gpus"]) == ("megatron:tp2", 2)
     path = case["path"]
-    assert (path["transformer_engine"], path["attention"]) == (False, "ours (SDPA / varlen)")
+    # the packed kernel the workers built with: masked SDPA on the CPU runtime (attention_kernel=auto)
+    assert (path["transformer_engine"], path["attention"]) == (False, "ours (SDPA / masked SDPA)")
     assert path["torch_threads"] >= 1  # recorded: host-side thread pools were a GPU bottleneck
     assert report["tokens"] == case["tokens"] > 0
     for phase in ("forward", "train"):
@@ -98,7 +99,7 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     text = markdown.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     # the path column names the kernels that ran: on CPU every fusion is off
-    assert "| megatron:tp2 | ours (SDPA / varlen), fused: none | train |" in text
+    assert "| megatron:tp2 | ours (SDPA / masked SDPA), fused: none | train |" in text
     assert case["path"]["fused_kernels"] == []
     assert "| in worker, s |" in text
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

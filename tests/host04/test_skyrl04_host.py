@@ -73,7 +73,7 @@ def test_our_keys_have_their_0_3_1_names_and_defaults(base):
     ours = yaml.safe_load((REPO / "config" / "megatron" / "policy.yaml").read_text())
     section = cfg.trainer.policy.megatron_config
     for key in ("runtime", "virtual_pipeline_model_parallel_size", "sequence_parallel", "fused_kernels",
-                "checkpoint_cache_dir", "force_reconvert", "max_tokens_per_microbatch"):
+                "checkpoint_cache_dir", "force_reconvert", "max_tokens_per_microbatch", "attention_kernel"):
         expected = "cpu" if key == "runtime" else ours[key]
         assert getattr(section, key) == expected, key
     worker = MegatronWorkerConfig.from_host_config(current().our_view(cfg), "policy")
@@ -89,6 +89,7 @@ def test_the_same_overrides_as_on_0_3_1_reach_our_worker_config(base):
         f"{MC}.tensor_model_parallel_size=2",
         f"{MC}.virtual_pipeline_model_parallel_size=null",
         f"{MC}.fused_kernels=[rope]",
+        f"{MC}.attention_kernel=varlen",
         f"{MC}.max_tokens_per_microbatch=4096",
         f"{MC}.moe_config.token_dispatcher=allgather",
         f"{MC}.ddp_config.bucket_size=1000000",
@@ -98,7 +99,7 @@ def test_the_same_overrides_as_on_0_3_1_reach_our_worker_config(base):
     view = current().our_view(cfg)
     worker = MegatronWorkerConfig.from_host_config(view, "policy")
     assert worker.tensor_model_parallel_size == 2 and worker.fused_kernels == ["rope"]
-    assert worker.max_tokens_per_microbatch == 4096
+    assert worker.max_tokens_per_microbatch == 4096 and worker.attention_kernel == "varlen"
     assert worker.moe_config.token_dispatcher == "allgather"
     assert worker.ddp_config["bucket_size"] == 1000000 and worker.ddp_config["use_distributed_optimizer"] is True
     assert worker.lora_config.weight_sync == "adapters"
