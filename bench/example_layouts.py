@@ -103,13 +103,15 @@ def _scaled_sizes(overrides: list[str], role: str, gpus: int) -> dict[str, int]:
     return {key: value for key, value in sizes.items() if key in given or value != 1}
 
 
-def scale_example(script: Path, workdir: Path, gpus: int = 2) -> ScaledExample:
-    """`script`'s layout on `gpus` GPUs of one node with its model cut to `SCALED_LAYERS` layers."""
+def scale_example(script: Path, workdir: Path, gpus: int = 2, full_size: bool = False) -> ScaledExample:
+    """`script`'s layout on `gpus` GPUs of one node with its model cut to `SCALED_LAYERS` layers, or with
+    all of the published model's layers (`full_size`: issue 23, the 30B-A3B script on one 8-GPU node)."""
     overrides = launch_overrides(script, workdir)
     model_json = model_config_of(script)
     name = model_json.stem
     config = json.loads(model_json.read_text())
-    config["num_hidden_layers"] = SCALED_LAYERS[name]
+    if not full_size:
+        config["num_hidden_layers"] = SCALED_LAYERS[name]
     kept = [o for o in overrides if o.split("=", 1)[0] in _KEPT_KEYS]
     for role in ("policy", "ref"):
         prefix = f"trainer.{role}.megatron_config."

@@ -149,6 +149,8 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--only", default="", help="run the scripts whose name contains one of these (comma-separated)")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per example run")
+    parser.add_argument("--full-size", action="store_true",
+                        help="every layer of the published model (issue 23: run_qwen3_30b_a3b_1node.sh on 8 GPUs)")
     parser.add_argument("--generate-length", type=int, default=0,
                         help=f"tokens per reply (0: {LONG_REPLIES} without recompute, {SHORT_REPLIES} with full recompute)")
     args = parser.parse_args()
@@ -160,7 +162,7 @@ def main() -> int:
     wanted = args.only.split(",")
     scripts = [s for s in sorted(EXAMPLES.glob("run_qwen3_*.sh")) if any(part in s.name for part in wanted)]
     works = {s: args.out / s.stem for s in scripts}
-    examples = {s: scale_example(s, works[s] / "launch", args.gpus) for s in scripts}
+    examples = {s: scale_example(s, works[s] / "launch", args.gpus, full_size=args.full_size) for s in scripts}
     results = []
     # The first checkpoint is built on the idle GPUs (a 6B-parameter one takes 90 s on the CPU) by a process
     # that exits before the first run; each later one on the CPU while the example before it runs.

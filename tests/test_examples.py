@@ -28,7 +28,7 @@ from skyrl_megatron.planner.cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # the example readers are the bench's (bench/example_layouts.py)
-from example_layouts import EXAMPLES, MODEL_CONFIGS, launch_overrides, model_config_of, plan_of  # noqa: E402
+from example_layouts import EXAMPLES, MODEL_CONFIGS, launch_overrides, model_config_of, plan_of, scale_example  # noqa: E402
 
 SCRIPTS = sorted(EXAMPLES.glob("run_*.sh"))
 PLANNED = [s for s in SCRIPTS if s.name != "run_fsdp_baseline.sh"]
@@ -166,3 +166,17 @@ def test_model_configs_carry_the_published_shape_and_load_in_transformers(name, 
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert loaded.model_type == config["model_type"]
     assert loaded.num_hidden_layers == config["num_hidden_layers"]
+
+
+def test_the_full_size_one_node_30b_example_keeps_every_layer_and_its_layout(tmp_path):
+    """Issue 23's run (`bench/gpu_examples.py --full-size --gpus 8`): the 30B-A3B one-node script on the 8 GPUs
+    its header names keeps the published 48 layers, and the planner is asked about exactly its pasted plan."""
+    script = EXAMPLES / "run_qwen3_30b_a3b_1node.sh"
+    example = scale_example(script, tmp_path / "launch", gpus=8, full_size=True)
+    assert example.model_config["num_hidden_layers"] == PUBLISHED["Qwen3-30B-A3B"]["num_hidden_layers"] == 48
+    pasted = build_parser().parse_args(plan_of(script)[0])
+    full = build_parser().parse_args(["--model", str(model_config_of(script)), *example.planner_args])
+    for key in ("nodes", "gpus_per_node", "tp", "pp", "cp", "ep", "etp", "micro_batch_tokens", "recompute"):
+        assert getattr(full, key) == getattr(pasted, key), key
+    scaled = scale_example(script, tmp_path / "scaled", gpus=2)
+    assert scaled.model_config["num_hidden_layers"] == 4  # the 2-GPU runs of sessions 13-15 stay as they were
