@@ -45,30 +45,9 @@ def plugin_requirements() -> list[str]:
     return project["dependencies"] + project["optional-dependencies"]["skyrl"]
 
 
-class PipResolve:
-    """`pip install --dry-run --report` of some requirements, running in the background."""
-
-    def __init__(self, process: subprocess.Popen, report: Path, name: str):
-        self.process, self.report, self.name = process, report, name
-
-    def versions(self) -> dict[str, str]:
-        """Waits for pip: {normalised name: version} of the resolution (or fails the test with pip's words)."""
-        try:
-            output, _ = self.process.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            output, _ = self.process.communicate()
-        log = output[-6000:]
-        if self.process.returncode != 0 and UNREACHABLE.search(log):
-            pytest.fail(f"pip could not reach the package index: this test needs registry access (PyPI).\n{log}")
-        assert self.process.returncode == 0, f"the image's pins do not resolve ({self.name}):\n{log}"
-        resolved = json.loads(self.report.read_text())["install"]
-        return {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item["metadata"]["version"] for item in resolved}
-
-
-def start_pip_resolve(specs: list[str], workdir: Path, name: str, *flags: str) -> PipResolve:
-    """Start resolving `specs`. Both of this file's resolves mostly wait on the index, so they run at once."""
-    req_file, report = workdir / f"{name}.txt", workdir / f"{name}.json"
+def pip_resolve(specs: list[str], tmp_path: Path, name: str, *flags: str) -> dict[str, str]:
+    """Resolve `specs` with `pip install --dry-run --report`; {normalised name: version} of the result."""
+    req_file, report = tmp_path / f"{name}.txt", tmp_path / f"{name}.json"
     req_file.write_text("\n".join(specs) + "\n")
     cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
            "--timeout", "60", "--retries", "2", "--report", str(report), *flags, "-r", str(req_file)]
@@ -79,8 +58,13 @@ def start_pip_resolve(specs: list[str], workdir: Path, name: str, *flags: str) -
     # as pure Python (no CUDA compile, no prebuilt-binary download), exactly as the image installs it.
     # PIP_CONFIG_FILE=os.devnull: no pip config file at all (--isolated still reads the site-wide one).
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"}
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    return PipResolve(process, report, name)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    log = (out.stdout + out.stderr)[-6000:]
+    if out.returncode != 0 and UNREACHABLE.search(log):
+        pytest.fail(f"pip could not reach the package index: this test needs registry access (PyPI).\n{log}")
+    assert out.returncode == 0, f"the image's pins do not resolve ({name}):\n{log}"
+    resolved = json.loads(report.read_text())["install"]
+    return {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item["metadata"]["version"] for item in resolved}
 
 
 def pinned(specs: list[str]) -> dict[str, str]:
@@ -96,35 +80,18 @@ def the_image_platform():
     assert importlib.util.find_spec("torch"), "torch is needed to build flash-attn's metadata: run scripts/setup.sh"
 
 
-@pytest.fixture(scope="module")
-def resolutions(the_image_platform, tmp_path_factory):
-    """Both resolves of this file, started together: the image's set with dependencies (plus the plugin's
-    own), and the packages it installs without them."""
-    with_deps, no_deps = image_pins()
-    workdir = tmp_path_factory.mktemp("pip")
-    started = {
-        "image": start_pip_resolve(with_deps + plugin_requirements(), workdir, "image", "--no-build-isolation"),
-        "no-deps": start_pip_resolve(no_deps, workdir, "no-deps", "--no-deps", "--no-build-isolation"),
-    }
-    yield started
-    for resolve in started.values():  # one whose test did not run (-k) must not outlive the module
-        if resolve.process.poll() is None:
-            resolve.process.kill()
-            resolve.process.communicate()
-
-
-def test_every_pin_of_the_image_resolves_together_with_transformer_engine_and_the_plugin(resolutions):
+def test_every_pin_of_the_image_resolves_together_with_transformer_engine_and_the_plugin(tmp_path):
     with_deps, _ = image_pins()
     assert any(spec.startswith("transformer-engine[") for spec in with_deps)  # the WITH_TE=1 set is a superset
-    resolved = resolutions["image"].versions()
+    resolved = pip_resolve(with_deps + plugin_requirements(), tmp_path, "image", "--no-build-isolation")
     for name, version in pinned(with_deps).items():
         assert resolved.get(name) == version, (name, version, resolved.get(name))
     # torch's PyPI wheel brings the CUDA runtime the build arg names (and the base image's nvcc must match)
     assert resolved["cuda-toolkit"].startswith(build_args()["CUDA_VERSION"] + "."), resolved["cuda-toolkit"]
 
 
-def test_the_packages_installed_without_dependencies_exist_for_the_image_platform(resolutions):
+def test_the_packages_installed_without_dependencies_exist_for_the_image_platform(tmp_path):
     _, no_deps = image_pins()
     assert "megatron-bridge==0.6.2" in no_deps and "flash-attn==2.8.3" in no_deps
-    resolved = resolutions["no-deps"].versions()
+    resolved = pip_resolve(no_deps, tmp_path, "no-deps", "--no-deps", "--no-build-isolation")
     assert resolved == pinned(no_deps)
