@@ -36,6 +36,12 @@ TOTAL_STEPS = 4
 WORLD1 = {}
 TP2_SP = {"tensor": 2, "sequence_parallel": True}
 CROSS_LAYOUT_ATOL = 1e-6
+# The loss here is Megatron's own (labels passed to the model), not one of our code paths. Its fused
+# cross-entropy is torch.compile'd: on CPU every fresh rank process then spends ~20 s probing the
+# compiler (Inductor builds and loads a test program per vector ISA), several times what the rank's
+# training costs. The unfused cross-entropy gives the same properties to check: a real vocab-parallel
+# loss whose gradients train the model, identical before and after a resume.
+UNFUSED_LOSS = {"cross_entropy_loss_fusion": False}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,6 +97,7 @@ def _setup(hf_dir: str, layout: dict, distributed_optimizer: bool):
             hf_dir,
             parallel=parallel,
             dtype="fp32",
+            transformer_overrides=UNFUSED_LOSS,
             wrap_with_ddp=True,
             ddp_config={"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True},
         )

@@ -69,12 +69,17 @@ def _steps(records: list[dict]) -> list[int]:
     return [r["step"] for r in records if "trainer/global_step" in r]
 
 
-def _policy_worker_pids() -> list[int]:
+def _policy_worker_pids(demo: subprocess.Popen) -> list[int]:
+    """The demo's policy workers: Ray starts them under the raylet the demo started. Only its own, so
+    that another Ray run on the machine (a second test session) is never counted or killed."""
     pids = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
+    for process in psutil.Process(demo.pid).children(recursive=True):
+        try:
+            cmdline = " ".join(process.cmdline())
+        except psutil.NoSuchProcess:
+            continue
         if cmdline.startswith("ray::MegatronPolicyWorker"):
-            pids.append(process.info["pid"])
+            pids.append(process.pid)
     return sorted(pids)
 
 
@@ -91,7 +96,7 @@ def interrupted_then_resumed(tmp_path_factory):
         assert first.poll() is None, f"demo ended before step {KILL_AFTER_STEP}:\n{first.communicate()[1][-4000:]}"
         assert time.monotonic() < deadline, "demo too slow"
         time.sleep(0.5)
-    victims = _policy_worker_pids()
+    victims = _policy_worker_pids(first)
     assert len(victims) == 2, victims  # TP=2
     victim = victims[-1]
     os.kill(victim, signal.SIGKILL)

@@ -128,8 +128,11 @@ def _adam_and_skip(rank, world, hf_dir):
 
     init_distributed("cpu")
     initialize_model_parallel(ParallelConfig(), seed=0)
+    # Megatron's unfused cross-entropy: its fused one is torch.compile'd, and on CPU a fresh process
+    # spends ~20 s probing the compiler before the first step (the loss is only a source of gradients)
     built = build_model(
-        ModelSpec(hf_dir, dtype="bf16", wrap_with_ddp=True, ddp_config={"use_distributed_optimizer": True})
+        ModelSpec(hf_dir, dtype="bf16", transformer_overrides={"cross_entropy_loss_fusion": False},
+                  wrap_with_ddp=True, ddp_config={"use_distributed_optimizer": True})
     )
     (model,) = built.chunks
     host = {**HOST, "adam_betas": [0.8, 0.95], "num_warmup_steps": 0, "max_grad_norm": 0.0, "scheduler": "linear"}

@@ -41,6 +41,10 @@ def _all_reduce_rank(rank: int, world_size: int, offset: float, *, scale: float)
     }
 
 
+def _environment_variable(rank: int, world_size: int, name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def _raise_on_one_exit_on_two(rank: int, world_size: int) -> int:
     if rank == 1:
         raise ValueError("boom from the second rank")
@@ -72,6 +76,17 @@ def test_run_on_ranks_returns_all_reduce_results_in_rank_order():
         assert result["env_marker"] == "set"
         assert result["threads"] == 1
     assert torch.equal(results[1]["big"], torch.ones(BIG_RESULT_NUMEL))
+
+
+@pytest.mark.slow
+def test_ranks_see_the_callers_environment_as_it_is_at_the_call(monkeypatch):
+    """Ranks fork from a server started earlier, with the environment of that time: each call's own counts."""
+    monkeypatch.setenv("TOOLKIT_TEST_CALLER_VAR", "first")
+    assert toolkit.run_on_ranks(_environment_variable, 2, "TOOLKIT_TEST_CALLER_VAR") == ["first", "first"]
+    monkeypatch.setenv("TOOLKIT_TEST_CALLER_VAR", "second")
+    assert toolkit.run_on_ranks(_environment_variable, 1, "TOOLKIT_TEST_CALLER_VAR") == ["second"]
+    monkeypatch.delenv("TOOLKIT_TEST_CALLER_VAR")
+    assert toolkit.run_on_ranks(_environment_variable, 1, "TOOLKIT_TEST_CALLER_VAR") == [None]
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import time
 import warnings
 from pathlib import Path
 
-from skyrl_megatron.demo.task import write_prompts
+from skyrl_megatron.demo.task import DEMO_PROMPTS, write_prompts
 
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 4
@@ -179,7 +179,7 @@ def check_before_the_model_exists(overrides: list[str], model_dir: Path) -> None
 def prepare(run_dir: Path, steps: int, gpu: bool = False, model: Path | None = None) -> tuple[Path, Path]:
     """The checkpoint (`model`, else tiny, or Qwen3-0.6B-shaped for --gpu; random weights) and the prompt
     file, created once per run directory (a rerun resumes on them)."""
-    model_dir, prompts = model or run_dir / "model", run_dir / "data" / "prompts.jsonl"
+    model_dir, prompts = model or run_dir / "model", run_dir / DEMO_PROMPTS
     if model is not None and not (model / "config.json").is_file():
         raise SystemExit(f"skyrl-megatron demo: --model {model}: no config.json there; give an HF checkpoint directory")
     if not (model_dir / "config.json").exists():
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model or run_dir / "model"
     if not (model_dir / "config.json").exists():
         # the demo creates its model with torch: the rest of the config is checked before that
-        prompts = run_dir / "data" / "prompts.jsonl"
+        prompts = run_dir / DEMO_PROMPTS
         planned = run_overrides(run_dir, model_dir, prompts, args.steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
                                 extra=args.overrides)
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import ray
 import torch
 
 from skyrl_megatron.hosts import current
-from skyrl_megatron.demo.task import register_environment
+from skyrl_megatron.demo.task import DEMO_PROMPTS, register_environment
 
 REWARD = "reward/avg_raw_reward"
 VALUE_LOSS = "critic/critic_loss"  # PPO runs only (`--ppo`)
@@ -239,6 +240,18 @@ def experiment_class(run_dir: Path):
 
         def get_tracker(self):
             return StepReporter(run_dir / "metrics.jsonl")
+
+        def get_train_dataset(self):
+            """The host's prompt dataset; the demo's own prompt file is length-filtered in this process.
+            The host filters in 8 worker processes (skyrl 0.4 spawns them, each importing the tokenizer
+            stack: ~20 s of a 2-core machine's start-up); the demo's file has a few hundred rows at
+            most, which one process filters in milliseconds, to the same rows. Other data (a
+            `data.train_data` override) gets the host's workers."""
+            if [str(path) for path in self.cfg.data.train_data] != [str(run_dir.resolve() / DEMO_PROMPTS)]:
+                return super().get_train_dataset()
+            prompt_dataset = vars(sys.modules[base.get_train_dataset.__module__])["PromptDataset"]
+            return prompt_dataset(datasets=self.cfg.data.train_data, tokenizer=self.tokenizer,
+                                  max_prompt_length=self.cfg.trainer.max_prompt_length, num_workers=1)
 
         def get_trainer(self, cfg, tracker, tokenizer, train_dataset, eval_dataset, inference_engine_client,
                         generator, colocate_pg):

@@ -15,6 +15,9 @@ from typing import Any
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
+# where in a run directory the demo writes its prompt file
+DEMO_PROMPTS = Path("data") / "prompts.jsonl"
+
 ENV_ID = "skyrl_megatron_digits"
 INSTRUCTIONS = ("Reply with digits only.", "Digits please:", "Answer in digits.", "Only numbers:")
 

@@ -5,17 +5,22 @@ it unsafe to initialize twice in one process, so every multi-rank test needs rea
 `run_on_ranks` does that with the failure modes tests actually hit made visible: the traceback of
 every rank that raised, the exit code of a rank that died silently, and the ranks that hung past
 a hard timeout (which are killed, so a stuck collective never wedges the test session).
+
+Ranks are forked from a server process (multiprocessing's "forkserver") that imported the heavy
+libraries once (`testing/rank_preload.py`), instead of each starting a fresh interpreter: a rank
+otherwise spends seconds importing before it runs anything. The server itself runs nothing, so
+each rank still starts from a clean state; it gets the caller's current environment variables.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -37,7 +42,8 @@ _FAILURE_GRACE_S = 10.0
 _TERMINATE_GRACE_S = 3.0
 # Poll interval of the parent's wait loop; it bounds how late a silent death is noticed.
 _POLL_S = 0.1
-_PR_SET_PDEATHSIG = 1
+# Imported once by the rank server before it forks ranks (see the module docstring).
+_PRELOAD = ["skyrl_megatron.testing.rank_preload"]
 
 
 class DistributedTestError(RuntimeError):
@@ -78,13 +84,15 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _rank_server()
     reports: Queue = ctx.Queue()
     port = _free_port()
+    # the caller's environment as it is now: the rank server's own dates from the server's start
+    inherited = dict(os.environ)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, backend, dict(env or {}), args, kwargs, reports),
+            args=(fn, rank, world_size, port, backend, inherited, dict(env or {}), args, kwargs, reports),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -100,6 +108,13 @@ def run_on_ranks(
     return _results_or_raise(received, procs, hung, time.monotonic() - start)
 
 
+def _rank_server() -> mp.context.BaseContext:
+    """The forkserver context; the server starts (and imports `_PRELOAD`) on the first rank's start."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _free_port() -> int:
     """Ask the OS for an unused TCP port for the rendezvous store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -113,6 +128,7 @@ def _rank_main(
     world_size: int,
     port: int,
     backend: str,
+    inherited: dict[str, str],
     env: dict[str, str],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -121,6 +137,8 @@ def _rank_main(
     """Child entry point: set up the rank, run `fn`, report the result or the traceback."""
     try:
         _die_with_parent()
+        os.environ.clear()
+        os.environ.update(inherited)
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -156,15 +174,22 @@ def _stop_own_children() -> None:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this child if the parent dies, so a killed test run leaves no orphans."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: rely on the parent's cleanup alone
+    """SIGKILL this rank once the process that called `run_on_ranks` is gone, so a killed test run leaves
+    no orphans.
+
+    The rank's parent process is the rank server, not the caller, and the server lives as long as any
+    rank does, so the parent's death (prctl's PDEATHSIG) would never come. multiprocessing keeps a pipe
+    from the caller to each child that closes only when the caller exits; a thread waits on it. A caller
+    already gone when the thread starts ends the rank at once."""
+    caller = mp.parent_process()
+    if caller is None:
         return
-    parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # the parent died before prctl took effect
-        os._exit(1)
+
+    def watch() -> None:
+        caller.join()  # returns when the caller's end of the pipe closes
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-caller", daemon=True).start()
 
 
 def _to_cpu(value: Any) -> Any:
