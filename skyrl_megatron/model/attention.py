@@ -25,9 +25,9 @@ place, :func:`select_segment_kernel`, from `megatron_config.attention_kernel` (d
 runtime, the dtype, the GPU and what is installed:
 
 * `flash4`: flash-attn-4's CuTe kernels (`flash_attn.cute`, an optional beta library compiled at first
-  use): Hopper (sm90) and Blackwell (sm100) GPUs in bf16/fp16; `auto` takes it wherever it can run;
+  use): Hopper (sm90) and Blackwell (sm100) GPUs in bf16/fp16; by name only until `AUTO_TAKES_FLASH4`;
 * `varlen`: torch's `varlen_attn` (FlashAttention-2 kernels), any CUDA GPU in bf16/fp16; `auto`'s
-  choice on other GPUs or without flash-attn-4;
+  choice on GPUs;
 * `sdpa`: one SDPA call with a block-diagonal causal mask (exact; O(T^2) memory, meant for the CPU
   runtime and fp32 checks); `auto`'s choice on CPU and in fp32.
 
