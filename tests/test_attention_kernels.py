@@ -63,20 +63,11 @@ CHOSEN = {
 
 
 @pytest.mark.parametrize("setting,runtime,dtype,capability,installed,expected", CHOSEN.values(), ids=CHOSEN.keys())
-def test_the_kernel_chosen_for_each_setting_device_and_dtype(device_facts, monkeypatch, setting, runtime, dtype,
+def test_the_kernel_chosen_for_each_setting_device_and_dtype(device_facts, setting, runtime, dtype,
                                                               capability, installed, expected):
     device_facts(capability, installed)
-    monkeypatch.setattr(attention, "AUTO_TAKES_FLASH4", True)  # the table as it stands once auto takes flash4
     device = torch.device("cpu") if runtime.is_cpu else torch.device("cuda", 0)
     assert attention.select_segment_kernel(runtime, dtype, setting, device) is expected
-
-
-def test_auto_keeps_varlen_until_flash4_is_checked_in_our_module_on_a_gpu(device_facts):
-    """Shipped default: flash4 by name only (bench/gpu_fa4_check.py has not run on a GPU yet)."""
-    device_facts(H100, True)
-    assert attention.AUTO_TAKES_FLASH4 is False
-    assert attention.select_segment_kernel(GPU, BF16, "auto", torch.device("cuda", 0)) is VARLEN
-    assert attention.select_segment_kernel(GPU, BF16, "flash4", torch.device("cuda", 0)) is FLASH4
 
 
 # (setting, runtime, dtype, capability, installed) -> what the error says besides the key

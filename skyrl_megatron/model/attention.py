@@ -25,9 +25,9 @@ place, :func:`select_segment_kernel`, from `megatron_config.attention_kernel` (d
 runtime, the dtype, the GPU and what is installed:
 
 * `flash4`: flash-attn-4's CuTe kernels (`flash_attn.cute`, an optional beta library compiled at first
-  use): Hopper (sm90) and Blackwell (sm100) GPUs in bf16/fp16; by name only until `AUTO_TAKES_FLASH4`;
+  use): Hopper (sm90) and Blackwell (sm100) GPUs in bf16/fp16; `auto`'s choice there where installed;
 * `varlen`: torch's `varlen_attn` (FlashAttention-2 kernels), any CUDA GPU in bf16/fp16; `auto`'s
-  choice on GPUs;
+  choice on other GPUs and where flash-attn-4 is not installed;
 * `sdpa`: one SDPA call with a block-diagonal causal mask (exact; O(T^2) memory, meant for the CPU
   runtime and fp32 checks); `auto`'s choice on CPU and in fp32.
 
@@ -82,13 +82,6 @@ def _device_index(device: torch.device | None) -> int:
     return device.index if device is not None and device.index is not None else torch.cuda.current_device()
 
 
-# Whether `auto` takes flash-attn-4 where it can run. Its kernels, called directly, matched an fp32
-# reference and beat varlen_attn 1.46-1.55x on an H200 (docs/perf_notes.md, session 16); our module with
-# them (bench/gpu_fa4_check.py) has not run on a GPU yet. Off until it has: a default path must be checked
-# where it runs, not only on CPU.
-AUTO_TAKES_FLASH4 = False
-
-
 def _flash4_obstacle(runtime: Runtime, dtype: torch.dtype, device: torch.device | None) -> tuple[str, str] | None:
     """Why flash-attn-4 cannot run here, and the fix; None when it can."""
     if runtime.is_cpu:
@@ -110,8 +103,9 @@ def select_segment_kernel(
 ) -> SegmentKernel:
     """The one place that picks the segment kernel, for `megatron_config.attention_kernel` = `setting`.
 
-    auto: `varlen_attn` on a GPU in bf16/fp16, else masked SDPA; flash-attn-4 joins it (where installed,
-    on sm90/sm100 in bf16/fp16) once `AUTO_TAKES_FLASH4` is on. Until then flash4 is taken by name only.
+    auto: flash-attn-4 where it can run (installed, sm90/sm100, bf16/fp16: checked against varlen_attn and
+    fp32 in our module on an H200 by bench/gpu_fa4_check.py, and faster in whole steps, docs/perf_notes.md),
+    else `varlen_attn` on a GPU in bf16/fp16, else masked SDPA.
     """
     if setting not in ATTENTION_KERNELS:
         raise AttentionKernelError(f"{KEY}: unknown kernel {setting!r}. Fix: use one of {', '.join(ATTENTION_KERNELS)}.")
@@ -129,7 +123,7 @@ def select_segment_kernel(
         if obstacle is not None:
             raise AttentionKernelError(f"{KEY}=flash4: {obstacle[0]}. Fix: {obstacle[1]}.")
         return SegmentKernel.FLASH4
-    if obstacle is None and AUTO_TAKES_FLASH4:
+    if obstacle is None:
         return SegmentKernel.FLASH4
     return SegmentKernel.VARLEN if gpu_half else SegmentKernel.MASKED_SDPA
 
