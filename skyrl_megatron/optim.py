@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from skyrl_megatron import multi_tensor
+
 if TYPE_CHECKING:  # megatron is imported lazily: importing it costs seconds
     from megatron.core.optimizer import OptimizerConfig
 
@@ -133,7 +135,10 @@ class OptimizerSettings:
             )
         if ddp_config.use_distributed_optimizer and not config.use_distributed_optimizer:
             config = dataclasses.replace(config, use_distributed_optimizer=True)
-        return get_megatron_optimizer(config, list(chunks))
+        multi_tensor.install()  # without TE/Apex: foreach kernels, not a host read per gradient
+        optimizer = get_megatron_optimizer(config, list(chunks))
+        use_fused_torch_adam(optimizer)
+        return optimizer
 
     def build_scheduler(self, optimizer):
         """Megatron's OptimizerParamScheduler for this schedule (the LR of step 0 is set at once)."""
@@ -155,6 +160,41 @@ class OptimizerSettings:
             # a resumed run continues the schedule it was saved with
             use_checkpoint_opt_param_scheduler=True,
         )
+
+
+def use_fused_torch_adam(optimizer) -> int:
+    """Run torch's fused Adam kernel where Megatron fell back to torch's Adam/AdamW; returns the groups switched.
+
+    Without TE or Apex, Megatron builds `torch.optim.AdamW` with torch's default, the foreach
+    implementation: about ten multi-tensor passes over the fp32 state per step and per-parameter step
+    counters on the host. `fused=True` (torch's own single-pass kernel, on CUDA and CPU) does the same
+    update in one pass. Groups whose parameters are not all floating point on a device the fused kernel
+    supports, and capturable ones (CUDA graphs), are left as they are. Called again after a checkpoint
+    load (the saved param groups replace the flags, and step counters may come from the host).
+    """
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "optimizer")]
+    switched = 0
+    for torch_optimizer in inner:
+        if type(torch_optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in torch_optimizer.param_groups:
+            params = group["params"]
+            if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+                continue
+            if not params or not all(p.is_floating_point() and p.device.type in supported for p in params):
+                continue
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+        for group in torch_optimizer.param_groups:
+            if group.get("fused"):  # the fused kernel counts steps on the parameters' device
+                for param in group["params"]:
+                    state = torch_optimizer.state.get(param)
+                    if state and "step" in state and state["step"].device != param.device:
+                        state["step"] = state["step"].to(param.device, torch.float32)
+    return switched
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,15 @@ def test_token_sort_equals_megatrons_split_and_concatenate(ep_times_tp, local_ex
     tokens = torch.randn(int(sizes.sum()), 6)
     probs = torch.rand(int(sizes.sum()))
     for order, split in ((by_expert, sizes), (restore, sizes.reshape(-1, local_experts).T.ravel())):
-        got, got_probs = sort_chunks_by_idxs(tokens, split, order, probs=probs)
-        want, want_probs = moe_utils.sort_chunks_by_idxs(tokens, split, order, probs=probs)
+        ours, theirs = (tokens.clone().requires_grad_(), probs.clone().requires_grad_()), \
+            (tokens.clone().requires_grad_(), probs.clone().requires_grad_())
+        got, got_probs = sort_chunks_by_idxs(*ours[:1], split, order, probs=ours[1])
+        want, want_probs = moe_utils.sort_chunks_by_idxs(*theirs[:1], split, order, probs=theirs[1])
         assert torch.equal(got, want) and torch.equal(got_probs, want_probs)
+        # backward: a gather by the inverse order, bitwise Megatron's split-and-concatenate gradient
+        upstream = torch.randn_like(got), torch.randn_like(got_probs)
+        torch.autograd.backward((got, got_probs), upstream)
+        torch.autograd.backward((want, want_probs), upstream)
+        assert torch.equal(ours[0].grad, theirs[0].grad) and torch.equal(ours[1].grad, theirs[1].grad)
     if ep_times_tp == 1:  # one rank: the order is the identity and nothing is copied
         assert sort_chunks_by_idxs(tokens, sizes, by_expert)[0] is tokens

@@ -165,6 +165,7 @@ def _adam_and_skip(rank, world, hf_dir):
         "betas": {tuple(g["betas"]) for g in inner_groups},
         "model_dtypes": {p.dtype for p in model.parameters()},
         "main_dtypes": {p.dtype for g in inner_groups for p in g["params"]},
+        "fused": {(g["fused"], g["foreach"]) for g in inner_groups},  # torch's fused Adam kernel, not foreach
     }
 
     backward(poison=False)
@@ -208,6 +209,7 @@ def test_adam_betas_bf16_main_params_and_skipped_steps_on_a_model(tmp_path):
 
     assert report["betas"] == {(0.8, 0.95)}
     assert report["model_dtypes"] == {torch.bfloat16} and report["main_dtypes"] == {torch.float32}
+    assert report["fused"] == {(True, False)}
     assert report["moments_ok"] and all(report["moments_ok"])
     first, poisoned, recovered = report["first"], report["poisoned"], report["recovered"]
     assert not first.skipped and math.isfinite(first.grad_norm) and first.lr == pytest.approx(1e-3)

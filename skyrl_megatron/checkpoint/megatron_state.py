@@ -20,6 +20,7 @@ from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatch
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_ADAPTERS, MODEL_STATE_FULL, unwrap
 from skyrl_megatron.dist_io import replica_group
 from skyrl_megatron.model.lora import is_adapter_name
+from skyrl_megatron.optim import use_fused_torch_adam
 
 # The distributed optimizer's one format in Megatron 0.19.2 that reshards across TP and PP
 # ("fully_sharded_model_space" rejects its own flattened tensors; "dp_reshardable" is DP-only).
@@ -197,7 +198,8 @@ def _materialise_adam_state(optimizer) -> None:
             for param in group["params"]:
                 if not torch_optimizer.state[param]:
                     torch_optimizer.state[param] = {
-                        "step": torch.zeros((), dtype=torch.float32),
+                        # fused Adam keeps its step counters on the parameters' device
+                        "step": torch.zeros((), dtype=torch.float32, device=param.device if group.get("fused") else None),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }
@@ -236,6 +238,7 @@ def load_optimizer_state(optimizer, state) -> None:
                 adam_state[param]["step"] = step.clone()
     if len(parts) > 1:
         optimizer._synchronize_steps()
+    use_fused_torch_adam(optimizer)
 
 
 def use_fresh_buffers(sharded: dict) -> None:
