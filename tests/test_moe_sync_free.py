@@ -129,6 +129,9 @@ def _both_paths(rank, world_size, hf_dir: str) -> dict:
     model = build_model(spec).chunks[0]
     layers = [m for m in model.modules() if isinstance(m, grouped_moe_layer_class())]
     out = {"dispatchers": sorted({type(layer.token_dispatcher).__name__ for layer in layers}), "layers": len(layers)}
+    # dropless top-k: permuted and unpermuted by gathers (model/token_permute.py)
+    out["by_gathers"] = [hasattr(layer.token_dispatcher.dispatch_preprocess, "__wrapped__")
+                         and hasattr(layer.token_dispatcher.combine_postprocess, "__wrapped__") for layer in layers]
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(12).unsqueeze(0).expand(2, -1)
     for on in (False, True, False):  # the last run shows switching back restores the previous path
@@ -182,6 +185,7 @@ def _assert_records_equal(got: list, want: list) -> None:
 
 def test_counts_stay_on_device_at_ep1_with_bitwise_the_same_model_results(paths):
     assert paths["dispatchers"] == ["DeviceCountsDispatcher"] and paths["layers"] == 4
+    assert paths["by_gathers"] == [True] * 4
     previous, device, back = paths["runs"]
     for run in (device, back):
         assert torch.equal(run["logits"], previous["logits"])
@@ -239,18 +243,20 @@ def _dispatchers(rank, world_size, hf_dir: str, expert: int, overrides: dict) ->
     spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", transformer_overrides={"moe_grouped_gemm": True, **overrides})
     model = build_model(spec).chunks[0]
     layers = [m for m in model.modules() if isinstance(m, grouped_moe_layer_class())]
-    return sorted({type(layer.token_dispatcher).__name__ for layer in layers}) if layers else []
+    names = sorted({type(layer.token_dispatcher).__name__ for layer in layers}) if layers else []
+    return names, sorted({hasattr(layer.token_dispatcher.dispatch_preprocess, "__wrapped__") for layer in layers})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "world,expert,overrides",
-    [(2, 2, {}), (1, 1, {"moe_expert_capacity_factor": 1.0})],
+    "world,expert,overrides,by_gathers",
+    [(2, 2, {}, True), (1, 1, {"moe_expert_capacity_factor": 1.0}, False)],
     ids=["EP2", "capacity_factor"],
 )
-def test_every_other_case_keeps_megatrons_dispatcher(tmp_path, world, expert, overrides):
-    """Where a collective needs host split sizes (EP2) or sizes depend on the data (token dropping)."""
+def test_every_other_case_keeps_megatrons_dispatcher(tmp_path, world, expert, overrides, by_gathers):
+    """Where a collective needs host split sizes (EP2) or sizes depend on the data (token dropping);
+    permutation by gathers wherever routing stays dropless top-k (EP2), not where tokens may drop."""
     hf_dir = tmp_path / "hf"
     make_tiny_hf_model("qwen3_moe", hf_dir, seed=3)
-    for names in run_on_ranks(_dispatchers, world, str(hf_dir), expert, overrides):
-        assert names == ["MoEAlltoAllTokenDispatcher"]
+    for names, gathers in run_on_ranks(_dispatchers, world, str(hf_dir), expert, overrides):
+        assert names == ["MoEAlltoAllTokenDispatcher"] and gathers == [by_gathers]

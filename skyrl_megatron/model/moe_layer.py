@@ -15,17 +15,20 @@ the counts on the device (`DeviceCountsDispatcher`). Every other case (EP > 1, e
 dropping or padding to capacity, router padding, another dispatcher, other experts, inference-
 optimised layers, CUDA graphs) keeps Megatron's dispatcher as it is. Megatron's non-fused `permute`
 is already free of data-dependent sizes for dropless routing (an argsort, not masked_select), and
-its `unpermute` is a scatter-add, so neither needs replacing.
+its `unpermute` is a scatter-add: neither reads the host (their scatters are replaced for speed, below).
 
 `set_counts_on_device(model, False)` restores the copy-and-wait (the previous path) for
 comparisons and benchmarks.
+
+Where routing is dropless top-k with the alltoall dispatcher (any EP size), the layer also permutes
+and unpermutes its tokens by gathers (`model/token_permute.py`) instead of Megatron's scatter-adds.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from skyrl_megatron.model import token_sort
+from skyrl_megatron.model import token_permute, token_sort
 
 _classes: dict[str, type] = {}
 
@@ -75,6 +78,20 @@ def counts_can_stay_on_device(config, dispatcher, experts) -> bool:
     )
 
 
+def routing_is_regular(config, dispatcher) -> bool:
+    """Whether every token reaches exactly top-k experts' rows (`model/token_permute.py` relies on it):
+    the alltoall dispatcher, dropless, no padding of any kind."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    return (
+        isinstance(dispatcher, MoEAlltoAllTokenDispatcher)
+        and config.moe_expert_capacity_factor is None
+        and not config.moe_pad_expert_input_to_capacity
+        and not config.moe_router_padding_for_quantization
+        and config.cuda_graph_impl == "none"
+    )
+
+
 def grouped_moe_layer_class() -> type:
     """`GroupedMoELayer`: Megatron's MoELayer, its dispatcher swapped for `DeviceCountsDispatcher` where it can be."""
     if "layer" not in _classes:
@@ -94,6 +111,9 @@ def grouped_moe_layer_class() -> type:
                     )
                     if self.use_shared_expert and self.shared_expert_overlap:
                         self.token_dispatcher.set_shared_experts(self.shared_experts)
+                if routing_is_regular(config, self.token_dispatcher):
+                    token_permute.install()
+                    token_permute.route_regularly(self.token_dispatcher, config.moe_router_topk)
 
         GroupedMoELayer.__module__ = __name__
         _classes["layer"] = GroupedMoELayer

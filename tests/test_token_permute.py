@@ -1,0 +1,109 @@
+"""`model/token_permute.py`: MoE permutation by gathers for dropless top-k routing, against Megatron's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron.model import token_permute
+from skyrl_megatron.testing.host_syncs import HostSyncProbe
+
+
+@pytest.fixture(autouse=True, scope="module")
+def installed():
+    token_permute.install()
+
+
+def _routing(tokens: int, experts: int, topk: int, seed: int, idle: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=g)
+    scores[:, torch.randperm(experts, generator=g)[:idle]] = -1.0  # experts that get no token
+    chosen = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    return routing_map, torch.rand(tokens, experts, generator=g) * routing_map
+
+
+def _megatron():
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils.permute, moe_utils.unpermute
+
+
+def _round_trip(permute, unpermute, hidden, routing_map, probs, topk, upstream):
+    x = hidden.clone().requires_grad_()
+    p = probs.clone().requires_grad_()
+    rows, row_probs, token_of_row, _, _ = permute(x, routing_map, probs=p, num_out_tokens=x.shape[0] * topk)
+    expert_out = rows * 3.0 + row_probs.unsqueeze(-1).to(rows.dtype)  # stands in for the experts
+    back = unpermute(expert_out, token_of_row, x.shape, routing_map=routing_map)
+    back.backward(upstream)
+    return dict(rows=rows.detach(), probs=row_probs.detach(), order=token_of_row, out=back.detach(),
+                grad=x.grad, probs_grad=p.grad)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("topk,experts,idle", [(1, 4, 2), (2, 8, 3), (8, 16, 0)])
+def test_gathers_give_megatrons_permutation_and_sums_without_host_reads(tokens, topk, experts, idle):
+    routing_map, probs = _routing(tokens, experts, topk, seed=tokens + 10 * topk, idle=idle)
+    g = torch.Generator().manual_seed(tokens)
+    hidden, upstream = torch.randn(tokens, 6, generator=g), torch.randn(tokens, 6, generator=g)
+    want = _round_trip(*_megatron(), hidden, routing_map, probs, topk, upstream)
+    with HostSyncProbe() as probe, token_permute.regular_routing(topk):
+        got = _round_trip(token_permute.permute, token_permute.unpermute, hidden, routing_map, probs, topk, upstream)
+    assert not probe.found, probe.report()
+    for key in ("rows", "probs", "order", "probs_grad"):  # the same rows in the same order: bitwise
+        assert torch.equal(got[key], want[key]), key
+    # sums of k rows: the same terms, added in one reduction instead of one at a time
+    torch.testing.assert_close(got["out"], want["out"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["grad"], want["grad"], rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_sums_accumulate_in_fp32_and_come_out_no_worse_than_megatrons():
+    topk, tokens = 8, 256
+    routing_map, probs = _routing(tokens, 32, topk, seed=1)
+    g = torch.Generator().manual_seed(2)
+    hidden, upstream = torch.randn(tokens, 64, generator=g), torch.randn(tokens, 64, generator=g)
+    exact = _round_trip(*_megatron(), hidden.double(), routing_map, probs.double(), topk, upstream.double())
+    theirs = _round_trip(*_megatron(), hidden.bfloat16(), routing_map, probs, topk, upstream.bfloat16())
+    with token_permute.regular_routing(topk):
+        ours = _round_trip(token_permute.permute, token_permute.unpermute, hidden.bfloat16(), routing_map, probs,
+                           topk, upstream.bfloat16())
+    for key in ("out", "grad"):
+        error = lambda r: (r[key].double() - exact[key]).abs().max().item()  # noqa: E731
+        assert error(ours) <= error(theirs), key
+
+
+def test_outside_a_regular_routing_grant_megatrons_functions_run():
+    routing_map, probs = _routing(5, 8, 2, seed=3)
+    hidden = torch.randn(5, 4, requires_grad=True)
+    rows, _, order, _, _ = token_permute.permute(hidden, routing_map, probs=probs, num_out_tokens=10)
+    assert type(rows.grad_fn).__name__ == "IndexSelectBackward0"  # Megatron's index_select, not our gather
+    with token_permute.regular_routing(3):  # a grant that does not match the sizes is not used either
+        rows, _, _, _, _ = token_permute.permute(hidden, routing_map, probs=probs, num_out_tokens=10)
+        out = token_permute.unpermute(rows.detach(), order, hidden.shape, routing_map=routing_map)
+    assert type(rows.grad_fn).__name__ == "IndexSelectBackward0" and out.grad_fn is None
+    with token_permute.regular_routing(2):
+        rows, _, _, _, _ = token_permute.permute(hidden, routing_map, probs=probs, num_out_tokens=10)
+    assert type(rows.grad_fn).__name__ == "_GatherRowsBackward"
+
+
+def test_route_regularly_grants_only_that_dispatchers_two_steps():
+    seen = []
+
+    class FakeDispatcher:
+        def dispatch_preprocess(self, x):
+            seen.append(("dispatch", token_permute._REGULAR_TOPK.get()))
+            return x
+
+        def combine_postprocess(self, x):
+            seen.append(("combine", token_permute._REGULAR_TOPK.get()))
+            return x
+
+        def token_dispatch(self, x):
+            seen.append(("a2a", token_permute._REGULAR_TOPK.get()))
+            return x
+
+    granted, other = FakeDispatcher(), FakeDispatcher()
+    token_permute.route_regularly(granted, 8)
+    for dispatcher in (granted, other):
+        dispatcher.dispatch_preprocess(1), dispatcher.token_dispatch(1), dispatcher.combine_postprocess(1)
+    assert seen == [("dispatch", 8), ("a2a", None), ("combine", 8), ("dispatch", None), ("a2a", None), ("combine", None)]
