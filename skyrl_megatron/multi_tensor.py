@@ -27,6 +27,10 @@ def l2_norm(chunk_size: int, noop_flag: Tensor, tensor_lists: list[list[Tensor]]
     tensors = [t for tensors in tensor_lists for t in tensors]
     if not tensors:
         return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    if len({t.device for t in tensors}) > 1:  # optimizer CPU offload: Megatron's op gathers on the host
+        from megatron.core.utils import local_multi_tensor_l2_norm
+
+        return local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
     norms = torch._foreach_norm(tensors, 2)
     total = torch.linalg.vector_norm(torch.stack(norms))
     return total.to(torch.float32).reshape(1), None

@@ -40,6 +40,17 @@ def test_l2_norm_equals_megatrons_local_norm_bitwise_without_reading_the_host():
     assert len(probe.found) >= len(grads)
 
 
+def test_l2_norm_over_several_devices_is_megatrons_host_side_norm(monkeypatch):
+    from megatron.core import utils as megatron_utils
+
+    calls = []
+    monkeypatch.setattr(megatron_utils, "local_multi_tensor_l2_norm", lambda *a: calls.append(a) or ("local", None))
+    grads = _grads(n=3)
+    on_meta = torch.empty(4, device="meta")  # a second device, as with optimizer CPU offload
+    assert multi_tensor.l2_norm(0, NOOP, [grads + [on_meta]], False) == ("local", None) and len(calls) == 1
+    assert multi_tensor.l2_norm(0, NOOP, [grads], False)[0].device == NOOP.device and len(calls) == 1
+
+
 def test_l2_norm_of_nothing_is_zero_on_the_flags_device():
     norm, _ = multi_tensor.l2_norm(0, NOOP, [[]], False)
     assert torch.equal(norm, torch.zeros(1)) and norm.device == NOOP.device
