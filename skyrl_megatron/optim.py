@@ -162,6 +162,15 @@ class OptimizerSettings:
         )
 
 
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer (chained, distributed or plain), or a torch one itself."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for chained in optimizer.chained_optimizers for o in torch_optimizers(chained)]
+    return [optimizer.optimizer] if hasattr(optimizer, "optimizer") else [optimizer]
+
+
 def use_fused_torch_adam(optimizer) -> int:
     """Run torch's fused Adam kernel where Megatron fell back to torch's Adam/AdamW; returns the groups switched.
 
@@ -175,22 +184,18 @@ def use_fused_torch_adam(optimizer) -> int:
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     supported = set(_get_fused_kernels_supported_devices())
-    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "optimizer")]
     switched = 0
-    for torch_optimizer in inner:
+    for torch_optimizer in torch_optimizers(optimizer):
         if type(torch_optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
         for group in torch_optimizer.param_groups:
             params = group["params"]
-            if group.get("fused") or group.get("capturable") or group.get("differentiable"):
-                continue
-            if not params or not all(p.is_floating_point() and p.device.type in supported for p in params):
-                continue
-            group["fused"], group["foreach"] = True, False
-            switched += 1
-        for group in torch_optimizer.param_groups:
+            eligible = params and all(p.is_floating_point() and p.device.type in supported for p in params)
+            if eligible and not (group.get("fused") or group.get("capturable") or group.get("differentiable")):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
             if group.get("fused"):  # the fused kernel counts steps on the parameters' device
-                for param in group["params"]:
+                for param in params:
                     state = torch_optimizer.state.get(param)
                     if state and "step" in state and state["step"].device != param.device:
                         state["step"] = state["step"].to(param.device, torch.float32)

@@ -20,7 +20,7 @@ from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatch
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_ADAPTERS, MODEL_STATE_FULL, unwrap
 from skyrl_megatron.dist_io import replica_group
 from skyrl_megatron.model.lora import is_adapter_name
-from skyrl_megatron.optim import use_fused_torch_adam
+from skyrl_megatron.optim import torch_optimizers, use_fused_torch_adam
 
 # The distributed optimizer's one format in Megatron 0.19.2 that reshards across TP and PP
 # ("fully_sharded_model_space" rejects its own flattened tensors; "dp_reshardable" is DP-only).
@@ -190,8 +190,7 @@ def _materialise_adam_state(optimizer) -> None:
     has a `step`. Zero moments at step 0 are exactly what the first step would create, so an
     optimizer given them behaves as a fresh one.
     """
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = inner.optimizer
+    for torch_optimizer in torch_optimizers(optimizer):
         if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in torch_optimizer.param_groups:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from skyrl_megatron.compute.gradient_buffers import ddp_buffers
+from skyrl_megatron.optim import torch_optimizers
 
 
 @dataclass
@@ -115,19 +116,11 @@ def _model_tensors(chunks) -> list[torch.Tensor]:
     return [t for t in tensors if t is not None and t.untyped_storage().nbytes() > 0]
 
 
-def _inner_optimizers(optimizer) -> list:
-    if optimizer is None:
-        return []
-    if hasattr(optimizer, "chained_optimizers"):
-        return [o for chained in optimizer.chained_optimizers for o in _inner_optimizers(chained)]
-    return [optimizer.optimizer] if hasattr(optimizer, "optimizer") else [optimizer]
-
-
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """The inner torch optimizer's parameters (fp32 main params) and state (Adam moments)."""
     seen: set[int] = set()
     tensors = []
-    for inner in _inner_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 tensors.append(param.data)
