@@ -73,8 +73,9 @@ class _SumRows(torch.autograd.Function):
 def _sum_rows(x: Tensor, rows: Tensor) -> Tensor:
     num_tokens, k = rows.shape
     gathered = x.index_select(0, rows.reshape(-1)).view(num_tokens, k, *x.shape[1:])
-    return gathered.sum(dim=1, dtype=torch.float32).to(x.dtype) if x.dtype in (torch.bfloat16, torch.float16) \
-        else gathered.sum(dim=1)
+    if x.dtype in (torch.bfloat16, torch.float16):  # accumulate in fp32, round once
+        return gathered.sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return gathered.sum(dim=1)
 
 
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False, **kwargs):

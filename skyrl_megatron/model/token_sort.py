@@ -43,8 +43,7 @@ def sort_chunks_by_idxs(input: Tensor, split_sizes: Tensor, sorted_idxs: Tensor,
         return input, probs
     order = _on_device(sorted_idxs, input.device)
     rows = chunk_order_rows(split_sizes.to(input.device, non_blocking=True), order, input.shape[0])
-    inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
-    return _permute_rows(input, rows, inverse), (_permute_rows(probs, rows, inverse) if probs is not None else None)
+    return _RowPermutation.apply(input, rows), (_RowPermutation.apply(probs, rows) if probs is not None else None)
 
 
 class _RowPermutation(torch.autograd.Function):
@@ -56,18 +55,16 @@ class _RowPermutation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, rows: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
+    def forward(ctx, x: Tensor, rows: Tensor) -> Tensor:
+        ctx.save_for_backward(rows)
         return x.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad_output.index_select(0, inverse), None, None
-
-
-def _permute_rows(x: Tensor, rows: Tensor, inverse: Tensor) -> Tensor:
-    return _RowPermutation.apply(x, rows, inverse)
+        (rows,) = ctx.saved_tensors
+        # the inverse is built here, not in forward: a scoring pass (no backward) never pays for it
+        inverse = torch.empty_like(rows).scatter_(0, rows, torch.arange(rows.numel(), device=rows.device))
+        return grad_output.index_select(0, inverse), None
 
 
 def _is_identity(sorted_idxs: Tensor) -> bool:
