@@ -79,8 +79,21 @@ def test_stacked_weights_is_a_view_when_the_experts_lie_back_to_back():
     torch.testing.assert_close(copy, torch.stack(scattered))
 
 
-def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_root: str):
-    """World-1 fp32 logits, one backward's expert gradients and the experts' module types."""
+def test_layout_memo_recomputes_when_the_tensors_move():
+    from skyrl_megatron.model.experts import _LayoutMemo
+
+    buffer = torch.zeros(4 * 6)
+    back_to_back = [buffer[i * 6 : (i + 1) * 6].view(2, 3) for i in range(4)]
+    memo = _LayoutMemo()
+    assert memo.runs(back_to_back) == [(0, 4)]
+    assert memo.runs(back_to_back) is memo.runs(back_to_back)  # remembered
+    moved = [t.clone() for t in back_to_back]  # as after an offload and reload: separate storages
+    assert memo.runs(moved) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_root: str, overlap_grad_reduce=False):
+    """World-1 fp32 logits, one backward's expert gradients and the experts' module types, and how many
+    times autograd accumulated a gradient into an expert weight (DDP's hooks run then)."""
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.model.cache import ConversionCacheSettings
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -94,7 +107,8 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
         dtype="fp32",
         wrap_with_ddp=True,
         # as the policy runs by default: DDP then holds the parameters in its buffers too
-        ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True},
+        ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True,
+                    "overlap_grad_reduce": overlap_grad_reduce},
         transformer_overrides={"moe_grouped_gemm": grouped},
         cache=ConversionCacheSettings(root=cache_root),
     )
@@ -107,9 +121,16 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
     # grouped GEMMs read the weights and accumulate the gradients without a copy
     runs = {tuple(back_to_back_runs([w.main_grad for w in m.expert_weights()])) for m in grouped_linears}
     runs |= {tuple(back_to_back_runs(m.expert_weights())) for m in grouped_linears}
+    bypass = {m.grads_bypass_autograd for m in grouped_linears}
+    accumulations = []
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.register_post_accumulate_grad_hook(lambda p: accumulations.append(p))
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
     logits = model(tokens, torch.arange(12).unsqueeze(0).expand(2, -1), None)
     logits.float().square().mean().backward()
+    with torch.no_grad():  # the scoring path (no autograd) gives the same logits
+        assert torch.equal(model(tokens, torch.arange(12).unsqueeze(0).expand(2, -1), None), logits)
     grads = {}
     for name, param in model.named_parameters():
         if ".experts." in name:
@@ -122,7 +143,8 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
 
     assert token_dispatcher.sort_chunks_by_idxs is token_sort.sort_chunks_by_idxs  # installed by the build
     exported = {k: v.clone() for k, v in built.bridge.export_hf_weights(built.chunks, cpu=True)}
-    return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs, "cache_hit": built.load_report.hit}
+    return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs,
+            "cache_hit": built.load_report.hit, "bypass": bypass, "accumulations": len(accumulations)}
 
 
 def _expert_key(name: str) -> str:
@@ -143,14 +165,22 @@ def test_grouped_experts_equal_sequential_experts(tmp_path):
     # the two layouts' distributed checkpoints are interchangeable
     sequential = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), False, cache_root)[0]
     grouped = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), True, cache_root)[0]
+    # with DDP overlapping the gradient reduce, every expert weight's hook must run: the weights stay
+    # autograd inputs (the placeholder path), with the same gradients
+    overlapped = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), True, cache_root, True)[0]
     assert (sequential["cache_hit"], grouped["cache_hit"]) == (False, True)
     assert grouped["kinds"] == ["GroupedExperts"] and sequential["kinds"] == ["SequentialMLP"]
-    num_experts = 8
+    num_experts, moe_layers = 8, 4
     assert grouped["runs"] == {((0, num_experts),)} and sequential["runs"] == set()
-    torch.testing.assert_close(grouped["logits"], sequential["logits"], rtol=0, atol=1e-5)
-    assert grouped["grads"].keys() == sequential["grads"].keys() and grouped["grads"]
-    for key, grad in sequential["grads"].items():
-        torch.testing.assert_close(grouped["grads"][key], grad, rtol=0, atol=1e-6, msg=key)
+    assert (grouped["bypass"], overlapped["bypass"]) == ({True}, {False})
+    # the grouped weights' gradients reached main_grad without autograd accumulating any of them
+    assert grouped["accumulations"] == 0
+    assert overlapped["accumulations"] == sequential["accumulations"] == num_experts * 2 * moe_layers
+    for run in (grouped, overlapped):
+        torch.testing.assert_close(run["logits"], sequential["logits"], rtol=0, atol=1e-5)
+        assert run["grads"].keys() == sequential["grads"].keys() and run["grads"]
+        for key, grad in sequential["grads"].items():
+            torch.testing.assert_close(run["grads"][key], grad, rtol=0, atol=1e-6, msg=key)
     assert grouped["export"].keys() == sequential["export"].keys()
     for name, tensor in sequential["export"].items():
         assert torch.equal(grouped["export"][name], tensor), name

@@ -28,7 +28,7 @@ from skyrl_megatron.model.bridge_import import have_transformer_engine, import_b
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
-from skyrl_megatron.model import rope, token_sort, wgrad
+from skyrl_megatron.model import experts, rope, token_sort, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
 from skyrl_megatron.model.value_head import ValueHeadInit, value_head_hook
 from skyrl_megatron.parallel import ParallelConfig
@@ -233,6 +233,8 @@ def _instantiate(
         fp16=False,
         use_cpu_initialization=runtime.is_cpu,
     )
+    if ddp_config is not None and not ddp_config.overlap_grad_reduce:
+        experts.keep_expert_weights_out_of_autograd(chunks)
     return provider, list(chunks)
 
 
