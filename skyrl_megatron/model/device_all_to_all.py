@@ -19,6 +19,7 @@ path (host splits, `all_to_all_single`, `sort_chunks_by_idxs`) on the leading ro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,24 +44,28 @@ class ExchangePlan:
     rows: int
     capacity: int
 
-    def _orders(self) -> tuple[Tensor, Tensor]:
+    # the regrouping indices, computed once per plan (tokens and probabilities share them) on the
+    # device (the chunk orders too: no host-to-device copy in the step)
+    @functools.cached_property
+    def _expert_major_index(self) -> Tensor:
         world, local_experts = self.received_counts.shape
-        device = self.received_counts.device
-        # built on the device: no host-to-device copy in the step
-        return expert_major_order(world, local_experts, device), source_major_order(world, local_experts, device)
+        order = expert_major_order(world, local_experts, self.received_counts.device)
+        return chunk_gather_index(self.received_counts.flatten(), order, self.capacity)
+
+    @functools.cached_property
+    def _source_major_index(self) -> Tensor:
+        world, local_experts = self.received_counts.shape
+        order = source_major_order(world, local_experts, self.received_counts.device)
+        return chunk_gather_index(self.received_counts.t().flatten(), order, self.capacity)
 
     def to_experts(self, rows: Tensor) -> Tensor:
         """[self.rows, ...] in this rank's permuted order -> [capacity, ...] grouped by local expert, then source."""
         landed = self.exchange.exchange(rows, self.send_splits, self.capacity)  # by source rank, then expert
-        to_experts, _ = self._orders()
-        index = chunk_gather_index(self.received_counts.flatten(), to_experts, self.capacity)
-        return landed.index_select(0, index)
+        return landed.index_select(0, self._expert_major_index)
 
     def to_sources(self, rows: Tensor) -> Tensor:
         """[capacity, ...] grouped by local expert, then source -> [self.rows, ...] back on their ranks."""
-        _, to_sources = self._orders()
-        index = chunk_gather_index(self.received_counts.t().flatten(), to_sources, self.capacity)
-        by_source = rows.index_select(0, index)  # padding rows go last and are not sent
+        by_source = rows.index_select(0, self._source_major_index)  # padding rows go last and are not sent
         back = self.exchange.exchange(by_source, self.received_counts.sum(1), self.rows)
         return back.clone()  # the exchange may hand back its own buffer, reused by the next exchange
 

@@ -10,7 +10,7 @@ Two transports, one interface (`exchange(send, send_splits, out_rows) -> out`):
 
 - `NvshmemExchange`: torch's 1-D NVSHMEM all-to-all (`torch.ops.symm_mem.all_to_all_vdev`, torch >=
   2.10, CUDA). Its buffers are symmetric memory, allocated collectively, so they are kept and
-  reused: one set per (send rows, out rows, width, dtype), grown, never shrunk. The op starts
+  reused: one set per direction and row width (rows moved as bf16 words), grown, never shrunk. The op starts
   with a barrier (the split sizes are exchanged and waited for) but pulls the rows from the peers'
   send buffers and does not wait for the peers after: a rank refilling the send buffer that the
   previous exchange used could overwrite rows a slower peer is still reading. Any other exchange in
@@ -33,6 +33,7 @@ from torch import Tensor
 # all_to_all_vdev splits each peer's bytes evenly over its thread blocks (up to 32): every row must
 # be a multiple of 32 bytes. Narrower rows (a token's routing probability) are padded inside.
 _ROW_BYTES_MULTIPLE = 32
+_WORD = torch.bfloat16  # what the NVSHMEM op moves: every dtype's rows as 2-byte words
 # symmetric buffers grow in steps of this many rows, so that micro-batches of nearby sizes share them
 _ROW_STEP = 1024
 
@@ -98,50 +99,68 @@ class NvshmemExchange:
         self._buffers: dict[tuple, _SymmetricBuffers] = {}
         self._last: _SymmetricBuffers | None = None
 
-    def _buffers_for(self, send_rows: int, out_rows: int, width: int, dtype, device) -> _SymmetricBuffers:
-        # keyed by direction (send rows below or above out rows), width and dtype; rows grow
-        key = (send_rows <= out_rows, width, dtype, device)
+    def _buffers_for(self, send_rows: int, out_rows: int, width: int, device) -> _SymmetricBuffers:
+        # keyed by direction (send rows below or above out rows) and width in words; rows grow
+        key = (send_rows <= out_rows, width, device)
         buffers = self._buffers.get(key)
         if buffers is None or buffers.send_rows < send_rows or buffers.out_rows < out_rows:
             send_cap, out_cap = _rows_step(send_rows), _rows_step(out_rows)
             if buffers is not None:
                 send_cap, out_cap = max(send_cap, buffers.send_rows), max(out_cap, buffers.out_rows)
+                # a peer may still be reading the old buffers: wait for every rank's device before
+                # freeing them (a host sync, only when a larger micro-batch first comes)
+                dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+                torch.cuda.synchronize(device)
                 if self._last is buffers:
                     self._last = None
             del buffers
             self._buffers.pop(key, None)
-            buffers = _SymmetricBuffers(send_cap, out_cap, width, dtype, device, self.group_name, self.world)
+            buffers = _SymmetricBuffers(send_cap, out_cap, width, _WORD, device, self.group_name, self.world)
             self._buffers[key] = buffers
         return buffers
 
     def exchange(self, send: Tensor, send_splits: Tensor, out_rows: int) -> Tensor:
         rows, width = send.shape[0], send[0].numel()
-        padded = padded_width(width, send.element_size())
-        buffers = self._buffers_for(rows, out_rows, padded, send.dtype, send.device)
+        # rows travel as bf16 words whatever their dtype (the op copies bytes; bf16 is the dtype it
+        # was validated with, bench/gpu_symm_mem_a2a_check.py), padded to the op's 32-byte rows
+        words = send.reshape(rows, width).contiguous().view(_WORD)
+        word_width = words.shape[1]
+        padded = padded_width(word_width, words.element_size())
+        buffers = self._buffers_for(rows, out_rows, padded, words.device)
         if buffers is self._last:
             # the previous exchange used these buffers: every peer must be done pulling from them
             dist.all_reduce(torch.zeros(1, device=send.device), group=self.group)
-        buffers.input[:rows, :width].copy_(send.reshape(rows, width))
+        buffers.input[:rows, :word_width].copy_(words)
         buffers.in_splits.copy_(send_splits)
         torch.ops.symm_mem.all_to_all_vdev(buffers.input, buffers.out, buffers.in_splits, buffers.out_splits_offsets,
                                            self.group_name)
         self._last = buffers
-        # a view of the symmetric output: valid until the next exchange on these buffers
-        return buffers.out[:out_rows, :width].view(out_rows, *send.shape[1:]) if padded == width \
-            else buffers.out[:out_rows, :width].reshape(out_rows, *send.shape[1:])
+        landed = buffers.out[:out_rows, :word_width]
+        # unpadded, a view of the symmetric output (valid until the next exchange on these buffers,
+        # the caller's gather reads it first); padded, a copy
+        landed = landed if padded == word_width else landed.contiguous()
+        return landed.view(send.dtype).view(out_rows, *send.shape[1:])
 
 
 _transports: dict[str, object] = {}
 
 
+def exchange_unavailable(group) -> str | None:
+    """Why this group has no device-side exchange, or None: NCCL groups need torch's NVSHMEM (the
+    emulation would work there, but with the host reads the exchange exists to avoid)."""
+    if dist.get_backend(group) == "nccl" and not _nvshmem_available():
+        return "torch here has no NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available() is false)"
+    return None
+
+
 def row_exchange_for(group):
-    """The exchange for this group: NVSHMEM on NCCL groups where torch has it, else the emulation."""
+    """The exchange for this group: NVSHMEM on NCCL groups, the emulation on others (gloo, CPU)."""
     name = group.group_name
     if name not in _transports:
-        if dist.get_backend(group) == "nccl" and _nvshmem_available():
-            _transports[name] = NvshmemExchange(group)
-        else:
-            _transports[name] = EmulatedExchange(group)
+        why = exchange_unavailable(group)
+        if why is not None:
+            raise RuntimeError(why)
+        _transports[name] = NvshmemExchange(group) if dist.get_backend(group) == "nccl" else EmulatedExchange(group)
     return _transports[name]
 
 
