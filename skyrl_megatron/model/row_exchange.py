@@ -148,7 +148,7 @@ _transports: dict[str, object] = {}
 def exchange_unavailable(group) -> str | None:
     """Why this group has no device-side exchange, or None: NCCL groups need torch's NVSHMEM (the
     emulation would work there, but with the host reads the exchange exists to avoid)."""
-    if dist.get_backend(group) == "nccl" and not _nvshmem_available():
+    if _on_nccl(group) and not _nvshmem_available():
         return "torch here has no NVSHMEM (torch.distributed._symmetric_memory.is_nvshmem_available() is false)"
     return None
 
@@ -160,8 +160,13 @@ def row_exchange_for(group):
         why = exchange_unavailable(group)
         if why is not None:
             raise RuntimeError(why)
-        _transports[name] = NvshmemExchange(group) if dist.get_backend(group) == "nccl" else EmulatedExchange(group)
+        _transports[name] = NvshmemExchange(group) if _on_nccl(group) else EmulatedExchange(group)
     return _transports[name]
+
+
+def _on_nccl(group) -> bool:
+    """Whether the group moves CUDA tensors through NCCL ("nccl", or "cpu:gloo,cuda:nccl")."""
+    return "nccl" in str(dist.get_backend(group))
 
 
 def _nvshmem_available() -> bool:
