@@ -36,7 +36,7 @@ def _layer_run(layer, hidden, grad):
 
 
 def _both_dispatchers(rank, world_size, hf_dir: str) -> dict:
-    from skyrl_megatron.config import MoeSettings
+    from skyrl_megatron.config import ConfigError, MoeSettings
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
     from skyrl_megatron.model.moe_layer import grouped_moe_layer_class, use_device_all_to_all
@@ -46,10 +46,10 @@ def _both_dispatchers(rank, world_size, hf_dir: str) -> dict:
     parallel = ParallelConfig(expert=2)
     initialize_model_parallel(parallel)
 
-    def build(on: bool):
+    def build(on: bool, grouped: bool = True):
         spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True,
                          ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True},
-                         transformer_overrides={"moe_grouped_gemm": True}, moe=MoeSettings(device_all_to_all=on))
+                         transformer_overrides={"moe_grouped_gemm": grouped}, moe=MoeSettings(device_all_to_all=on))
         model = build_model(spec).chunks[0]
         return model, [m for m in model.modules() if isinstance(m, grouped_moe_layer_class())]
 
@@ -77,6 +77,13 @@ def _both_dispatchers(rank, world_size, hf_dir: str) -> dict:
     hidden, grad = torch.randn(3, 1, hidden_size, generator=g), torch.randn(3, 1, hidden_size, generator=g)
     megatron_layer = build(False)[1][0]
     out["layer"] = {"megatron": _layer_run(megatron_layer, hidden, grad), "device": _layer_run(device_layers[0], hidden, grad)}
+
+    # per-expert modules (not grouped): the build refuses the key, naming it
+    try:
+        build(True, grouped=False)
+        out["refused"] = None
+    except ConfigError as error:
+        out["refused"] = str(error)
     return out
 
 
@@ -122,6 +129,13 @@ def test_one_layer_with_idle_experts_reads_nothing_on_the_host_but_the_stand_in_
         assert not others, "\n".join(s.what + "\n" + s.stack for s in others)
         assert syncs, "the stand-in transport reads its split sizes on the host (NVSHMEM does not)"
     assert idle > 0
+
+
+@pytest.mark.slow
+def test_the_build_refuses_the_key_for_moe_layers_it_cannot_serve(results):
+    for r in results:
+        assert r["refused"] and "moe_config.device_all_to_all" in r["refused"], r["refused"]
+        assert "not our grouped MoE layer" in r["refused"] and "device_all_to_all=false" in r["refused"]
 
 
 # ----- the config checks --------------------------------------------------------------------------

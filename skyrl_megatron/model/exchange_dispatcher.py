@@ -17,6 +17,10 @@ exchange), `dispatch_postprocess` / `combine_preprocess` (the regrouping is part
 expert TP, whose all-gather needs host sizes, is refused before this is built). Everything else,
 shared-expert overlap included, is Megatron's.
 
+The cost of static shapes: the experts' activations (fc1 output, activation, fc2 output, and what
+autograd saves of them) are allocated for the worst case, EP x this rank's rows, about EP times what
+the real rows need; a memory figure to measure on GPUs alongside the speed.
+
 Every rank of the EP group must route as many tokens per micro-batch (the worst case is `EP x` this
 rank's rows): `needs_equal_token_counts` makes the micro-batch planner give them one shape.
 """

@@ -164,14 +164,17 @@ def use_device_all_to_all(chunks: list) -> list:
     with the sizes on the device (`model/exchange_dispatcher.py`). At EP1 there is no all-to-all
     (`DeviceCountsDispatcher` already reads nothing on the host). A layer it cannot apply to is a
     configuration error naming the key (the config checks catch these cases before any worker starts)."""
-    if "layer" not in _classes:
-        return chunks
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     problems = []
     for chunk in chunks:
         for name, module in chunk.named_modules():
-            if not isinstance(module, _classes["layer"]) or module.token_dispatcher.ep_size == 1:
+            if not isinstance(module, MoELayer) or getattr(module.token_dispatcher, "ep_size", 1) == 1:
                 continue
-            why = module.use_device_all_to_all()
+            if not isinstance(module, grouped_moe_layer_class()):
+                why = f"{type(module).__name__} is not our grouped MoE layer (Transformer Engine's spec, or moe_grouped_gemm=false)"
+            else:
+                why = module.use_device_all_to_all()
             if why is not None:
                 problems.append(Problem("megatron_config.moe_config.device_all_to_all", f"{name}: {why}",
                                         "meet that, or set device_all_to_all=false"))
