@@ -2,7 +2,8 @@
 (model/exchange_dispatcher.py), on CPU over gloo with the NVSHMEM op's stand-in.
 
 A tiny Qwen3-MoE at EP2 (2 ranks, each its own tokens) gives bitwise the same logits and gradients
-(expert weights included) with the key on as with Megatron's dispatcher; one MoE layer alone, with
+(expert weights included) with the key on as with Megatron's dispatcher, also under full-layer and
+MoE-module activation recompute; one MoE layer alone, with
 so few tokens that experts get none, the same output and input gradient, and no host read but the
 stand-in transport's own. Then the config checks that refuse the key where it cannot apply.
 """
@@ -46,10 +47,11 @@ def _both_dispatchers(rank, world_size, hf_dir: str) -> dict:
     parallel = ParallelConfig(expert=2)
     initialize_model_parallel(parallel)
 
-    def build(on: bool, grouped: bool = True):
+    def build(on: bool, grouped: bool = True, recompute: dict | None = None):
         spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True,
                          ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True},
-                         transformer_overrides={"moe_grouped_gemm": grouped}, moe=MoeSettings(device_all_to_all=on))
+                         transformer_overrides={"moe_grouped_gemm": grouped, **(recompute or {})},
+                         moe=MoeSettings(device_all_to_all=on))
         model = build_model(spec).chunks[0]
         return model, [m for m in model.modules() if isinstance(m, grouped_moe_layer_class())]
 
@@ -66,6 +68,11 @@ def _both_dispatchers(rank, world_size, hf_dir: str) -> dict:
     out["megatron"] = _run(megatron_model, tokens, positions)
     out["device"] = _run(device_model, tokens, positions)
     out["device_again"] = _run(device_model, tokens, positions)  # reused buffers and plans
+
+    # under activation recompute the layers' exchanges run again inside the backward
+    for name, recompute in (("full", {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+                            ("moe", {"recompute_granularity": "selective", "recompute_modules": ["moe"]})):
+        out[f"recompute_{name}"] = _run(build(True, recompute=recompute)[0], tokens, positions)
 
     # the hook on a model built without the key swaps the same way
     use_device_all_to_all([megatron_model])
@@ -109,7 +116,7 @@ def test_ep2_with_the_key_on_equals_megatrons_dispatcher_bitwise(results):
         assert r["dispatchers"] == [["MoEAlltoAllTokenDispatcher"], ["DeviceAllToAllDispatcher"]]
         assert r["by_gathers"] == [True] * len(r["by_gathers"]) and r["by_gathers"]
         assert r["equal_token_counts"] == [False, True]
-        for run in ("device", "device_again", "swapped"):
+        for run in ("device", "device_again", "swapped", "recompute_full", "recompute_moe"):
             _assert_same(r[run], r["megatron"])
         assert any(torch.count_nonzero(g) for n, g in r["device"][1].items() if ".experts." in n)
     assert not torch.equal(results[0]["device"][0], results[1]["device"][0])  # the ranks had their own tokens
