@@ -65,8 +65,8 @@ class ExchangePlan:
 
     def to_sources(self, rows: Tensor) -> Tensor:
         """[capacity, ...] grouped by local expert, then source -> [self.rows, ...] back on their ranks."""
-        by_source = rows.index_select(0, self._source_major_index)  # padding rows go last and are not sent
-        back = self.exchange.exchange(by_source, self.received_counts.sum(1), self.rows)
+        # regrouped to source-major order by the exchange's own gather (padding rows go last, unsent)
+        back = self.exchange.exchange(rows, self.received_counts.sum(1), self.rows, take=self._source_major_index)
         return back.clone()  # the exchange may hand back its own buffer, reused by the next exchange
 
 

@@ -6,7 +6,8 @@ order) to rank r, and receives into an output of a fixed `out_rows` (the caller'
 leading rows are the received ones, grouped by source rank; the rows past them are padding nobody
 may read. The split sizes are a device tensor: no rank reads them on the host.
 
-Two transports, one interface (`exchange(send, send_splits, out_rows) -> out`):
+Two transports, one interface (`exchange(send, send_splits, out_rows, take=None) -> out`; with `take`
+the rows sent are `send[take]`, a gather the NVSHMEM transport writes straight into its send buffer):
 
 - `NvshmemExchange`: torch's 1-D NVSHMEM all-to-all (`torch.ops.symm_mem.all_to_all_vdev`, torch >=
   2.10, CUDA). Its buffers are symmetric memory, allocated collectively, so they are kept and
@@ -44,7 +45,9 @@ class EmulatedExchange:
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, send: Tensor, send_splits: Tensor, out_rows: int) -> Tensor:
+    def exchange(self, send: Tensor, send_splits: Tensor, out_rows: int, take: Tensor | None = None) -> Tensor:
+        if take is not None:
+            send = send.index_select(0, take)
         received = torch.empty_like(send_splits)
         dist.all_to_all_single(received, send_splits.contiguous(), group=self.group)
         send_sizes, receive_sizes = send_splits.tolist(), received.tolist()  # the host read NVSHMEM avoids
@@ -109,31 +112,45 @@ class NvshmemExchange:
                 send_cap, out_cap = max(send_cap, buffers.send_rows), max(out_cap, buffers.out_rows)
                 # a peer may still be reading the old buffers: wait for every rank's device before
                 # freeing them (a host sync, only when a larger micro-batch first comes)
-                dist.all_reduce(torch.zeros(1, device=device), group=self.group)
-                torch.cuda.synchronize(device)
+                self._wait_for_peers(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 if self._last is buffers:
                     self._last = None
             del buffers
             self._buffers.pop(key, None)
-            buffers = _SymmetricBuffers(send_cap, out_cap, width, _WORD, device, self.group_name, self.world)
+            buffers = self._new_buffers(send_cap, out_cap, width, device)
             self._buffers[key] = buffers
         return buffers
 
-    def exchange(self, send: Tensor, send_splits: Tensor, out_rows: int) -> Tensor:
-        rows, width = send.shape[0], send[0].numel()
+    def _wait_for_peers(self, device) -> None:
+        """A barrier queued on the stream (a one-element all-reduce): no host wait."""
+        dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+
+    def _new_buffers(self, send_rows: int, out_rows: int, width: int, device) -> _SymmetricBuffers:
+        return _SymmetricBuffers(send_rows, out_rows, width, _WORD, device, self.group_name, self.world)
+
+    def _run_op(self, buffers: _SymmetricBuffers) -> None:
+        torch.ops.symm_mem.all_to_all_vdev(buffers.input, buffers.out, buffers.in_splits, buffers.out_splits_offsets,
+                                           self.group_name)
+
+    def exchange(self, send: Tensor, send_splits: Tensor, out_rows: int, take: Tensor | None = None) -> Tensor:
+        width = send[0].numel()
+        rows = send.shape[0] if take is None else take.numel()
         # rows travel as bf16 words whatever their dtype (the op copies bytes; bf16 is the dtype it
         # was validated with, bench/gpu_symm_mem_a2a_check.py), padded to the op's 32-byte rows
-        words = send.reshape(rows, width).contiguous().view(_WORD)
+        words = send.reshape(send.shape[0], width).contiguous().view(_WORD)
         word_width = words.shape[1]
         padded = padded_width(word_width, words.element_size())
         buffers = self._buffers_for(rows, out_rows, padded, words.device)
         if buffers is self._last:
-            # the previous exchange used these buffers: every peer must be done pulling from them
-            dist.all_reduce(torch.zeros(1, device=send.device), group=self.group)
-        buffers.input[:rows, :word_width].copy_(words)
+            self._wait_for_peers(send.device)  # every peer must be done pulling from these buffers
+        if take is not None and padded == word_width:
+            torch.index_select(words, 0, take, out=buffers.input[:rows])  # the gather writes the send buffer
+        else:
+            buffers.input[:rows, :word_width].copy_(words if take is None else words.index_select(0, take))
         buffers.in_splits.copy_(send_splits)
-        torch.ops.symm_mem.all_to_all_vdev(buffers.input, buffers.out, buffers.in_splits, buffers.out_splits_offsets,
-                                           self.group_name)
+        self._run_op(buffers)
         self._last = buffers
         landed = buffers.out[:out_rows, :word_width]
         # unpadded, a view of the symmetric output (valid until the next exchange on these buffers,
