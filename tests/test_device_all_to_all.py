@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -139,6 +140,7 @@ def _exchange_on_rank(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_dispatch_and_combine_equal_megatrons_path_bitwise_on_two_ranks():
     results = run_on_ranks(_exchange_on_rank, WORLD)
     for rank, r in enumerate(results):
@@ -256,6 +258,7 @@ def _transport_on_rank(rank: int, world: int) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_the_nvshmem_transports_own_work_matches_the_stand_in_bitwise():
     for r in run_on_ranks(_transport_on_rank, WORLD):
         assert r["fp32_rows_padded"] and r["fp32_probs"] and r["bf16_rows_unpadded"]
