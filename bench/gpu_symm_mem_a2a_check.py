@@ -59,42 +59,17 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# the index math is the product's (model/token_sort.py), checked here against Megatron's path
+from skyrl_megatron.model.token_sort import chunk_gather_index, expert_major_order, source_major_order  # noqa: E402
+
 # NVLink multicast stays off on the lent machines (shared GPUs); set before NCCL or NVSHMEM start.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pure index math (CPU or GPU, no host sync): checked on CPU by tests/test_symm_mem_a2a_script.py
+# Pure index math (CPU or GPU, no host sync): checked on CPU by tests/test_symm_mem_a2a_script.py;
+# the regroup's (expert_major_order, source_major_order, chunk_gather_index) is imported above
 # ---------------------------------------------------------------------------------------------------
-
-
-def expert_major_order(world: int, local_experts: int) -> torch.Tensor:
-    """Chunk order taking [source rank, local expert] chunks to [local expert, source rank]
-    (Megatron's `sort_input_by_local_experts`)."""
-    return torch.arange(world * local_experts).view(world, local_experts).t().flatten()
-
-
-def source_major_order(world: int, local_experts: int) -> torch.Tensor:
-    """The inverse: [local expert, source rank] chunks back to [source rank, local expert]."""
-    return torch.arange(world * local_experts).view(local_experts, world).t().flatten()
-
-
-def chunk_gather_index(split_sizes: torch.Tensor, chunk_order: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Input row for each of `capacity` output rows when packed chunks of `split_sizes` are taken in `chunk_order`.
-
-    Static shapes, no host read: output row p lies in the first output chunk whose inclusive end
-    exceeds p (a `searchsorted`); its input row is that chunk's input start plus p's offset in it.
-    Rows past the total (padding up to the worst case) are clamped to a valid row and carry no data
-    anyone reads. The first `sum(split_sizes)` entries equal `token_sort.chunk_order_rows`.
-    """
-    sizes = split_sizes.to(torch.int64)
-    in_starts = torch.cumsum(sizes, 0) - sizes
-    out_sizes = sizes[chunk_order]
-    out_ends = torch.cumsum(out_sizes, 0)
-    position = torch.arange(capacity, device=sizes.device)
-    chunk = torch.searchsorted(out_ends, position, right=True).clamp_(max=sizes.numel() - 1)
-    offset = position - (out_ends - out_sizes)[chunk]
-    return (in_starts[chunk_order][chunk] + offset).clamp_(0, capacity - 1)
 
 
 def megatron_regroup(rows: torch.Tensor, split_sizes: torch.Tensor, chunk_order: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,9 @@ active experts only, plus causal attention, times 3 for training; recompute not 
     python bench/policy_bench.py --model Qwen3-4B --cases megatron:dp2,megatron:tp2,fsdp2:dp2,fsdp2_sdpa:dp2
     python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:tp2ep2,fsdp2:dp2
     python bench/policy_bench.py --smoke     # CPU, tiny shapes: our side only (FSDP2 needs CUDA)
+    # EP2 with the all-to-alls' sizes on the device (moe_config.device_all_to_all, issue 17) against without:
+    python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:ep2@a2a_dev \
+        --variant a2a_dev='trainer.policy.megatron_config.moe_config.device_all_to_all=true'
 
 `--markdown FILE` writes (or replaces) this run's section in FILE (docs/benchmarks.md), and `--chart`
 a PNG of tokens/s/GPU per case and phase.

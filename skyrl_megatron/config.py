@@ -114,6 +114,8 @@ class MoeSettings:
     expert_bias: bool | None = None  # null: the checkpoint's; true/false must match it
     expert_bias_update_rate: float = 0.0
     routing_replay: str | None = None  # null | r2 | r3 (compute/route_replay.py); the policy's only
+    # EP > 1: all-to-alls with the split sizes on the device (torch's NVSHMEM op; model/exchange_dispatcher.py)
+    device_all_to_all: bool = False
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -154,6 +156,10 @@ class MoeSettings:
         boolean("freeze_router", self.freeze_router)
         boolean("expert_bias", self.expert_bias, nullable=True)
         one_of("routing_replay", self.routing_replay, ROUTING_REPLAYS, nullable=True)
+        boolean("device_all_to_all", self.device_all_to_all)
+        if self.device_all_to_all is True and self.token_dispatcher != "alltoall":
+            found.append(Problem(f"{prefix}.device_all_to_all", f"it replaces the alltoall dispatcher's exchange, and "
+                                 f"token_dispatcher is {self.token_dispatcher!r}", "set token_dispatcher=alltoall, or device_all_to_all=false"))
         if self.routing_replay is not None and self.load_balancing_type in ("sinkhorn", "quantile_balancing"):
             found.append(
                 Problem(
@@ -494,6 +500,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     if shape is None or shape.num_experts:  # a dense model ignores moe_config
         problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
         problems += _routing_replay_problems(cfg, role, prefix, mc)
+        problems += _device_all_to_all_problems(cfg, role, prefix, mc)
     elif mc.moe_config.routing_replay == "r3":  # (it would have the engines return routes they do not have)
         problems.append(Problem(f"{prefix}.moe_config.routing_replay", f"r3 replays MoE routes, but {shape.model_type} "
                                 "at the model path has no experts", "set routing_replay=null for a dense model"))
@@ -524,6 +531,32 @@ def _routing_replay_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConf
                                 "drop moe_router_fusion, or set moe_config.routing_replay=null"))
     if replay == "r3":
         problems += _engine_route_problems(cfg, key)
+    return problems
+
+
+def _device_all_to_all_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """Where `moe_config.device_all_to_all` can apply (model/exchange_dispatcher.exchange_can_apply at
+    build time is the backstop): expert TP 1, dropless top-k routing, grouped experts."""
+    key = f"{prefix}.moe_config.device_all_to_all"
+    if mc.moe_config.device_all_to_all is not True:
+        return []
+    problems = []
+    expert_tp = mc.expert_tensor_parallel_size or mc.tensor_model_parallel_size
+    if expert_tp != 1:
+        problems.append(Problem(key, f"expert tensor parallelism ({expert_tp}) gathers tokens by host split sizes",
+                                "set expert_tensor_parallel_size=1, or device_all_to_all=false"))
+    kwargs = mc.transformer_config_kwargs
+    dropping = [name for name in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                                  "moe_router_padding_for_quantization") if kwargs.get(name) not in (None, False)]
+    if dropping:
+        problems.append(Problem(key, f"it needs dropless top-k routing, and transformer_config_kwargs sets {', '.join(dropping)}",
+                                f"drop {', '.join(dropping)}, or set device_all_to_all=false"))
+    if kwargs.get("moe_grouped_gemm") is False:
+        problems.append(Problem(key, "it needs grouped experts (they take the token counts on the device), and "
+                                "transformer_config_kwargs.moe_grouped_gemm is false", "drop moe_grouped_gemm, or set device_all_to_all=false"))
+    if int((cfg.trainer[role].model.get("lora") or {}).get("rank") or 0) > 0:
+        problems.append(Problem(key, "LoRA keeps the experts per-expert modules (no grouped experts), which read the counts on the host",
+                                "set device_all_to_all=false with LoRA"))
     return problems
 
 

@@ -30,6 +30,7 @@ from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
 from skyrl_megatron.model import experts, rope, token_sort, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
+from skyrl_megatron.model.moe_layer import use_device_all_to_all
 from skyrl_megatron.model.value_head import ValueHeadInit, value_head_hook
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
@@ -179,6 +180,8 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     settings.update(moe_transformer_settings(provider, spec.moe, spec.transformer_overrides))
     if spec.moe.freeze_router and getattr(provider, "num_moe_experts", None):
         provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
+    if spec.moe.device_all_to_all and getattr(provider, "num_moe_experts", None):
+        provider.register_pre_wrap_hook(use_device_all_to_all)  # EP > 1: model/exchange_dispatcher.py
     settings.update(runtime.transformer_config_overrides())
     if not have_transformer_engine():
         # Bridge providers turn on fused MoE token permutation (Qwen3-MoE does), which Megatron-Core

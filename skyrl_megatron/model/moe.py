@@ -18,6 +18,7 @@ aux_loss_coeff              moe_aux_loss_coeff                 0: no load-balanc
 expert_bias                 moe_router_enable_expert_bias      null keeps the checkpoint's
 expert_bias_update_rate     moe_router_bias_update_rate        0: the bias stays as loaded
 freeze_router               (requires_grad=False on routers)   before DDP wraps the chunks
+device_all_to_all           (DeviceAllToAllDispatcher, EP > 1) before DDP wraps the chunks
 =========================== ================================== ==================================
 
 Frozen router weights never reach Megatron's DDP buffers or optimizer: both take only parameters
@@ -118,13 +119,17 @@ def dispatch_needs_equal_token_counts(chunks: list[torch.nn.Module]) -> bool:
 
     The allgather dispatcher gathers all tokens of the TP x EP group into one buffer without split
     sizes; EP ranks are data-parallel ranks with their own rows, so their micro-batches must share
-    one shape. The alltoall and flex dispatchers exchange split sizes and need no such agreement.
+    one shape. The alltoall and flex dispatchers exchange split sizes and need no such agreement,
+    except the alltoall dispatcher with its sizes on the device (``moe_config.device_all_to_all``):
+    its receive buffers are sized EP x this rank's rows, and its symmetric buffers are allocated
+    collectively by shape (`model/exchange_dispatcher.py`).
     """
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
-    return (
-        bool(config.num_moe_experts)
-        and config.moe_token_dispatcher_type == "allgather"
-        and config.expert_model_parallel_size > 1
-    )
+    if not config.num_moe_experts or config.expert_model_parallel_size == 1:
+        return False
+    if config.moe_token_dispatcher_type == "allgather":
+        return True
+    return any(getattr(getattr(module, "token_dispatcher", None), "needs_equal_token_counts", False)
+               for chunk in chunks for module in chunk.modules())

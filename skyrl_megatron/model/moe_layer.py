@@ -22,13 +22,19 @@ comparisons and benchmarks.
 
 Where routing is dropless top-k with the alltoall dispatcher (any EP size), the layer also permutes
 and unpermutes its tokens by gathers (`model/token_permute.py`) instead of Megatron's scatter-adds.
+
+At EP > 1, `use_device_all_to_all(chunks)` (a pre-wrap hook, on with
+``moe_config.device_all_to_all``) gives every such layer `DeviceAllToAllDispatcher`
+(`model/exchange_dispatcher.py`): the all-to-alls take their sizes on the device as well.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from skyrl_megatron.config import ConfigError, Problem
 from skyrl_megatron.model import token_permute, token_sort
+from skyrl_megatron.model.exchange_dispatcher import device_all_to_all_dispatcher_class, exchange_can_apply
 
 _classes: dict[str, type] = {}
 
@@ -102,6 +108,7 @@ def grouped_moe_layer_class() -> type:
                 if pg_collection is None:
                     pg_collection = get_default_pg_collection()
                 super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
+                self.dispatcher_pg_collection = pg_collection  # to build another dispatcher later
                 # MoELayer builds its dispatcher inline (no spec entry), so the choice is made here,
                 # after the experts exist: the device-resident counts are only for experts that read them.
                 if counts_can_stay_on_device(config, self.token_dispatcher, self.experts):
@@ -111,9 +118,26 @@ def grouped_moe_layer_class() -> type:
                     )
                     if self.use_shared_expert and self.shared_expert_overlap:
                         self.token_dispatcher.set_shared_experts(self.shared_experts)
-                if routing_is_regular(config, self.token_dispatcher):
+                self._route_regularly_if_possible()
+
+            def _route_regularly_if_possible(self):
+                if routing_is_regular(self.config, self.token_dispatcher):
                     token_permute.install()
-                    token_permute.route_regularly(self.token_dispatcher, config.moe_router_topk)
+                    token_permute.route_regularly(self.token_dispatcher, self.config.moe_router_topk)
+
+            def use_device_all_to_all(self) -> str | None:
+                """Swap in `DeviceAllToAllDispatcher` (EP > 1); why it cannot apply, or None once it has."""
+                why = exchange_can_apply(self.config, self.token_dispatcher, self.experts)
+                if why is not None:
+                    return why
+                self.token_dispatcher = device_all_to_all_dispatcher_class()(
+                    self.num_local_experts, self.local_expert_indices, config=self.config,
+                    pg_collection=self.dispatcher_pg_collection,
+                )
+                if self.use_shared_expert and self.shared_expert_overlap:
+                    self.token_dispatcher.set_shared_experts(self.shared_experts)
+                self._route_regularly_if_possible()
+                return None
 
         GroupedMoELayer.__module__ = __name__
         _classes["layer"] = GroupedMoELayer
@@ -133,3 +157,27 @@ def set_counts_on_device(model: nn.Module | list, on: bool) -> int:
                 module.token_dispatcher.counts_on_device = on
                 switched += 1
     return switched
+
+
+def use_device_all_to_all(chunks: list) -> list:
+    """Pre-wrap hook of ``moe_config.device_all_to_all``: every MoE layer at EP > 1 exchanges its tokens
+    with the sizes on the device (`model/exchange_dispatcher.py`). At EP1 there is no all-to-all
+    (`DeviceCountsDispatcher` already reads nothing on the host). A layer it cannot apply to is a
+    configuration error naming the key (the config checks catch these cases before any worker starts)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    problems = []
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not isinstance(module, MoELayer) or getattr(module.token_dispatcher, "ep_size", 1) == 1:
+                continue
+            if not isinstance(module, grouped_moe_layer_class()):
+                why = f"{type(module).__name__} is not our grouped MoE layer (Transformer Engine's spec, or moe_grouped_gemm=false)"
+            else:
+                why = module.use_device_all_to_all()
+            if why is not None:
+                problems.append(Problem("megatron_config.moe_config.device_all_to_all", f"{name}: {why}",
+                                        "meet that, or set device_all_to_all=false"))
+    if problems:
+        raise ConfigError(problems[:1])  # every layer has the same reason
+    return chunks

@@ -8,7 +8,9 @@ concatenation: four device-to-host syncs, one copy per chunk and a full copy of 
 call, twice per MoE layer and pass, even with one EP rank, where the order does not change at all.
 
 `sort_chunks_by_idxs` below computes the same reordering as one on-device gather (no host sync)
-and returns its input untouched when the chunk order is the identity. `install()` puts it in the
+and returns its input untouched when the chunk order is the identity. `chunk_gather_index` is the
+same index for a buffer sized for the worst case, whose real total only the device knows (the
+device-side all-to-all, `model/device_all_to_all.py`). `install()` puts it in the
 dispatcher's namespace in place of Megatron's non-fused version; TE's fused kernel, where TE is
 installed, is left to Megatron.
 """
@@ -31,6 +33,36 @@ def chunk_order_rows(split_sizes: Tensor, sorted_idxs: Tensor, total: int) -> Te
     chunk_start = torch.repeat_interleave(starts[sorted_idxs], out_sizes, output_size=total)
     offset = torch.arange(total, device=sizes.device) - torch.repeat_interleave(out_starts, out_sizes, output_size=total)
     return chunk_start + offset
+
+
+def expert_major_order(world: int, local_experts: int, device=None) -> Tensor:
+    """Chunk order taking [source rank, local expert] chunks to [local expert, source rank]
+    (Megatron's `sort_input_by_local_experts`)."""
+    return torch.arange(world * local_experts, device=device).view(world, local_experts).t().flatten()
+
+
+def source_major_order(world: int, local_experts: int, device=None) -> Tensor:
+    """The inverse: [local expert, source rank] chunks back to [source rank, local expert]."""
+    return torch.arange(world * local_experts, device=device).view(local_experts, world).t().flatten()
+
+
+def chunk_gather_index(split_sizes: Tensor, chunk_order: Tensor, capacity: int) -> Tensor:
+    """Input row for each of `capacity` output rows when packed chunks of `split_sizes` are taken in `chunk_order`.
+
+    `chunk_order_rows` with a static output size (no host read of the total): output row p lies in
+    the first output chunk whose inclusive end exceeds p (a `searchsorted`); its input row is that
+    chunk's input start plus p's offset in it. Rows past the total (padding up to a worst case) are
+    clamped to a valid row and carry no data anyone reads. The first `sum(split_sizes)` entries
+    equal `chunk_order_rows`.
+    """
+    sizes = split_sizes.to(torch.int64)
+    in_starts = torch.cumsum(sizes, 0) - sizes
+    out_sizes = sizes[chunk_order]
+    out_ends = torch.cumsum(out_sizes, 0)
+    position = torch.arange(capacity, device=sizes.device)
+    chunk = torch.searchsorted(out_ends, position, right=True).clamp_(max=sizes.numel() - 1)
+    offset = position - (out_ends - out_sizes)[chunk]
+    return (in_starts[chunk_order][chunk] + offset).clamp_(0, capacity - 1)
 
 
 def sort_chunks_by_idxs(input: Tensor, split_sizes: Tensor, sorted_idxs: Tensor, probs: Tensor | None = None, fused: bool = False):
