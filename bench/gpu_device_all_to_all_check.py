@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -40,30 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from skyrl_megatron.model.device_all_to_all import ExchangePlan, combine, dispatch  # noqa: E402
 from skyrl_megatron.model.row_exchange import EmulatedExchange, NvshmemExchange  # noqa: E402
 from skyrl_megatron.model.token_sort import expert_major_order, source_major_order  # noqa: E402
+from skyrl_megatron.testing.distributed import free_port  # noqa: E402
+from skyrl_megatron.testing.reference_exchange import host_splits_all_to_all, split_and_concatenate  # noqa: E402
 
 # NVLink multicast stays off on the lent machines (shared GPUs); set before NCCL or NVSHMEM start.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class _HostSplitsAllToAll(torch.autograd.Function):
-    """The reference exchange: host split sizes, `all_to_all_single`; the backward swaps them."""
-
-    @staticmethod
-    def forward(ctx, rows, receive, send):
-        ctx.receive, ctx.send = receive, send
-        out = rows.new_empty(sum(receive), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), receive, send)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _HostSplitsAllToAll.apply(grad, ctx.send, ctx.receive), None, None
-
-
-def _regroup(rows, sizes, order):
-    """Megatron's non-fused `sort_chunks_by_idxs`: split by host sizes, concatenate in order."""
-    chunks = torch.split(rows, sizes.tolist(), dim=0)
-    return torch.cat([chunks[i] for i in order.tolist()], dim=0)
 
 
 def _routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
@@ -93,12 +73,12 @@ class Layer:
         self.to_sources = source_major_order(world, local_experts)
 
     def reference_dispatch(self, rows):
-        landed = _HostSplitsAllToAll.apply(rows, self.receive_sizes, self.send_sizes)
-        return _regroup(landed, self.received.flatten(), self.to_experts)
+        landed = host_splits_all_to_all(rows, self.receive_sizes, self.send_sizes)
+        return split_and_concatenate(landed, self.received.flatten(), self.to_experts)
 
     def reference_combine(self, rows):
-        by_source = _regroup(rows, self.received.t().flatten(), self.to_sources)
-        return _HostSplitsAllToAll.apply(by_source, self.send_sizes, self.receive_sizes)
+        by_source = split_and_concatenate(rows, self.received.t().flatten(), self.to_sources)
+        return host_splits_all_to_all(by_source, self.send_sizes, self.receive_sizes)
 
 
 def _expert(tokens, probs):
@@ -270,10 +250,7 @@ def main(argv=None) -> int:
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     mp.start_processes(run_rank, args=(world, args, str(args.out)), nprocs=world, join=True,
                        start_method="fork" if args.smoke else "spawn")
     code, lines = summarize(json.loads(args.out.read_text()))

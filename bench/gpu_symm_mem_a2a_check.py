@@ -61,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the index math is the product's (model/token_sort.py), checked here against Megatron's path
 from skyrl_megatron.model.token_sort import chunk_gather_index, expert_major_order, source_major_order  # noqa: E402
+from skyrl_megatron.testing.distributed import free_port  # noqa: E402
+from skyrl_megatron.testing.reference_exchange import split_and_concatenate  # noqa: E402
 
 # NVLink multicast stays off on the lent machines (shared GPUs); set before NCCL or NVSHMEM start.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -70,12 +72,6 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 # Pure index math (CPU or GPU, no host sync): checked on CPU by tests/test_symm_mem_a2a_script.py;
 # the regroup's (expert_major_order, source_major_order, chunk_gather_index) is imported above
 # ---------------------------------------------------------------------------------------------------
-
-
-def megatron_regroup(rows: torch.Tensor, split_sizes: torch.Tensor, chunk_order: torch.Tensor) -> torch.Tensor:
-    """Megatron's non-fused `moe_utils.sort_chunks_by_idxs`: split by host sizes, concatenate in order."""
-    chunks = torch.split(rows, split_sizes.tolist(), dim=0)
-    return torch.cat([chunks[i] for i in chunk_order.tolist()], dim=0)
 
 
 def draw_routing(tokens: int, topk: int, experts: int, seed: int, device) -> torch.Tensor:
@@ -188,14 +184,14 @@ def reference_dispatch(tokens, sorted_indices, counts, shape: Shape):
     receive_sizes = received_counts.sum(1).tolist()
     received = rows.new_empty(sum(receive_sizes), shape.hidden)
     dist.all_to_all_single(received, rows, receive_sizes, send_sizes)
-    grouped = megatron_regroup(received, received_counts.flatten(), expert_major_order(shape.world, shape.local_experts))
+    grouped = split_and_concatenate(received, received_counts.flatten(), expert_major_order(shape.world, shape.local_experts))
     return grouped, received_counts, (send_sizes, receive_sizes)
 
 
 def reference_combine(expert_out, received_counts, sizes, shape: Shape):
     """The way back: regroup [expert, source] -> [source, expert] on host sizes, all_to_all_single."""
     send_sizes, receive_sizes = sizes
-    restored = megatron_regroup(expert_out, received_counts.t().flatten(), source_major_order(shape.world, shape.local_experts))
+    restored = split_and_concatenate(expert_out, received_counts.t().flatten(), source_major_order(shape.world, shape.local_experts))
     back = expert_out.new_empty(shape.rows, shape.hidden)
     dist.all_to_all_single(back, restored, send_sizes, receive_sizes)
     return back
@@ -526,14 +522,6 @@ def summarize(result: dict) -> tuple[int, list[str]]:
     return (0 if ok else 1), lines
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -556,7 +544,7 @@ def main(argv=None) -> int:
     for key, value in SAFE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if args.smoke else "29531")
+    os.environ.setdefault("MASTER_PORT", str(free_port()) if args.smoke else "29531")
     # CPU only in smoke mode, so forking is safe there and spares each rank a fresh torch import
     try:
         mp.start_processes(run_rank, args=(world, args, str(args.out)), nprocs=world, join=True,

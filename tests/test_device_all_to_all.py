@@ -21,6 +21,7 @@ import torch.distributed as dist
 from skyrl_megatron.model.row_exchange import EmulatedExchange, NvshmemExchange
 from skyrl_megatron.testing import run_on_ranks
 from skyrl_megatron.testing.host_syncs import HostSyncProbe
+from skyrl_megatron.testing.reference_exchange import host_splits_all_to_all
 
 WORLD, LOCAL_EXPERTS, ROWS, HIDDEN = 2, 3, 40, 5
 IDLE_EXPERT = 4  # no rank routes a row to it (rank 1's second local expert)
@@ -50,26 +51,8 @@ def _plan(rank: int, counts: torch.Tensor):
     return plan, received
 
 
-class _HostSplitsAllToAll(torch.autograd.Function):
-    """Megatron's `tensor_parallel.all_to_all` (host split sizes; the backward swaps them), which
-    allocates on a CUDA device and so cannot run here."""
-
-    @staticmethod
-    def forward(ctx, rows, receive, send):
-        import torch.distributed as dist
-
-        ctx.receive, ctx.send = receive, send
-        out = rows.new_empty(sum(receive), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), receive, send)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _HostSplitsAllToAll.apply(grad, ctx.send, ctx.receive), None, None
-
-
 def all_to_all(group, rows, receive, send):
-    return _HostSplitsAllToAll.apply(rows, receive, send)
+    return host_splits_all_to_all(rows, receive, send)
 
 
 def _reference_dispatch(rows, counts, received):

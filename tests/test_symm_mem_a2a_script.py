@@ -55,7 +55,7 @@ def test_regroup_index_equals_chunk_order_rows_and_megatron(a2a, world, local_ex
         expected, _ = sort_chunks_by_idxs(rows, counts, order)
         padded = torch.cat([rows, torch.full((capacity - total, 3), float("nan"))])
         assert torch.equal(padded.index_select(0, index)[:total], expected)
-        assert torch.equal(a2a.megatron_regroup(rows, counts, order), expected)
+        assert torch.equal(a2a.split_and_concatenate(rows, counts, order), expected)
 
 
 def test_way_back_inverts_the_regroup(a2a):
@@ -152,7 +152,7 @@ def test_smoke_mode_catches_a_wrong_regroup(tmp_path):
 @pytest.mark.slow
 def test_a_failing_rank_exits_3_and_keeps_its_partial_report(tmp_path):
     out = tmp_path / "a2a.json"
-    run = _run_smoke(tmp_path, out, patch="a2a.megatron_regroup = lambda *args: 1 / 0")
+    run = _run_smoke(tmp_path, out, patch="a2a.split_and_concatenate = lambda *args: 1 / 0")
     assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-5000:]
     result = json.loads(out.read_text())
     assert "ZeroDivisionError" in result["error"]

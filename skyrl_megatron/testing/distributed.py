@@ -86,7 +86,7 @@ def run_on_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _rank_server()
     reports: Queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     # the caller's environment as it is now: the rank server's own dates from the server's start
     inherited = dict(os.environ)
     procs = [
@@ -115,7 +115,7 @@ def _rank_server() -> mp.context.BaseContext:
     return ctx
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """Ask the OS for an unused TCP port for the rendezvous store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
