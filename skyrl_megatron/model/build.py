@@ -28,7 +28,7 @@ from skyrl_megatron.model.bridge_import import have_transformer_engine, import_b
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
-from skyrl_megatron.model import experts, rope, token_sort, wgrad
+from skyrl_megatron.model import experts, hf_tensors, rope, token_sort, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
 from skyrl_megatron.model.moe_layer import use_device_all_to_all
 from skyrl_megatron.model.value_head import ValueHeadInit, value_head_hook
@@ -144,7 +144,9 @@ def load_bridge(hf_path: str):
             f"Megatron-Bridge cannot convert the model at {hf_path!r} (model type {_hf_model_type(hf_path)}). "
             "Use a supported architecture (e.g. Llama, Qwen2/2.5, Qwen3, Qwen3-MoE) or the fsdp2 strategy."
         )
-    return AutoBridge.from_hf_pretrained(hf_path, torch_dtype=torch.float32)
+    bridge = AutoBridge.from_hf_pretrained(hf_path, torch_dtype=torch.float32)
+    hf_tensors.read_shards_once(bridge)  # Bridge's own reads are quadratic in tensors per shard
+    return bridge
 
 
 def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
