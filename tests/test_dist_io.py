@@ -1,4 +1,4 @@
-"""dist_io.fast_shard_overlap_check: torch's overlap check of ShardedTensor shards gives the same
+"""dist_io.fast_shard_bookkeeping: torch's overlap check of ShardedTensor shards gives the same
 answers with our sweep, without the quadratic search on MoE expert grids."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import _internals
 
-from skyrl_megatron.dist_io import _overlapping_pair, fast_shard_overlap_check
+from skyrl_megatron.dist_io import _overlapping_pair, fast_shard_bookkeeping
 
 
 def _expert_grid(layers: int, experts: int, row_pieces: int, rows: int = 32, cols: int = 16):
@@ -58,10 +58,34 @@ def test_expert_grid_is_not_searched_pairwise(monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(_internals, "_check_shard_metadata_pair_overlap", counting)
-    with fast_shard_overlap_check():
+    with fast_shard_bookkeeping():
         _internals.validate_non_overlapping_shards_metadata(shards)  # raises on an overlap
     assert calls["n"] <= 100 * len(shards)  # one expert's 96 shards open at a time, not 6,144
     shards.append(ShardMetadata([47, 127, 16, 0], [1, 1, 32, 16], "rank:0/cpu"))  # overlaps two shards
-    with fast_shard_overlap_check(), pytest.raises(ValueError, match="overlap"):
+    with fast_shard_bookkeeping(), pytest.raises(ValueError, match="overlap"):
         _internals.validate_non_overlapping_shards_metadata(shards)
     assert _internals._find_nd_overlapping_shards is not _overlapping_pair  # restored
+
+
+def test_shard_lookup_by_offset_equals_torchs_scan():
+    """The save's per-shard lookup: the same shard as torch's scan, and torch's error for a missing one."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.checkpoint import utils as checkpoint_utils
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from skyrl_megatron.dist_io import fast_shard_bookkeeping
+
+    metadata = _expert_grid(layers=3, experts=4, row_pieces=2)
+    shards = [SimpleNamespace(metadata=m, tensor=torch.full((1,), float(i))) for i, m in enumerate(metadata)]
+    tensor = SimpleNamespace(local_shards=lambda: shards)  # what `_find_shard` reads of a ShardedTensor
+    torchs = checkpoint_utils._find_shard
+    indices = [MetadataIndex("w", m.shard_offsets) for m in reversed(metadata)]
+    with fast_shard_bookkeeping():
+        assert checkpoint_utils._find_shard is not torchs
+        for index in indices:
+            assert checkpoint_utils._find_shard(tensor, index) is torchs(tensor, index)
+        with pytest.raises(ValueError, match="Could not find shard"):
+            checkpoint_utils._find_shard(tensor, MetadataIndex("w", [9, 9, 9, 9]))
+    assert checkpoint_utils._find_shard is torchs

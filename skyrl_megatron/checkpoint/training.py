@@ -68,7 +68,7 @@ from skyrl_megatron.checkpoint.megatron_state import (
     sharded_training_state,
     use_fresh_buffers,
 )
-from skyrl_megatron.dist_io import fast_shard_overlap_check, save_strategy, writer_results_in_process
+from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_results_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def save_checkpoint(
     sharded = sharded_training_state(
         chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
     )
-    with writer_results_in_process(), fast_shard_overlap_check():
+    with writer_results_in_process(), fast_shard_bookkeeping():
         # returns after a barrier: every rank's shards are on disk
         dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR), sharded_strategy=save_strategy())
     if dist.get_rank() == 0:
@@ -181,7 +181,7 @@ def load_checkpoint(
     )
     use_fresh_buffers(sharded)
     failure = f"cannot read checkpoint {path}"
-    with fast_shard_overlap_check():
+    with fast_shard_bookkeeping():
         loaded = agree_on_all_ranks(
             lambda: dist_checkpointing.load(
                 sharded,

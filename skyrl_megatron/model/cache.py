@@ -405,11 +405,11 @@ def save_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None
     """Collective: write the chunks' weights as a Megatron distributed checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from skyrl_megatron.dist_io import fast_shard_overlap_check, save_strategy, writer_results_in_process
+    from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_results_in_process
 
     # Data-parallel replicas hold the same shards; by default only the first replica writes them.
     # Spreading the writes over the replicas divides the one-time save by the DP size.
-    with writer_results_in_process(), fast_shard_overlap_check():  # no helper process left by a killed rank
+    with writer_results_in_process(), fast_shard_bookkeeping():  # no helper process left by a killed rank
         dist_checkpointing.save(_sharded_state_dict(chunks), str(checkpoint_dir), sharded_strategy=save_strategy())
 
 
@@ -418,9 +418,9 @@ def load_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
-    from skyrl_megatron.dist_io import fast_shard_overlap_check
+    from skyrl_megatron.dist_io import fast_shard_bookkeeping
 
-    with fast_shard_overlap_check():
+    with fast_shard_bookkeeping():
         loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(checkpoint_dir))
     for i, chunk in enumerate(unwrap_model(list(chunks))):
         chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
