@@ -57,8 +57,9 @@ def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tenso
         ties.append(tie.nonzero().view(-1) + start)
         remainder[start:stop] = diff.masked_fill_(tie, -_TIE)
     if extremes:
-        low, high = torch.stack(extremes).aminmax(dim=0)
-        if low[0].item() < -_TIE or high[1].item() > _TIE:
+        lows, highs = torch.stack(extremes).aminmax(dim=0)
+        low, high = torch.stack([lows[0], highs[1]]).tolist()  # one host sync per tensor
+        if low < -_TIE or high > _TIE:
             return None
     tie_indices = torch.cat(ties) if ties else torch.empty(0, dtype=torch.int64, device=master.device)
     return remainder, tie_indices
@@ -126,8 +127,8 @@ class CompactMasterWeights:
                 m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
         if not self._logged:
             self._logged = True
-            logger.info("compact master weights: %.3f GiB of fp32 masters freed between optimizer steps "
-                        "(kept as bf16 weight + int16 remainder)", freed / 2**30)
+            logger.info("compact master weights: %d bytes (%.2f GiB) of fp32 masters freed between optimizer "
+                        "steps (kept as bf16 weight + int16 remainder)", freed, freed / 2**30)
         if kept:
             logger.warning("compact master weights: %d master elements kept in fp32 (their model weights "
                            "are not the masters rounded)", kept)
