@@ -95,7 +95,7 @@ class CompactMasterWeights:
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
         self._masters = [_Master(master, model) for master, model in pairs]
-        self._logged = False
+        self._logged = self._warned_kept = False
 
     @classmethod
     def of_optimizer(cls, optimizer) -> "CompactMasterWeights":
@@ -129,7 +129,8 @@ class CompactMasterWeights:
             self._logged = True
             logger.info("compact master weights: %d bytes (%.2f GiB) of fp32 masters freed between optimizer "
                         "steps (kept as bf16 weight + int16 remainder)", freed, freed / 2**30)
-        if kept:
+        if kept and not self._warned_kept:  # once: the same tensors would be named at every step
+            self._warned_kept = True
             logger.warning("compact master weights: %d master elements kept in fp32 (their model weights "
                            "are not the masters rounded)", kept)
         return freed
