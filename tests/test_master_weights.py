@@ -227,7 +227,7 @@ def _checkpoints_across_the_switch(rank, world, hf_dir, root):
     """Save after 2 steps with the key on (off), load into a fresh model with it off (on), 2 more steps;
     and the weights-only load of a worker (`load_optimizer_states=False`), which reloads the masters."""
     from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
-    from skyrl_megatron.master_weights import compact_masters_of, masters_materialised
+    from skyrl_megatron.master_weights import compact_masters_of
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -254,11 +254,15 @@ def _checkpoints_across_the_switch(rank, world, hf_dir, root):
             "resumed_state": _state(built, optimizer),
         }
 
-    # weights only, as the worker loads without optimizer state: the masters restart from the weights
+    # weights only, through the worker's own load (`load_optimizer_states=False`): the masters restart
+    # from the loaded weights
+    from types import SimpleNamespace
+
+    from skyrl_megatron.workers.training import TrainedRoleMixin
+
     built, optimizer, scheduler = _build(hf_dir, compact=True)
-    with masters_materialised(optimizer):
-        load_checkpoint(f"{root}/compact_True", built.chunks, None, None)
-        optimizer.reload_model_params()
+    worker = SimpleNamespace(built=built, optimizer=optimizer, scheduler=scheduler)
+    TrainedRoleMixin.load_checkpoint(worker, f"{root}/compact_True", load_optimizer_states=False)
     weights_only = _state(built, optimizer)
     report["weights_only"] = {
         "released": compact_masters_of(optimizer).released,
