@@ -201,6 +201,8 @@ class MegatronWorkerConfig:
     empty_cuda_cache: bool = True
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
     attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (model/attention_kernels.py)
+    # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py)
+    compact_master_weights: bool = False
     ddp_config: dict[str, Any] = field(default_factory=dict)
     optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -504,6 +506,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     elif mc.moe_config.routing_replay == "r3":  # (it would have the engines return routes they do not have)
         problems.append(Problem(f"{prefix}.moe_config.routing_replay", f"r3 replays MoE routes, but {shape.model_type} "
                                 "at the model path has no experts", "set routing_replay=null for a dense model"))
+    problems += _compact_master_weight_problems(cfg, role, prefix, mc)
     problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
     problems += _attention_kernel_problems(f"{prefix}.attention_kernel", mc.attention_kernel, mc.runtime)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
@@ -511,6 +514,35 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
 
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
+    return problems
+
+
+def _compact_master_weight_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """Where `compact_master_weights` applies: the distributed optimizer's fp32 masters of bf16
+    parameters under torch's Adam (the layouts master_weights.refusal accepts at build time)."""
+    key = f"{prefix}.compact_master_weights"
+    value = mc.compact_master_weights
+    if not isinstance(value, bool):
+        return [Problem(key, f"must be true or false, got {value!r}", "set true or false")]
+    if not value:
+        return []
+    off = "set compact_master_weights=false"
+    if role == "ref":
+        return [Problem(key, "the reference model has no optimizer", off)]
+    problems = []
+    ddp, optim = mc.ddp_config or {}, mc.optimizer_config_kwargs or {}
+    if not ddp.get("use_distributed_optimizer", False):
+        problems.append(Problem(key, "needs Megatron's distributed optimizer", f"set {prefix}.ddp_config.use_distributed_optimizer=true, or {off}"))
+    if not cfg.trainer.get("bf16", True) or optim.get("fp16"):
+        problems.append(Problem(key, "needs bf16 parameters (fp16 and fp32 parameters keep no bf16 copy of the masters)", f"set trainer.bf16=true, or {off}"))
+    if optim.get("optimizer", "adam") != "adam":
+        problems.append(Problem(key, f"needs the Adam optimizer, got optimizer_config_kwargs.optimizer={optim['optimizer']!r}", off))
+    for name in ("use_precision_aware_optimizer", "optimizer_cpu_offload"):
+        if optim.get(name):
+            problems.append(Problem(key, f"optimizer_config_kwargs.{name} keeps its own master weights", f"set {name}=false, or {off}"))
+    for name in ("use_megatron_fsdp", "fp8_param_gather", "fp4_param_gather"):
+        if ddp.get(name):
+            problems.append(Problem(key, f"not supported with ddp_config.{name}", f"set {name}=false, or {off}"))
     return problems
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from skyrl_megatron import multi_tensor
+from skyrl_megatron.master_weights import attach, compact_masters_of, refusal
 
 if TYPE_CHECKING:  # megatron is imported lazily: importing it costs seconds
     from megatron.core.optimizer import OptimizerConfig
@@ -113,8 +114,11 @@ class OptimizerSettings:
         )
         return cls(config=config, schedule=schedule)
 
-    def build_optimizer(self, chunks: Sequence[torch.nn.Module]):
+    def build_optimizer(self, chunks: Sequence[torch.nn.Module], *, compact_master_weights: bool = False):
         """Megatron's optimizer over the DDP-wrapped model chunks (one per virtual pipeline stage).
+
+        `compact_master_weights` keeps the fp32 masters as bf16 weight + int16 remainder between
+        steps (`master_weights.py`; `optimizer_step` rebuilds them for the step).
 
         Whether the optimizer is distributed must agree with how the DDP grad buffers were laid
         out, so it follows `ddp_config.use_distributed_optimizer`; asking for a distributed
@@ -138,6 +142,11 @@ class OptimizerSettings:
         multi_tensor.install()  # without TE/Apex: foreach kernels, not a host read per gradient
         optimizer = get_megatron_optimizer(config, list(chunks))
         use_fused_torch_adam(optimizer)
+        if compact_master_weights:
+            reason = refusal(optimizer)
+            if reason is not None:
+                raise OptimizerSettingsError(f"megatron_config.compact_master_weights cannot be used: {reason}")
+            attach(optimizer)
         return optimizer
 
     def build_scheduler(self, optimizer):
@@ -219,7 +228,21 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     is therefore computed first (all ranks agree on it: it is all-reduced over the model-parallel
     group) and the step is skipped on all ranks alike. Gradients must already be finalised
     (`finalize_model_grads`).
+
+    Compact master weights are rebuilt first (the main grads are attached to the masters, so their
+    shapes must be back) and released again once the step has copied them into the model, or was skipped.
     """
+    masters = compact_masters_of(optimizer)
+    if masters is None:
+        return _step(optimizer, scheduler)
+    masters.rebuild()
+    try:
+        return _step(optimizer, scheduler)
+    finally:
+        masters.release()
+
+
+def _step(optimizer, scheduler) -> StepResult:
     lr = current_lr(optimizer)
     # prepare_grads (grads -> main grads) is idempotent for the bf16/fp32 optimizers, so calling
     # it here and again inside step() only costs an extra copy and an extra norm reduction.

@@ -69,6 +69,7 @@ from skyrl_megatron.checkpoint.megatron_state import (
     use_fresh_buffers,
 )
 from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_results_in_process
+from skyrl_megatron.master_weights import masters_materialised
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +122,14 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     model_state = model_state_of(chunks)  # collective: every rank takes part
-    sharded = sharded_training_state(
-        chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
-    )
-    with writer_results_in_process(), fast_shard_bookkeeping():
-        # returns after a barrier: every rank's shards are on disk
-        dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR), sharded_strategy=save_strategy())
+    # compact master weights are saved as the fp32 masters they stand for (the same checkpoint either way)
+    with masters_materialised(optimizer):
+        sharded = sharded_training_state(
+            chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
+        )
+        with writer_results_in_process(), fast_shard_bookkeeping():
+            # returns after a barrier: every rank's shards are on disk
+            dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR), sharded_strategy=save_strategy())
     if dist.get_rank() == 0:
         metadata = CheckpointMetadata(
             step=int(step),
@@ -157,6 +160,13 @@ def load_checkpoint(
     Raises CheckpointNotFoundError, CorruptCheckpointError or CheckpointMismatchError before any
     weight is touched. With strict=False, tensors missing from the checkpoint keep their values.
     """
+    # compact master weights: the fp32 masters take the saved values, then are released against the
+    # loaded model weights
+    with masters_materialised(optimizer):
+        return _load_checkpoint(ckpt_dir, chunks, optimizer, scheduler, strict=strict)
+
+
+def _load_checkpoint(ckpt_dir, chunks, optimizer, scheduler, *, strict: bool) -> CheckpointState:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 

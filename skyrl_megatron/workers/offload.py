@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from skyrl_megatron.compute.gradient_buffers import ddp_buffers
+from skyrl_megatron.master_weights import compact_masters_of
 from skyrl_megatron.optim import torch_optimizers
 
 
@@ -117,9 +118,11 @@ def _model_tensors(chunks) -> list[torch.Tensor]:
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """The inner torch optimizer's parameters (fp32 main params) and state (Adam moments)."""
+    """The inner torch optimizer's parameters (fp32 main params) and state (Adam moments), and what
+    stands for compact master weights between steps (their remainders; released masters hold nothing)."""
     seen: set[int] = set()
-    tensors = []
+    masters = compact_masters_of(optimizer)
+    tensors = list(masters.stored_tensors()) if masters is not None else []
     for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:

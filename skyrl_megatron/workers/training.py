@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+from skyrl_megatron.master_weights import masters_materialised
 from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
 
@@ -24,7 +25,9 @@ class TrainedRoleMixin(MegatronWorkerMixin):
             int(num_training_steps or 1_000_000_000),
             "bf16" if self.host_cfg.trainer.bf16 else "fp32",
         )
-        self.optimizer = settings.build_optimizer(self.built.chunks)
+        self.optimizer = settings.build_optimizer(
+            self.built.chunks, compact_master_weights=self.megatron_cfg.compact_master_weights
+        )
         self.scheduler = settings.build_scheduler(self.optimizer)
         self.runner.attach_optimizer(self.optimizer)
         self.skipped_steps = 0
@@ -64,14 +67,16 @@ class TrainedRoleMixin(MegatronWorkerMixin):
         )
 
     def load_checkpoint(self, ckpt_dir, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
-        state = load_checkpoint(
-            ckpt_dir,
-            self.built.chunks,
-            self.optimizer if load_optimizer_states else None,
-            self.scheduler if load_lr_scheduler_states else None,
-        )
-        if not load_optimizer_states:
-            # bf16: the optimizer's fp32 main params would overwrite the loaded weights at the next step
-            self.optimizer.reload_model_params()
+        # compact master weights: present while the model weights they are relative to change
+        with masters_materialised(self.optimizer):
+            state = load_checkpoint(
+                ckpt_dir,
+                self.built.chunks,
+                self.optimizer if load_optimizer_states else None,
+                self.scheduler if load_lr_scheduler_states else None,
+            )
+            if not load_optimizer_states:
+                # bf16: the optimizer's fp32 main params would overwrite the loaded weights at the next step
+                self.optimizer.reload_model_params()
         self.skipped_steps = int(state.extra.get("skipped_steps", 0))
         return {"step": state.step, **state.extra}

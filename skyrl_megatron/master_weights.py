@@ -1,0 +1,223 @@
+"""Compact fp32 master weights: between optimizer steps, a master is its bf16 model weight plus 16 bits.
+
+Megatron's distributed optimizer keeps, per bf16 parameter, an fp32 master shard (4 bytes) that only
+its optimizer step reads and writes; after the step it copies the master into the bf16 model weight,
+rounded to nearest even. The model weight therefore already holds the master's upper 16 bits, or
+that value plus one (rounded up), and the master is exactly
+
+    bits(master) = bits(model) * 2**16 + remainder,   remainder in [-2**15, 2**15]
+
+(int32 bit patterns; sign-magnitude floats need no special case: a negative float's pattern and its
+rounded pattern are both in the negative int32 range, and the rounding moves the magnitude by at
+most half of the lower 16 bits' range, also across an exponent boundary and into inf). Between
+steps we keep `remainder` as int16 (2 bytes) and free the master: 2 of the 4 bytes a parameter.
+The one value int16 cannot hold is +2**15, a tie rounded down to an even model weight (about one
+element in 2**17); such elements are stored as -2**15 and listed by index, to be corrected.
+
+Exact by construction, and checked: an element whose remainder falls outside the range (a model
+weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
+whole tensor's master in fp32, so a master is never rebuilt wrong. The masters stay the same tensor
+objects (Adam's state and Megatron's `main_param` are keyed by them); only their `.data` changes.
+
+Only Megatron's DistributedOptimizer over bf16 parameters with torch's Adam (no Transformer Engine)
+is supported: `refusal()` says why anything else is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_TIE = 1 << 15  # the remainder of a tie rounded down; int16 holds -_TIE but not +_TIE
+# elements per pass: bounds the int64 temporaries (a few times 32 MiB) whatever the tensor's size
+_CHUNK = 1 << 22
+
+
+def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(remainder int16, indices of rounded-down ties int64) such that `join_master` gives `master`
+    back bit for bit from `model`; None when `model` is not `master` rounded (nothing can be saved).
+
+    `master` fp32 and `model` bf16, both contiguous and one-dimensional, of the same length."""
+    bits, upper = master.view(torch.int32), model.view(torch.int16)
+    remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
+    ties, extremes = [], []
+    for start in range(0, master.numel(), _CHUNK):
+        stop = min(start + _CHUNK, master.numel())
+        # int64: an unrelated pair must not wrap into the accepted range
+        diff = bits[start:stop].to(torch.int64) - upper[start:stop].to(torch.int64) * (1 << 16)
+        extremes.append(torch.stack(diff.aminmax()))
+        tie = diff == _TIE
+        ties.append(tie.nonzero().view(-1) + start)
+        remainder[start:stop] = diff.masked_fill_(tie, -_TIE)
+    if extremes:
+        lows, highs = torch.stack(extremes).aminmax(dim=0)
+        low, high = torch.stack([lows[0], highs[1]]).tolist()  # one host sync per tensor
+        if low < -_TIE or high > _TIE:
+            return None
+    tie_indices = torch.cat(ties) if ties else torch.empty(0, dtype=torch.int64, device=master.device)
+    return remainder, tie_indices
+
+
+def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch.Tensor) -> torch.Tensor:
+    """The fp32 master that `split_master` took apart, as a new tensor."""
+    master = torch.empty(model.numel(), dtype=torch.float32, device=model.device)
+    bits, upper = master.view(torch.int32), model.view(torch.int16)
+    for start in range(0, model.numel(), _CHUNK):
+        stop = min(start + _CHUNK, model.numel())
+        # in int32's range for every pair split_master accepted, so the narrowing is exact
+        bits[start:stop] = upper[start:stop].to(torch.int64) * (1 << 16) + remainder[start:stop]
+    if tie_indices.numel():
+        bits[tie_indices] += 2 * _TIE
+    return master
+
+
+@dataclass
+class _Master:
+    master: torch.Tensor  # the optimizer's fp32 parameter (kept as an object; its .data comes and goes)
+    model: torch.Tensor  # the bf16 model shard the master was last copied into (a view of the DDP buffer)
+    remainder: torch.Tensor | None = None  # set while released
+    tie_indices: torch.Tensor | None = None
+
+    @property
+    def released(self) -> bool:
+        return self.remainder is not None
+
+
+class CompactMasterWeights:
+    """The fp32 masters of a Megatron optimizer, released to bf16 + int16 between steps."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        self._masters = [_Master(master, model) for master, model in pairs]
+        self._logged = self._warned_kept = False
+
+    @classmethod
+    def of_optimizer(cls, optimizer) -> "CompactMasterWeights":
+        pairs = []
+        for part in _parts(optimizer):
+            for models, masters in zip(part.shard_float16_groups, part.shard_fp32_from_float16_groups):
+                pairs.extend(zip(masters, models))
+        return cls(pairs)
+
+    @property
+    def released(self) -> bool:
+        return any(m.released for m in self._masters)
+
+    def release(self) -> int:
+        """Free every master that its model weight and a remainder can rebuild; returns the bytes freed
+        (net of the remainders). Call right after the step copied the masters into the model."""
+        freed = kept = 0
+        with torch.no_grad():
+            for m in self._masters:
+                if m.released or m.master.numel() == 0:
+                    continue
+                parts = split_master(m.master.data, m.model)
+                if parts is None:
+                    kept += m.master.numel()
+                    continue
+                m.remainder, m.tie_indices = parts
+                freed += m.master.untyped_storage().nbytes() - _nbytes(m.remainder) - _nbytes(m.tie_indices)
+                m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
+                m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
+        if not self._logged:
+            self._logged = True
+            logger.info("compact master weights: %d bytes (%.2f GiB) of fp32 masters freed between optimizer "
+                        "steps (kept as bf16 weight + int16 remainder)", freed, freed / 2**30)
+        if kept and not self._warned_kept:  # once: the same tensors would be named at every step
+            self._warned_kept = True
+            logger.warning("compact master weights: %d master elements kept in fp32 (their model weights "
+                           "are not the masters rounded)", kept)
+        return freed
+
+    def rebuild(self) -> None:
+        """Give every released master its exact fp32 value back (before the optimizer step)."""
+        with torch.no_grad():
+            for m in self._masters:
+                if not m.released:
+                    continue
+                if m.remainder.untyped_storage().nbytes() < _nbytes(m.remainder):
+                    raise RuntimeError("compact master weights: the optimizer state is offloaded; backload it first")
+                m.master.data = join_master(m.model, m.remainder, m.tie_indices)
+                m.remainder = m.tie_indices = None
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """What stands for the released masters (remainders, tie indices): optimizer state to offload."""
+        return [t for m in self._masters if m.released for t in (m.remainder, m.tie_indices)]
+
+    @contextlib.contextmanager
+    def materialised(self) -> Iterator[None]:
+        """The fp32 masters present inside (checkpoints, reloading the masters from the model), released
+        again after when they were released before; a no-op when they are present already."""
+        was_released = self.released
+        if was_released:
+            self.rebuild()
+        try:
+            yield
+        finally:
+            if was_released:
+                self.release()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _parts(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def refusal(optimizer) -> str | None:
+    """Why compact master weights cannot run on this Megatron optimizer, or None when they can."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for part in _parts(optimizer):
+        if not isinstance(part, DistributedOptimizer):
+            return (f"it needs Megatron's distributed optimizer (ddp_config.use_distributed_optimizer: true), "
+                    f"got {type(part).__name__}")
+        config, ddp_config = part.config, part.ddp_config
+        if not config.bf16 or config.fp16:
+            return "it needs bf16 parameters (trainer.bf16: true); fp16 and fp32 parameters are not supported"
+        if config.optimizer != "adam":
+            return f"it needs the Adam optimizer, got optimizer_config_kwargs.optimizer={config.optimizer!r}"
+        if config.use_precision_aware_optimizer:
+            return "Transformer Engine's precision-aware optimizer keeps its own masters (use_precision_aware_optimizer)"
+        if config.optimizer_cpu_offload:
+            return "the CPU-offloaded optimizer keeps its own masters (optimizer_cpu_offload)"
+        if ddp_config.use_megatron_fsdp or ddp_config.fp8_param_gather or getattr(ddp_config, "fp4_param_gather", False):
+            return "Megatron-FSDP and fp8/fp4 parameter gathers are not supported"
+        if not isinstance(part.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return f"it needs torch's Adam/AdamW inside Megatron's optimizer, got {type(part.optimizer).__name__}"
+    return None
+
+
+# the compact masters of each optimizer that has them (a weak map: the optimizer owns its lifetime)
+_ATTACHED: "weakref.WeakKeyDictionary[object, CompactMasterWeights]" = weakref.WeakKeyDictionary()
+
+
+def attach(optimizer) -> CompactMasterWeights:
+    """Compact this optimizer's masters from now on (they are released at once). Check `refusal` first."""
+    masters = CompactMasterWeights.of_optimizer(optimizer)
+    _ATTACHED[optimizer] = masters
+    masters.release()
+    return masters
+
+
+def compact_masters_of(optimizer) -> CompactMasterWeights | None:
+    return None if optimizer is None else _ATTACHED.get(optimizer)
+
+
+@contextlib.contextmanager
+def masters_materialised(optimizer) -> Iterator[None]:
+    """`CompactMasterWeights.materialised` of this optimizer; a no-op without compact masters."""
+    masters = compact_masters_of(optimizer)
+    if masters is None:
+        yield
+        return
+    with masters.materialised():
+        yield

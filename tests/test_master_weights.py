@@ -1,0 +1,386 @@
+"""Compact master weights (`master_weights.py`): fp32 masters kept as bf16 weight + int16 remainder.
+
+The split is checked bit for bit on adversarial values; on a tiny bf16 Qwen3 (CPU, Megatron DDP and
+the distributed optimizer) training with the masters compacted must equal training without, bit for
+bit (weights, Adam state, losses), with a skipped step, an offload round trip and checkpoints saved
+with the feature on and loaded with it off (and the reverse) in between.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron import master_weights
+from skyrl_megatron.master_weights import join_master, split_master
+from skyrl_megatron.testing import run_on_ranks
+
+
+def _floats(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def _adversarial_masters() -> torch.Tensor:
+    special = []
+    for sign in (0, 1 << 31):
+        for magnitude in (
+            0x00000000,  # zero
+            0x7F800000,  # inf
+            0x7F7FFFFF,  # the largest finite float: rounds up to inf
+            0x00000001, 0x00007FFF, 0x00008000, 0x00018000, 0x0000FFFF, 0x007FFFFF,  # subnormals
+            0x00807FFF, 0x007F8000,  # around the smallest normal
+            0x3F7FFFFF, 0x3F7F8000, 0x3F7FFF7F,  # carries into the next exponent (1.0)
+            0x3F808000, 0x3F818000,  # ties to even: down (even upper half), up (odd upper half)
+            0x3F807FFF, 0x3F808001, 0x3F80FFFF, 0x3F800001,  # just around a rounding boundary
+            0x4B7F8000, 0x4B7FFFFF, 0x00FF8000,
+        ):
+            special.append(sign | magnitude)
+    generator = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-(1 << 31), (1 << 31) - 1, (200_000,), dtype=torch.int64, generator=generator)
+    random_values = random_bits.to(torch.int32).view(torch.float32)
+    random_values = random_values[~torch.isnan(random_values)]  # every finite magnitude and sign, and inf
+    ties = (torch.randint(0, 1 << 16, (5000,), generator=generator, dtype=torch.int32) << 16) | 0x8000
+    ties = ties.view(torch.float32)
+    scaled = torch.randn(50_000, generator=generator) * torch.logspace(-30, 30, 50_000)
+    return torch.cat([_floats(special), random_values, ties[~torch.isnan(ties)], scaled])
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 7])
+def test_split_and_join_are_bitwise_exact_on_adversarial_values(monkeypatch, chunk):
+    monkeypatch.setattr(master_weights, "_CHUNK", chunk)  # 7: chunk borders everywhere
+    masters = _adversarial_masters()
+    model = masters.to(torch.bfloat16)  # round to nearest even, as Megatron copies masters into the model
+    remainder, ties = split_master(masters, model)
+    assert remainder.dtype == torch.int16 and remainder.numel() == masters.numel()
+    assert ties.numel() > 0  # ties rounded down to an even weight: the one remainder int16 lacks
+    rebuilt = join_master(model, remainder, ties)
+    assert torch.equal(rebuilt.view(torch.int32), masters.view(torch.int32))
+    # the model weight is untouched and the sign of zero survives
+    assert torch.equal(_floats([0x80000000]).view(torch.int32), join_master(
+        _floats([0x80000000]).to(torch.bfloat16), *split_master(_floats([0x80000000]), _floats([0x80000000]).to(torch.bfloat16))
+    ).view(torch.int32))
+
+
+def test_a_model_weight_that_is_not_its_master_rounded_is_refused():
+    masters = torch.tensor([1.0, 2.0, 3.0])
+    assert split_master(masters, torch.tensor([1.0, 2.5, 3.0], dtype=torch.bfloat16)) is None
+    assert split_master(masters, -masters.to(torch.bfloat16)) is None
+    nan = torch.tensor([float("nan")])
+    parts = split_master(nan, nan.to(torch.bfloat16))  # refused, or else exact
+    assert parts is None or torch.equal(join_master(nan.to(torch.bfloat16), *parts).view(torch.int32), nan.view(torch.int32))
+    empty = torch.empty(0)
+    remainder, ties = split_master(empty, empty.to(torch.bfloat16))
+    assert remainder.numel() == 0 and join_master(empty.to(torch.bfloat16), remainder, ties).numel() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# On a model (CPU ranks)
+# ----------------------------------------------------------------------------------------------
+
+SEQ = 16
+HOST_OPTIMIZER = {"lr": 1e-2, "adam_betas": [0.8, 0.95], "weight_decay": 0.1, "max_grad_norm": 1.0,
+                  "num_warmup_steps": 1, "scheduler": "cosine"}
+# Megatron's unfused cross-entropy: the fused one is torch.compile'd, which costs a fresh CPU rank ~20 s
+UNFUSED_LOSS = {"cross_entropy_loss_fusion": False}
+# the step schedule both runs take: a poisoned (non-finite, skipped) step in the middle
+STEPS = ("train", "train", "poison", "train", "train")
+
+
+def _build(hf_dir: str, compact: bool, *, dtype: str = "bf16", distributed_optimizer: bool = True):
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.optim import OptimizerSettings
+
+    built = build_model(ModelSpec(
+        hf_dir, dtype=dtype, transformer_overrides=UNFUSED_LOSS, wrap_with_ddp=True,
+        ddp_config={"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True},
+    ))
+    settings = OptimizerSettings.from_host_config(HOST_OPTIMIZER, {}, num_training_steps=8, dtype=dtype)
+    optimizer = settings.build_optimizer(built.chunks, compact_master_weights=compact)
+    return built, optimizer, settings.build_scheduler(optimizer)
+
+
+def _step(built, optimizer, scheduler, rank: int, poison: bool = False):
+    """One optimizer step on this rank's fixed tokens; (loss, StepResult)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from skyrl_megatron.optim import optimizer_step
+
+    (model,) = built.chunks
+    tokens = torch.randint(0, 256, (2, SEQ + 1), generator=torch.Generator().manual_seed(10 + rank))
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens[:, :-1], torch.arange(SEQ).unsqueeze(0), None, labels=tokens[:, 1:]).float().mean()
+    loss.backward()
+    finalize_model_grads([model])
+    if poison:
+        next(model.parameters()).main_grad.view(-1)[0] = float("nan")
+    return loss.item(), optimizer_step(optimizer, scheduler)
+
+
+def _optimizer_params(optimizer) -> list[torch.Tensor]:
+    from skyrl_megatron.optim import torch_optimizers
+
+    return [p for inner in torch_optimizers(optimizer) for g in inner.param_groups for p in g["params"]]
+
+
+def _state(built, optimizer) -> dict:
+    """Model weights, fp32 masters and Adam state (the masters rebuilt for the copy when compact)."""
+    from skyrl_megatron.master_weights import masters_materialised
+    from skyrl_megatron.optim import torch_optimizers
+
+    with masters_materialised(optimizer):
+        masters = [p.detach().clone() for p in _optimizer_params(optimizer)]
+        adam = [
+            {k: v.clone() for k, v in inner.state[p].items()}
+            for inner in torch_optimizers(optimizer) for g in inner.param_groups for p in g["params"]
+        ]
+    weights = {name: p.detach().clone() for name, p in built.chunks[0].named_parameters()}
+    return {"weights": weights, "masters": masters, "adam": adam}
+
+
+def _held_bytes(optimizer) -> dict[str, int]:
+    """Storage the optimizer holds: its fp32 masters, their remainders and Adam's state."""
+    from skyrl_megatron.master_weights import compact_masters_of
+    from skyrl_megatron.optim import torch_optimizers
+
+    masters = compact_masters_of(optimizer)
+    stored = masters.stored_tensors() if masters is not None else []
+    state = [v for inner in torch_optimizers(optimizer) for s in inner.state.values() for v in s.values()]
+    return {
+        "masters": sum(p.untyped_storage().nbytes() for p in _optimizer_params(optimizer)),
+        "remainders": sum(t.untyped_storage().nbytes() for t in stored),
+        "adam": sum(t.untyped_storage().nbytes() for t in state if isinstance(t, torch.Tensor)),
+    }
+
+
+def _train(built, optimizer, scheduler, rank: int, offload_after: int | None = None) -> dict:
+    from skyrl_megatron.workers.offload import ModelOffloader
+
+    losses, results, states, held, parked = [], [], [], [], None
+    for index, kind in enumerate(STEPS):
+        loss, result = _step(built, optimizer, scheduler, rank, poison=kind == "poison")
+        losses.append(loss)
+        results.append((result.skipped, repr(result.grad_norm)))  # repr: nan == nan
+        held.append(_held_bytes(optimizer))
+        states.append(_state(built, optimizer))
+        if index == offload_after:
+            offloader = ModelOffloader(built.chunks)
+            offloader.offload(model=True, optimizer=True, optimizer_obj=optimizer, pin_memory=False)
+            parked = _held_bytes(optimizer)
+            offloader.backload(model=True, optimizer=True, optimizer_obj=optimizer)
+    return {"losses": losses, "results": results, "states": states, "held": held, "parked": parked}
+
+
+def _compact_against_plain(rank, world, hf_dir):
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    plain = _train(*_build(hf_dir, compact=False), rank)
+    built, optimizer, scheduler = _build(hf_dir, compact=True)
+    initial = _held_bytes(optimizer)  # released as soon as the optimizer is built
+    compact = _train(built, optimizer, scheduler, rank, offload_after=1)
+    numel = sum(p.numel() for p in built.chunks[0].parameters())
+    return {"plain": plain, "compact": compact, "initial": initial, "numel": numel}
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["weights"].keys() == b["weights"].keys()
+    for name, weight in a["weights"].items():
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, b["weights"][name]), name
+    assert len(a["masters"]) == len(b["masters"]) > 0
+    for x, y in zip(a["masters"], b["masters"]):
+        assert x.dtype == torch.float32 and torch.equal(x.view(torch.int32), y.view(torch.int32))
+    for x, y in zip(a["adam"], b["adam"], strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])  # 2: data parallel, the distributed optimizer shards the masters
+def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, world):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
+    for result in run_on_ranks(_compact_against_plain, world, hf_dir, timeout=600):
+        plain, compact = result["plain"], result["compact"]
+        assert compact["losses"] == plain["losses"]
+        assert compact["results"] == plain["results"]
+        assert [skipped for skipped, _ in plain["results"]] == [kind == "poison" for kind in STEPS]
+        for a, b in zip(plain["states"], compact["states"], strict=True):
+            _assert_same_state(a, b)
+        # between steps the fp32 masters hold no storage; the remainders take about half of it
+        assert result["initial"]["masters"] == 0 and result["initial"]["remainders"] > 0
+        for held_plain, held_compact in zip(plain["held"], compact["held"], strict=True):
+            assert held_plain["remainders"] == 0 and held_plain["masters"] > 0
+            assert held_compact["masters"] == 0
+            assert held_plain["masters"] // 2 <= held_compact["remainders"] < held_plain["masters"] // 2 * 1.01
+            assert held_compact["adam"] == held_plain["adam"]
+        # each rank's masters are its share of the model
+        shared = plain["held"][0]["masters"]
+        assert shared == 4 * result["numel"] if world == 1 else 0 < shared < 4 * result["numel"]
+        # offloaded, the remainders left with Adam's state (and came back: the later steps match)
+        assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
+        assert compact["parked"]["adam"] < plain["held"][1]["adam"]
+
+
+def _checkpoints_across_the_switch(rank, world, hf_dir, root):
+    """Save after 2 steps with the key on (off), load into a fresh model with it off (on), 2 more steps;
+    and the weights-only load of a worker (`load_optimizer_states=False`), which reloads the masters."""
+    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+    from skyrl_megatron.master_weights import compact_masters_of
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    report = {}
+    for saved_compact in (False, True):
+        path = f"{root}/compact_{saved_compact}"
+        built, optimizer, scheduler = _build(hf_dir, compact=saved_compact)
+        for _ in range(2):
+            _step(built, optimizer, scheduler, rank)
+        saved_state = _state(built, optimizer)
+        save_checkpoint(path, built.chunks, optimizer, scheduler, step=2)
+        after_save = _held_bytes(optimizer)
+        uninterrupted = [_step(built, optimizer, scheduler, rank) for _ in range(2)]
+
+        built, optimizer, scheduler = _build(hf_dir, compact=not saved_compact)
+        load_checkpoint(path, built.chunks, optimizer, scheduler)
+        loaded_state, after_load = _state(built, optimizer), _held_bytes(optimizer)
+        resumed = [_step(built, optimizer, scheduler, rank) for _ in range(2)]
+        report[saved_compact] = {
+            "saved": saved_state, "loaded": loaded_state, "after_save": after_save, "after_load": after_load,
+            "uninterrupted": [(loss, r.skipped, r.grad_norm) for loss, r in uninterrupted],
+            "resumed": [(loss, r.skipped, r.grad_norm) for loss, r in resumed],
+            "resumed_state": _state(built, optimizer),
+        }
+
+    # weights only, through the worker's own load (`load_optimizer_states=False`): the masters restart
+    # from the loaded weights
+    from types import SimpleNamespace
+
+    from skyrl_megatron.workers.training import TrainedRoleMixin
+
+    built, optimizer, scheduler = _build(hf_dir, compact=True)
+    worker = SimpleNamespace(built=built, optimizer=optimizer, scheduler=scheduler)
+    TrainedRoleMixin.load_checkpoint(worker, f"{root}/compact_True", load_optimizer_states=False)
+    weights_only = _state(built, optimizer)
+    report["weights_only"] = {
+        "released": compact_masters_of(optimizer).released,
+        "masters_are_weights": all(
+            torch.equal(master, model.float())
+            for master, model in zip(weights_only["masters"], _bf16_shards(optimizer), strict=True)
+        ),
+        "weights": weights_only["weights"],
+    }
+    return report
+
+
+def _bf16_shards(optimizer) -> list[torch.Tensor]:
+    return [shard for part in optimizer.chained_optimizers for group in part.shard_float16_groups for shard in group]
+
+
+@pytest.mark.slow
+def test_checkpoints_are_interchangeable_with_and_without_compact_masters(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=5))
+    (report,) = run_on_ranks(_checkpoints_across_the_switch, 1, hf_dir, str(tmp_path / "ckpt"), timeout=600)
+    for saved_compact in (False, True):
+        run = report[saved_compact]
+        _assert_same_state(run["saved"], run["loaded"])  # the fp32 masters were saved and loaded exactly
+        assert run["resumed"] == run["uninterrupted"]  # and the resumed steps are bitwise the same
+        # the compact side is released again after the save, and after the load
+        compact_held = run["after_save"] if saved_compact else run["after_load"]
+        assert compact_held["masters"] == 0 and compact_held["remainders"] > 0
+    # the same training with the key on and off: the two resumed runs agree too
+    assert report[True]["resumed"] == report[False]["resumed"]
+    _assert_same_state(report[True]["resumed_state"], report[False]["resumed_state"])
+    weights_only = report["weights_only"]
+    assert weights_only["released"] and weights_only["masters_are_weights"]
+    for name, weight in weights_only["weights"].items():
+        assert torch.equal(weight, report[True]["saved"]["weights"][name]), name
+
+
+# ----------------------------------------------------------------------------------------------
+# Where compact master weights cannot apply
+# ----------------------------------------------------------------------------------------------
+
+MC = "trainer.policy.megatron_config"
+
+
+def test_the_config_check_refuses_compact_masters_where_they_cannot_apply(compose, hf_config_dir):
+    from skyrl_megatron.config import ConfigError
+    from skyrl_megatron.validation import validate_config
+
+    gpus = (*(f"trainer.placement.{role}_num_gpus_per_node=4" for role in ("policy", "ref", "critic")),
+            "generator.inference_engine_tensor_parallel_size=4")
+    base = (*gpus, f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.compact_master_weights=true")
+    validate_config(compose(*base))  # our defaults: bf16, distributed optimizer, torch Adam
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose(
+            *base, f"{MC}.ddp_config.use_distributed_optimizer=false", "trainer.bf16=false",
+            f"{MC}.optimizer_config_kwargs.use_precision_aware_optimizer=true",
+            f"{MC}.optimizer_config_kwargs.optimizer_cpu_offload=true",
+        ))
+    message = str(info.value)
+    key = f"{MC}.compact_master_weights"
+    assert message.count(key) == 4
+    for fix in ("use_distributed_optimizer=true", "trainer.bf16=true", "use_precision_aware_optimizer=false",
+                "optimizer_cpu_offload=false"):
+        assert fix in message
+
+
+@pytest.mark.parametrize(
+    ("role", "megatron_config", "bf16", "named"),
+    [
+        ("ref", {}, True, "the reference model has no optimizer"),
+        ("policy", {"optimizer_config_kwargs": {"optimizer": "sgd"}}, True, "optimizer='sgd'"),
+        ("policy", {"optimizer_config_kwargs": {"fp16": True}}, True, "needs bf16"),
+        ("policy", {}, False, "needs bf16"),
+        ("critic", {"ddp_config": {"use_distributed_optimizer": True, "use_megatron_fsdp": True}}, True, "use_megatron_fsdp"),
+        ("policy", {"ddp_config": {}}, True, "distributed optimizer"),
+    ],
+)
+def test_each_refusal_names_the_key(role, megatron_config, bf16, named):
+    from omegaconf import OmegaConf
+
+    from skyrl_megatron.config import MegatronWorkerConfig, _compact_master_weight_problems
+
+    mc = MegatronWorkerConfig.from_mapping({
+        "ddp_config": {"use_distributed_optimizer": True}, **megatron_config, "compact_master_weights": True,
+    })
+    cfg = OmegaConf.create({"trainer": {"bf16": bf16}})
+    prefix = f"trainer.{role}.megatron_config"
+    problems = _compact_master_weight_problems(cfg, role, prefix, mc)
+    assert len(problems) == 1 and problems[0].key == f"{prefix}.compact_master_weights"
+    assert named in str(problems[0])
+    mc.compact_master_weights = "yes"
+    assert "must be true or false" in str(_compact_master_weight_problems(cfg, role, prefix, mc)[0])
+
+
+def _build_refusals(rank, world, hf_dir):
+    from skyrl_megatron.optim import OptimizerSettingsError
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    messages = []
+    for kwargs in ({"distributed_optimizer": False}, {"dtype": "fp32"}):
+        try:
+            _build(hf_dir, compact=True, **kwargs)
+            messages.append(None)
+        except OptimizerSettingsError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.slow
+def test_building_the_optimizer_refuses_what_compact_masters_cannot_handle(tmp_path):
+    """The same rules at build time, for callers that skip the config check."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
+    (messages,) = run_on_ranks(_build_refusals, 1, hf_dir, timeout=300)
+    plain, fp32 = messages
+    assert "megatron_config.compact_master_weights" in plain and "use_distributed_optimizer: true" in plain
+    assert "megatron_config.compact_master_weights" in fp32 and "bf16" in fp32
