@@ -38,6 +38,45 @@ logger = logging.getLogger(__name__)
 _TIE = 1 << 15  # the remainder of a tie rounded down; int16 holds -_TIE but not +_TIE
 # elements per pass: bounds the int64 temporaries (a few times 32 MiB) whatever the tensor's size
 _CHUNK = 1 << 22
+# elements whose remainders are computed before their checks are read at once (2 bytes each)
+_GROUP_ELEMENTS = 1 << 27
+
+
+def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(remainder int16, stats int64 [min, max, ties in chunk 0, ties in chunk 1, ...]) on the device,
+    no host read: the caller reads the stats of many tensors at once (`_settle`)."""
+    bits, upper = master.view(torch.int32), model.view(torch.int16)
+    remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
+    extremes, tie_counts = [], []
+    for start in range(0, master.numel(), _CHUNK):
+        stop = min(start + _CHUNK, master.numel())
+        # int64: an unrelated pair must not wrap into the accepted range
+        diff = bits[start:stop].to(torch.int64) - upper[start:stop].to(torch.int64) * (1 << 16)
+        extremes.append(torch.stack(diff.aminmax()))
+        tie = diff == _TIE
+        tie_counts.append(tie.sum())
+        remainder[start:stop] = diff.masked_fill_(tie, -_TIE)
+    if not extremes:
+        return remainder, torch.zeros(2, dtype=torch.int64, device=master.device)
+    lows, highs = torch.stack(extremes).aminmax(dim=0)
+    return remainder, torch.cat([torch.stack([lows[0], highs[1]]), torch.stack(tie_counts)])
+
+
+def _tie_indices(master: torch.Tensor, model: torch.Tensor, tie_counts: list[int]) -> torch.Tensor:
+    """Indices of the ties rounded down, found with their counts known (no host read)."""
+    bits, upper = master.view(torch.int32), model.view(torch.int16)
+    found = []
+    for chunk, count in enumerate(tie_counts):
+        if count:
+            start = chunk * _CHUNK
+            stop = min(start + _CHUNK, master.numel())
+            diff = bits[start:stop].to(torch.int64) - upper[start:stop].to(torch.int64) * (1 << 16)
+            found.append(torch.nonzero_static(diff == _TIE, size=count).view(-1) + start)
+    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=master.device)
+
+
+def _in_range(stats: list[int]) -> bool:
+    return -_TIE <= stats[0] and stats[1] <= _TIE
 
 
 def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -45,24 +84,11 @@ def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tenso
     back bit for bit from `model`; None when `model` is not `master` rounded (nothing can be saved).
 
     `master` fp32 and `model` bf16, both contiguous and one-dimensional, of the same length."""
-    bits, upper = master.view(torch.int32), model.view(torch.int16)
-    remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
-    ties, extremes = [], []
-    for start in range(0, master.numel(), _CHUNK):
-        stop = min(start + _CHUNK, master.numel())
-        # int64: an unrelated pair must not wrap into the accepted range
-        diff = bits[start:stop].to(torch.int64) - upper[start:stop].to(torch.int64) * (1 << 16)
-        extremes.append(torch.stack(diff.aminmax()))
-        tie = diff == _TIE
-        ties.append(tie.nonzero().view(-1) + start)
-        remainder[start:stop] = diff.masked_fill_(tie, -_TIE)
-    if extremes:
-        lows, highs = torch.stack(extremes).aminmax(dim=0)
-        low, high = torch.stack([lows[0], highs[1]]).tolist()  # one host sync per tensor
-        if low < -_TIE or high > _TIE:
-            return None
-    tie_indices = torch.cat(ties) if ties else torch.empty(0, dtype=torch.int64, device=master.device)
-    return remainder, tie_indices
+    remainder, stats = _split_on_device(master, model)
+    stats = stats.tolist()  # a host read
+    if not _in_range(stats):
+        return None
+    return remainder, _tie_indices(master, model, stats[2:])
 
 
 def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch.Tensor) -> torch.Tensor:
@@ -111,20 +137,24 @@ class CompactMasterWeights:
 
     def release(self) -> int:
         """Free every master that its model weight and a remainder can rebuild; returns the bytes freed
-        (net of the remainders). Call right after the step copied the masters into the model."""
+        (net of the remainders). Call right after the step copied the masters into the model.
+
+        The remainders are computed a group at a time (about `_GROUP_ELEMENTS` elements, so the extra
+        memory stays small) and each group's checks are read on the host at once: one wait per group,
+        not one per tensor and chunk (Megatron has a master per parameter: ~2,000 at MoE widths)."""
         freed = kept = 0
+        group, elements = [], 0
         with torch.no_grad():
             for m in self._masters:
                 if m.released or m.master.numel() == 0:
                     continue
-                parts = split_master(m.master.data, m.model)
-                if parts is None:
-                    kept += m.master.numel()
-                    continue
-                m.remainder, m.tie_indices = parts
-                freed += m.master.untyped_storage().nbytes() - _nbytes(m.remainder) - _nbytes(m.tie_indices)
-                m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
-                m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
+                group.append((m, *_split_on_device(m.master.data, m.model)))
+                elements += m.master.numel()
+                if elements >= _GROUP_ELEMENTS:
+                    group_freed, group_kept = _settle(group)
+                    freed, kept, group, elements = freed + group_freed, kept + group_kept, [], 0
+            group_freed, group_kept = _settle(group)
+            freed, kept = freed + group_freed, kept + group_kept
         if not self._logged:
             self._logged = True
             logger.info("compact master weights: %d bytes (%.2f GiB) of fp32 masters freed between optimizer "
@@ -162,6 +192,26 @@ class CompactMasterWeights:
         finally:
             if was_released:
                 self.release()
+
+
+def _settle(group: list[tuple[_Master, torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+    """Release the group's masters whose checks hold (one host read for the whole group); returns
+    (bytes freed, elements kept in fp32)."""
+    if not group:
+        return 0, 0
+    stats = torch.cat([stats for _, _, stats in group]).tolist()
+    freed = kept = offset = 0
+    for m, remainder, _ in group:
+        chunks = -(-m.master.numel() // _CHUNK)
+        mine, offset = stats[offset : offset + 2 + chunks], offset + 2 + chunks
+        if not _in_range(mine):
+            kept += m.master.numel()
+            continue
+        m.remainder, m.tie_indices = remainder, _tie_indices(m.master.data, m.model, mine[2:])
+        freed += m.master.untyped_storage().nbytes() - _nbytes(m.remainder) - _nbytes(m.tie_indices)
+        m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
+        m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
+    return freed, kept
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -61,6 +61,30 @@ def test_split_and_join_are_bitwise_exact_on_adversarial_values(monkeypatch, chu
     ).view(torch.int32))
 
 
+def test_release_reads_each_groups_checks_at_once_and_rebuilds_exactly(monkeypatch):
+    """Several masters, groups smaller than one master and chunks of 7: one host read per group, a
+    master whose model weight is not its rounding kept in fp32, every other one rebuilt bit for bit."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    monkeypatch.setattr(master_weights, "_CHUNK", 7)
+    monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 60_000)
+    values = _adversarial_masters()
+    pieces = [values[i : i + 40_000].clone() for i in range(0, values.numel(), 40_000)]
+    pairs = [(torch.nn.Parameter(piece, requires_grad=False), piece.to(torch.bfloat16)) for piece in pieces]
+    pairs[1] = (pairs[1][0], -pairs[1][1])  # not its master rounded: kept in fp32
+    expected = [master.detach().clone() for master, _ in pairs]
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.numel()) or real_tolist(self))
+    masters = CompactMasterWeights(pairs)
+    masters.release()
+    assert len(reads) == -(-len(pieces) // 2)  # two 40k masters reach 60k elements: a group
+    assert len(pieces) >= 3 and [m.numel() for m, _ in pairs] == [0, 40_000] + [0] * (len(pieces) - 2)
+    masters.rebuild()
+    for (master, _), want in zip(pairs, expected):
+        assert torch.equal(master.view(torch.int32), want.view(torch.int32))
+
+
 def test_a_model_weight_that_is_not_its_master_rounded_is_refused():
     masters = torch.tensor([1.0, 2.0, 3.0])
     assert split_master(masters, torch.tensor([1.0, 2.5, 3.0], dtype=torch.bfloat16)) is None
