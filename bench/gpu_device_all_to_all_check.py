@@ -25,25 +25,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_gpu_launch, when imported by the tests
 
 from skyrl_megatron.model.device_all_to_all import ExchangePlan, combine, dispatch  # noqa: E402
 from skyrl_megatron.model.row_exchange import EmulatedExchange, NvshmemExchange  # noqa: E402
 from skyrl_megatron.model.token_sort import expert_major_order, source_major_order  # noqa: E402
-from skyrl_megatron.testing.distributed import free_port  # noqa: E402
 from skyrl_megatron.testing.reference_exchange import host_splits_all_to_all, split_and_concatenate  # noqa: E402
+from two_gpu_launch import WORLD, add_moe_shape_arguments, launch_ranks  # noqa: E402
 
 # NVLink multicast stays off on the lent machines (shared GPUs); set before NCCL or NVSHMEM start.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _routing(rows: int, experts: int, seed: int, device) -> torch.Tensor:
@@ -233,26 +231,17 @@ def summarize(result: dict) -> tuple[int, list[str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=128)
+    add_moe_shape_arguments(parser, tokens=4096)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, small shapes; the NVSHMEM op emulated")
     parser.add_argument("--out", type=Path, default=Path("device_all_to_all.json"))
     args = parser.parse_args(argv)
-    world = 2
     if args.smoke:
         args.tokens, args.topk, args.hidden, args.experts = 24, 4, 8, 8
-    elif torch.cuda.device_count() < world:
-        parser.error(f"needs {world} GPUs of one host")
-    for key, value in SAFE_ENV.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    mp.start_processes(run_rank, args=(world, args, str(args.out)), nprocs=world, join=True,
-                       start_method="fork" if args.smoke else "spawn")
+    elif torch.cuda.device_count() < WORLD:
+        parser.error(f"needs {WORLD} GPUs of one host")
+    launch_ranks(run_rank, args, str(args.out), smoke=args.smoke)
     code, lines = summarize(json.loads(args.out.read_text()))
     print("\n".join(lines))
     return code

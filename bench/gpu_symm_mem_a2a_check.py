@@ -58,14 +58,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_gpu_launch, when imported by the tests
 
 # the index math is the product's (model/token_sort.py), checked here against Megatron's path
 from skyrl_megatron.model.token_sort import chunk_gather_index, expert_major_order, source_major_order  # noqa: E402
-from skyrl_megatron.testing.distributed import free_port  # noqa: E402
 from skyrl_megatron.testing.reference_exchange import split_and_concatenate  # noqa: E402
+from two_gpu_launch import SAFE_ENV, WORLD, add_moe_shape_arguments, launch_ranks  # noqa: E402
 
-# NVLink multicast stays off on the lent machines (shared GPUs); set before NCCL or NVSHMEM start.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -524,31 +523,22 @@ def summarize(result: dict) -> tuple[int, list[str]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=128)
+    add_moe_shape_arguments(parser, tokens=8192)
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--inner", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, small shape; the NVSHMEM op emulated")
     parser.add_argument("--out", type=Path, default=Path("symm_mem_a2a.json"))
     args = parser.parse_args(argv)
-    world = 2
+    world = WORLD
     if args.smoke:
         args.tokens, args.topk, args.hidden, args.experts = min(args.tokens, 96), min(args.topk, 4), min(args.hidden, 16), min(args.experts, 8)
     elif torch.cuda.device_count() < world:
         parser.error(f"needs {world} GPUs of one host")
     elif (args.hidden * 2) % 32:
         parser.error("the 1-D op splits each peer's bytes over up to 32 blocks exactly: hidden * 2 bytes must be a multiple of 32")
-    for key, value in SAFE_ENV.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()) if args.smoke else "29531")
-    # CPU only in smoke mode, so forking is safe there and spares each rank a fresh torch import
     try:
-        mp.start_processes(run_rank, args=(world, args, str(args.out)), nprocs=world, join=True,
-                           start_method="fork" if args.smoke else "spawn")
+        launch_ranks(run_rank, args, str(args.out), smoke=args.smoke)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
         # keep what each rank had measured, and the error, in --out
         partial = [_partial_path(str(args.out), rank) for rank in range(world)]
