@@ -373,6 +373,11 @@ def _world4_plan() -> dict:
     }
     plan["pp2_ep2_recompute"] = (PP2_EP2, PADDED, {"transformer_overrides": RECOMPUTE}, None)
     plan["frozen"] = (LAYOUTS["tp2_ep2"], PADDED, {"moe": MoeSettings(freeze_router=True)}, _router_and_expert_weights)
+    # the all-to-alls with their sizes on the device (CPU: the NVSHMEM op's gloo stand-in), through the
+    # runner's packing (EP ranks given one micro-batch shape) and PP2's schedule with recompute
+    device = MoeSettings(device_all_to_all=True)
+    plan["ep2_device_packed"] = (LAYOUTS["ep2"], PACKED, {"moe": device}, None)
+    plan["pp2_ep2_device_recompute"] = (PP2_EP2, PADDED, {"moe": device, "transformer_overrides": RECOMPUTE}, None)
     return plan
 
 
@@ -398,6 +403,14 @@ def test_pipeline_stages_with_recompute_count_each_token_once(world1, world4):
     histories = [runs["pp2_ep2_recompute"]["history"] for runs in world4]
     assert all(h == histories[0] for h in histories)
     _assert_same_training(world4[0]["pp2_ep2_recompute"], world1["recompute"], "pp2 x ep2 with recompute")
+
+
+@pytest.mark.slow
+def test_device_all_to_all_matches_world1_packed_and_under_pipeline_recompute(world1, world4):
+    for run, reference in (("ep2_device_packed", "packed"), ("pp2_ep2_device_recompute", "recompute")):
+        histories = [runs[run]["history"] for runs in world4]
+        assert all(h == histories[0] for h in histories), f"{run}: ranks disagree on the metrics"
+        _assert_same_training(world4[0][run], world1[reference], run)
 
 
 @pytest.mark.slow
