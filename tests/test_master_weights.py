@@ -110,12 +110,13 @@ UNFUSED_LOSS = {"cross_entropy_loss_fusion": False}
 STEPS = ("train", "train", "poison", "train", "train")
 
 
-def _build(hf_dir: str, compact: bool, *, dtype: str = "bf16", distributed_optimizer: bool = True):
+def _build(hf_dir: str, compact: bool, *, dtype: str = "bf16", distributed_optimizer: bool = True, parallel=None):
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings
+    from skyrl_megatron.parallel import ParallelConfig
 
     built = build_model(ModelSpec(
-        hf_dir, dtype=dtype, transformer_overrides=UNFUSED_LOSS, wrap_with_ddp=True,
+        hf_dir, parallel=parallel or ParallelConfig(), dtype=dtype, transformer_overrides=UNFUSED_LOSS, wrap_with_ddp=True,
         ddp_config={"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True},
     ))
     settings = OptimizerSettings.from_host_config(HOST_OPTIMIZER, {}, num_training_steps=8, dtype=dtype)
@@ -195,13 +196,14 @@ def _train(built, optimizer, scheduler, rank: int, offload_after: int | None = N
     return {"losses": losses, "results": results, "states": states, "held": held, "parked": parked}
 
 
-def _compact_against_plain(rank, world, hf_dir):
+def _compact_against_plain(rank, world, hf_dir, layout=None):
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
-    initialize_model_parallel(ParallelConfig(), seed=0)
-    plain = _train(*_build(hf_dir, compact=False), rank)
-    built, optimizer, scheduler = _build(hf_dir, compact=True)
+    parallel = ParallelConfig(**(layout or {}))
+    initialize_model_parallel(parallel, seed=0)
+    plain = _train(*_build(hf_dir, compact=False, parallel=parallel), rank)
+    built, optimizer, scheduler = _build(hf_dir, compact=True, parallel=parallel)
     initial = _held_bytes(optimizer)  # released as soon as the optimizer is built
     compact = _train(built, optimizer, scheduler, rank, offload_after=1)
     numel = sum(p.numel() for p in built.chunks[0].parameters())
@@ -220,12 +222,20 @@ def _assert_same_state(a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])  # 2: data parallel, the distributed optimizer shards the masters
-def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, world):
+@pytest.mark.parametrize(
+    "family,world,layout",
+    [
+        ("qwen3", 1, {}),
+        ("qwen3", 2, {}),  # data parallel: the distributed optimizer shards the masters
+        ("qwen3", 2, {"tensor": 2}),  # each rank's masters are its TP shards
+        ("qwen3_moe", 2, {"expert": 2}),  # a chained optimizer: dense and expert parameters apart
+    ],
+)
+def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, family, world, layout):
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
-    for result in run_on_ranks(_compact_against_plain, world, hf_dir, timeout=600):
+    hf_dir = str(make_tiny_hf_model(family, tmp_path, seed=5))
+    for result in run_on_ranks(_compact_against_plain, world, hf_dir, layout, timeout=600):
         plain, compact = result["plain"], result["compact"]
         assert compact["losses"] == plain["losses"]
         assert compact["results"] == plain["results"]
@@ -239,9 +249,9 @@ def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, world):
             assert held_compact["masters"] == 0
             assert held_plain["masters"] // 2 <= held_compact["remainders"] < held_plain["masters"] // 2 * 1.01
             assert held_compact["adam"] == held_plain["adam"]
-        # each rank's masters are its share of the model
-        shared = plain["held"][0]["masters"]
-        assert shared == 4 * result["numel"] if world == 1 else 0 < shared < 4 * result["numel"]
+        # each rank's masters are its share of its model part: all of it without data parallelism
+        shared, data_parallel = plain["held"][0]["masters"], world // layout.get("tensor", 1)
+        assert shared == 4 * result["numel"] if data_parallel == 1 else 0 < shared < 4 * result["numel"]
         # offloaded, the remainders left with Adam's state (and came back: the later steps match)
         assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
         assert compact["parked"]["adam"] < plain["held"][1]["adam"]
