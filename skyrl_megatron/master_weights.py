@@ -42,16 +42,26 @@ _CHUNK = 1 << 22
 _GROUP_ELEMENTS = 1 << 27
 
 
+def _chunks(numel: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) spans of at most `_CHUNK` elements: bounds the int64 temporaries below."""
+    for start in range(0, numel, _CHUNK):
+        yield start, min(start + _CHUNK, numel)
+
+
+def _difference(master: torch.Tensor, model: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """bits(master) - bits(model) * 2**16 over [start, stop), in int64: an unrelated pair must not wrap
+    into the accepted range."""
+    bits, upper = master.view(torch.int32)[start:stop], model.view(torch.int16)[start:stop]
+    return bits.to(torch.int64) - upper.to(torch.int64) * (1 << 16)
+
+
 def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(remainder int16, stats int64 [min, max, ties in chunk 0, ties in chunk 1, ...]) on the device,
     no host read: the caller reads the stats of many tensors at once (`_settle`)."""
-    bits, upper = master.view(torch.int32), model.view(torch.int16)
     remainder = torch.empty(master.numel(), dtype=torch.int16, device=master.device)
     extremes, tie_counts = [], []
-    for start in range(0, master.numel(), _CHUNK):
-        stop = min(start + _CHUNK, master.numel())
-        # int64: an unrelated pair must not wrap into the accepted range
-        diff = bits[start:stop].to(torch.int64) - upper[start:stop].to(torch.int64) * (1 << 16)
+    for start, stop in _chunks(master.numel()):
+        diff = _difference(master, model, start, stop)
         extremes.append(torch.stack(diff.aminmax()))
         tie = diff == _TIE
         tie_counts.append(tie.sum())
@@ -64,14 +74,11 @@ def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.T
 
 def _tie_indices(master: torch.Tensor, model: torch.Tensor, tie_counts: list[int]) -> torch.Tensor:
     """Indices of the ties rounded down, found with their counts known (no host read)."""
-    bits, upper = master.view(torch.int32), model.view(torch.int16)
-    found = []
-    for chunk, count in enumerate(tie_counts):
-        if count:
-            start = chunk * _CHUNK
-            stop = min(start + _CHUNK, master.numel())
-            diff = bits[start:stop].to(torch.int64) - upper[start:stop].to(torch.int64) * (1 << 16)
-            found.append(torch.nonzero_static(diff == _TIE, size=count).view(-1) + start)
+    found = [
+        torch.nonzero_static(_difference(master, model, start, stop) == _TIE, size=count).view(-1) + start
+        for (start, stop), count in zip(_chunks(master.numel()), tie_counts)
+        if count
+    ]
     return torch.cat(found) if found else torch.empty(0, dtype=torch.int64, device=master.device)
 
 
@@ -95,8 +102,7 @@ def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch
     """The fp32 master that `split_master` took apart, as a new tensor."""
     master = torch.empty(model.numel(), dtype=torch.float32, device=model.device)
     bits, upper = master.view(torch.int32), model.view(torch.int16)
-    for start in range(0, model.numel(), _CHUNK):
-        stop = min(start + _CHUNK, model.numel())
+    for start, stop in _chunks(model.numel()):
         # in int32's range for every pair split_master accepted, so the narrowing is exact
         bits[start:stop] = upper[start:stop].to(torch.int64) * (1 << 16) + remainder[start:stop]
     if tie_indices.numel():
