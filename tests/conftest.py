@@ -127,3 +127,23 @@ def demo_run_dir(tmp_path: Path) -> Path:
     tiny_config("qwen3").to_json_file(run_dir / "model" / "config.json")
     write_prompts(run_dir / "data" / "prompts.jsonl", 8)
     return run_dir
+
+
+@pytest.fixture
+def bench_smoke(tmp_path: Path):
+    """`run(script, out, patch="pass", timeout=120)`: a bench script's `main(['--smoke', '--out', out])` in a
+    fresh interpreter (its ranks are forked: a process that has run torch's CPU thread pool, as pytest's
+    has, must not fork), the script loaded as module `script` and `patch` (Python, may name `script`)
+    applied to it first."""
+    root = Path(__file__).resolve().parents[1]
+
+    def run(script: Path, out: Path, patch: str = "pass", timeout: int = 120) -> subprocess.CompletedProcess:
+        code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('script', {str(script)!r}); "
+                "script = importlib.util.module_from_spec(spec); sys.modules['script'] = script; "
+                f"spec.loader.exec_module(script); {patch}; sys.exit(script.main(['--smoke', '--out', {str(out)!r}]))")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        env.pop("MASTER_PORT", None)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=tmp_path)
+
+    return run

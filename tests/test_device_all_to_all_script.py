@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,20 +31,10 @@ def test_summary_exit_codes():
     assert check.summarize({"ranks": [rank, bad]})[0] == 1
 
 
-def _run_smoke(tmp_path, out, patch="pass"):
-    """Smoke mode in a fresh interpreter (its ranks are forked), with `patch` applied first."""
-    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('c', {str(SCRIPT)!r}); "
-            "c = importlib.util.module_from_spec(spec); sys.modules['c'] = c; spec.loader.exec_module(c); "
-            f"{patch}; sys.exit(c.main(['--smoke', '--out', {str(out)!r}]))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
-
-
 @pytest.mark.slow
-def test_smoke_mode_on_two_gloo_ranks(tmp_path):
+def test_smoke_mode_on_two_gloo_ranks(tmp_path, bench_smoke):
     out = tmp_path / "dat.json"
-    run = _run_smoke(tmp_path, out)
+    run = bench_smoke(SCRIPT, out, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "all hold" in run.stdout
     for r in json.loads(out.read_text())["ranks"]:
@@ -57,11 +44,11 @@ def test_smoke_mode_on_two_gloo_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_mode_catches_a_wrong_regroup(tmp_path):
+def test_smoke_mode_catches_a_wrong_regroup(tmp_path, bench_smoke):
     out = tmp_path / "dat.json"
     # rows left in the order they landed (source rank, then expert)
     patch = ("import torch; from skyrl_megatron.model import device_all_to_all as d; "
              "d.chunk_gather_index = lambda sizes, order, capacity: torch.arange(capacity)")
-    run = _run_smoke(tmp_path, out, patch)
+    run = bench_smoke(SCRIPT, out, patch, timeout=180)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-5000:]
     assert "MISMATCH" in run.stdout

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -112,21 +110,10 @@ def test_summary_exit_codes(a2a):
     assert a2a.summarize(bad)[0] == 1
 
 
-def _run_smoke(tmp_path, out, patch="pass"):
-    """The script's smoke mode in a fresh interpreter (its ranks are forked: a process that has run
-    torch's CPU thread pool, as pytest's has, must not fork), with `patch` applied to the module first."""
-    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('a2a', {str(SCRIPT)!r}); "
-            "a2a = importlib.util.module_from_spec(spec); sys.modules['a2a'] = a2a; spec.loader.exec_module(a2a); "
-            f"{patch}; sys.exit(a2a.main(['--smoke', '--out', {str(out)!r}]))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-
-
 @pytest.mark.slow
-def test_smoke_mode_on_two_gloo_ranks(tmp_path):
+def test_smoke_mode_on_two_gloo_ranks(tmp_path, bench_smoke):
     out = tmp_path / "a2a.json"
-    run = _run_smoke(tmp_path, out)
+    run = bench_smoke(SCRIPT, out)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     assert "all hold" in run.stdout
     ranks = json.loads(out.read_text())["ranks"]
@@ -138,10 +125,10 @@ def test_smoke_mode_on_two_gloo_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_mode_catches_a_wrong_regroup(tmp_path):
+def test_smoke_mode_catches_a_wrong_regroup(tmp_path, bench_smoke):
     out = tmp_path / "a2a.json"
     # rows left in the order they landed (source rank, then expert): dispatch parity must fail
-    run = _run_smoke(tmp_path, out, patch="a2a.chunk_gather_index = lambda sizes, order, capacity: a2a.torch.arange(capacity)")
+    run = bench_smoke(SCRIPT, out, patch="script.chunk_gather_index = lambda sizes, order, capacity: script.torch.arange(capacity)")
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-5000:]
     assert "MISMATCH" in run.stdout
     parity = json.loads(out.read_text())["ranks"][0]["parity"]
@@ -150,9 +137,9 @@ def test_smoke_mode_catches_a_wrong_regroup(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_exits_3_and_keeps_its_partial_report(tmp_path):
+def test_a_failing_rank_exits_3_and_keeps_its_partial_report(tmp_path, bench_smoke):
     out = tmp_path / "a2a.json"
-    run = _run_smoke(tmp_path, out, patch="a2a.split_and_concatenate = lambda *args: 1 / 0")
+    run = bench_smoke(SCRIPT, out, patch="script.split_and_concatenate = lambda *args: 1 / 0")
     assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-5000:]
     result = json.loads(out.read_text())
     assert "ZeroDivisionError" in result["error"]
