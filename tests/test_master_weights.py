@@ -8,6 +8,8 @@ with the feature on and loaded with it off (and the reverse) in between.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,9 +47,20 @@ def _adversarial_masters() -> torch.Tensor:
     return torch.cat([_floats(special), random_values, ties[~torch.isnan(ties)], scaled])
 
 
-@pytest.mark.parametrize("chunk", [1 << 22, 7])
-def test_split_and_join_are_bitwise_exact_on_adversarial_values(monkeypatch, chunk):
-    monkeypatch.setattr(master_weights, "_CHUNK", chunk)  # 7: chunk borders everywhere
+def _use_kernels(monkeypatch, kernels: str) -> None:
+    """"eager" (4M-element chunks), "eager-7" (chunk borders everywhere) or "generated" (the GPU's
+    torch.compile kernels, here compiled for CPU: the same integer arithmetic, one call per tensor)."""
+    chosen = {
+        "eager": master_weights._EAGER,
+        "eager-7": dataclasses.replace(master_weights._EAGER, chunk=7),
+        "generated": master_weights._generated(),
+    }[kernels]
+    monkeypatch.setattr(master_weights, "_kernels", lambda device: chosen)
+
+
+@pytest.mark.parametrize("kernels", ["eager", "eager-7", "generated"])
+def test_split_and_join_are_bitwise_exact_on_adversarial_values(monkeypatch, kernels):
+    _use_kernels(monkeypatch, kernels)
     masters = _adversarial_masters()
     model = masters.to(torch.bfloat16)  # round to nearest even, as Megatron copies masters into the model
     remainder, ties = split_master(masters, model)
@@ -66,7 +79,7 @@ def test_release_reads_each_groups_checks_at_once_and_rebuilds_exactly(monkeypat
     master whose model weight is not its rounding kept in fp32, every other one rebuilt bit for bit."""
     from skyrl_megatron.master_weights import CompactMasterWeights
 
-    monkeypatch.setattr(master_weights, "_CHUNK", 7)
+    _use_kernels(monkeypatch, "eager-7")
     monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 60_000)
     values = _adversarial_masters()
     pieces = [values[i : i + 40_000].clone() for i in range(0, values.numel(), 40_000)]
