@@ -199,6 +199,8 @@ class MegatronWorkerConfig:
     checkpoint_cache_dir: str | None = None
     force_reconvert: bool = False
     empty_cuda_cache: bool = True
+    # Python's long-lived objects frozen out of the cyclic collector, which waits for each pass to end
+    manual_gc: bool = True
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
     attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (model/attention_kernels.py)
     # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py)
@@ -454,6 +456,9 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     ):
         if not isinstance(value, int) or value < 1:
             problems.append(Problem(f"{prefix}.{name}", f"must be a positive integer, got {value!r}", "set it to 1 or more"))
+    for name in ("empty_cuda_cache", "force_reconvert", "manual_gc"):
+        if not isinstance(getattr(mc, name), bool):
+            problems.append(Problem(f"{prefix}.{name}", f"must be true or false, got {getattr(mc, name)!r}", "set true or false"))
     if problems:
         return problems
 

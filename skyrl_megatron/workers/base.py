@@ -26,6 +26,7 @@ from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initializ
 from skyrl_megatron.workers.memory_peaks import PhasePeaks
 from skyrl_megatron.workers.offload import ModelOffloader, TransferLog
 from skyrl_megatron.workers.out_of_memory import StepKnobs, explains_out_of_memory
+from skyrl_megatron.workers.python_gc import ManualGc
 from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class MegatronWorkerMixin:
         self.offloader = ModelOffloader(self.built.chunks)
         self.transfer_log = TransferLog()  # the host's offload/backload calls, not our `model_resident` moves
         self.phase_peaks = PhasePeaks()
+        self.manual_gc = ManualGc() if self.megatron_cfg.manual_gc else None
         return self.built
 
     def _set_pad_token_id(self, pad_token_id: int) -> None:
@@ -132,8 +134,10 @@ class MegatronWorkerMixin:
     @contextlib.contextmanager
     def _step_guard(self, phase: str):
         """Scoring or training under this: an out-of-memory names this worker and the knobs that size
-        its micro-batches (`workers/out_of_memory.py`), and the phase's memory peak is kept."""
-        with self._explains_out_of_memory(phase), self.phase_peaks.measure(phase):
+        its micro-batches (`workers/out_of_memory.py`), the phase's memory peak is kept, and Python's
+        cyclic collector waits for the pass to end (`workers/python_gc.py`, `megatron_config.manual_gc`)."""
+        gc_paused = self.manual_gc.paused() if self.manual_gc is not None else contextlib.nullcontext()
+        with self._explains_out_of_memory(phase), self.phase_peaks.measure(phase), gc_paused:
             yield
 
     def _explains_out_of_memory(self, phase: str):

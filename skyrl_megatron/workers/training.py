@@ -79,4 +79,6 @@ class TrainedRoleMixin(MegatronWorkerMixin):
                 # bf16: the optimizer's fp32 main params would overwrite the loaded weights at the next step
                 self.optimizer.reload_model_params()
         self.skipped_steps = int(state.extra.get("skipped_steps", 0))
+        if self.manual_gc is not None:
+            self.manual_gc.freeze_again()  # the loaded state lives on
         return {"step": state.step, **state.extra}

@@ -1,0 +1,89 @@
+"""`megatron_config.manual_gc` (`workers/python_gc.py`): long-lived objects frozen before the first pass, no
+automatic collection inside a pass, the pass's cyclic garbage freed when it ends."""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+
+import pytest
+
+from skyrl_megatron.workers.python_gc import ManualGc
+
+
+class _Node:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+@pytest.fixture
+def collector():
+    """Collections recorded by generation; the collector's thresholds low, so a pass of a few
+    thousand allocations would trigger collections of every generation; everything restored after."""
+    thresholds, collections = gc.get_threshold(), []
+
+    def record(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.set_threshold(10, 2, 2)
+    gc.callbacks.append(record)
+    yield collections
+    gc.callbacks.remove(record)
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()
+    gc.enable()
+
+
+def _a_pass() -> weakref.ref:
+    garbage = _Node()
+    for _ in range(3000):
+        _Node()  # cyclic garbage, as autograd and module hooks make
+    return weakref.ref(garbage)
+
+
+def test_without_it_collections_start_inside_a_pass(collector):
+    _a_pass()
+    assert collector  # what the paused pass below must not see
+
+
+def test_a_pass_sees_no_collection_and_leaves_no_cyclic_garbage(collector):
+    manual = ManualGc()
+    with manual.paused():
+        assert gc.get_freeze_count() > 10_000  # the imports' objects, frozen before the pass
+        collector.clear()
+        garbage = _a_pass()
+        assert collector == [] and garbage() is not None and not gc.isenabled()
+    assert garbage() is None and gc.isenabled()  # collected when the pass ended
+    frozen = gc.get_freeze_count()
+    with manual.paused():
+        pass
+    assert gc.get_freeze_count() == frozen  # frozen once, not per pass
+    manual.freeze_again()  # after a checkpoint load
+    kept = [_Node() for _ in range(100)]
+    with manual.paused():
+        assert gc.get_freeze_count() >= frozen + len(kept)
+
+
+def test_a_nested_pass_or_collection_turned_off_by_the_user_is_left_alone(collector):
+    manual = ManualGc()
+    gc.disable()
+    with manual.paused():
+        pass
+    assert not gc.isenabled()
+
+
+@pytest.mark.parametrize("manual_gc", [True, False])
+def test_the_workers_pass_guard_pauses_collection_when_configured(manual_gc, collector):
+    from skyrl_megatron.workers.base import MegatronWorkerMixin
+    from skyrl_megatron.workers.memory_peaks import PhasePeaks
+
+    worker = MegatronWorkerMixin()
+    worker.role, worker.worker_name = "policy", "policy worker rank 0/1"
+    worker.megatron_cfg = types.SimpleNamespace(max_tokens_per_microbatch=None, transformer_config_kwargs={})
+    worker.__dict__["_host_cfg"] = types.SimpleNamespace(trainer=types.SimpleNamespace(micro_forward_batch_size_per_gpu=1))
+    worker.phase_peaks = PhasePeaks()
+    worker.manual_gc = ManualGc() if manual_gc else None
+    with worker._step_guard("scoring"):
+        assert gc.isenabled() is not manual_gc
