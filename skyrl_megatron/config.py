@@ -201,6 +201,8 @@ class MegatronWorkerConfig:
     empty_cuda_cache: bool = True
     # Python's long-lived objects frozen out of the cyclic collector, which waits for each pass to end
     manual_gc: bool = True
+    # the logprob head's fp32 logits per chunk of tokens (compute/logprobs.py)
+    logits_chunk_mib: int = 256
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
     attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (model/attention_kernels.py)
     # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py)
@@ -456,6 +458,9 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     ):
         if not isinstance(value, int) or value < 1:
             problems.append(Problem(f"{prefix}.{name}", f"must be a positive integer, got {value!r}", "set it to 1 or more"))
+    if isinstance(mc.logits_chunk_mib, bool) or not isinstance(mc.logits_chunk_mib, int) or mc.logits_chunk_mib < 1:
+        problems.append(Problem(f"{prefix}.logits_chunk_mib", f"must be a positive integer, got {mc.logits_chunk_mib!r}",
+                                "set the MiB of fp32 logits per chunk, e.g. 256"))
     for name in ("empty_cuda_cache", "force_reconvert", "manual_gc"):
         if not isinstance(getattr(mc, name), bool):
             problems.append(Problem(f"{prefix}.{name}", f"must be true or false, got {getattr(mc, name)!r}", "set true or false"))

@@ -354,3 +354,13 @@ def test_the_planner_imports_neither_torch_nor_megatron():
     probe = "import sys, skyrl_megatron.planner.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers', 'hydra'}))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_logits_chunk_budget_reaches_the_logprob_head_term():
+    """`--logits-chunk-mib` is `megatron_config.logits_chunk_mib`: the head holds LOGITS_CHUNK_BUFFERS chunks."""
+    from skyrl_megatron.planner.memory import LOGITS_CHUNK_BUFFERS
+
+    base = ["--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json"), "--micro-batch-tokens", "8192"]
+    small, large = (estimate_from_argv([*base, "--logits-chunk-mib", str(mib)]) for mib in (256, 1024))
+    assert small.transient_source == large.transient_source == "logprob head"
+    assert large.transient - small.transient == LOGITS_CHUNK_BUFFERS * (1024 - 256) * 2**20

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="eager SwiGLU (swiglu not in megatron_config.fused_kernels, or bias_activation_fusion=false)",
     )
+    training.add_argument(
+        "--logits-chunk-mib", type=int, default=256, help="the logprob head's fp32 logits per chunk (logits_chunk_mib)"
+    )
     training.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     training.add_argument(
         "--optimizer-offload-fraction", type=float, default=0.0, help="share of the optimizer state on the CPU"
@@ -99,6 +102,7 @@ def _batch_plan(args: argparse.Namespace) -> BatchPlan:
         recompute=args.recompute,
         recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
         swiglu_fusion=not args.unfused_swiglu,
+        logits_chunk_bytes=args.logits_chunk_mib * 2**20,
     )
 
 

@@ -109,6 +109,7 @@ class MegatronWorkerMixin:
             self.parallel_config,
             pad_token_id=getattr(self, "_pad_token_id", 0) or 0,
             fused_logprobs=self.built.fused_logprobs,
+            logits_chunk_bytes=self.megatron_cfg.logits_chunk_mib * 2**20,
         )
         self.offloader = ModelOffloader(self.built.chunks)
         self.transfer_log = TransferLog()  # the host's offload/backload calls, not our `model_resident` moves
