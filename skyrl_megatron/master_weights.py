@@ -14,10 +14,21 @@ steps we keep `remainder` as int16 (2 bytes) and free the master: 2 of the 4 byt
 The one value int16 cannot hold is +2**15, a tie rounded down to an even model weight (about one
 element in 2**17); such elements are stored as -2**15 and listed by index, to be corrected.
 
+The work goes by runs, not tensors (an MoE model has thousands of parameter tensors; a kernel call
+costs ~0.1 ms of host time): the model shards are views of Megatron DDP's contiguous parameter
+buffer, so masters whose shards lie back to back there (Megatron's 64-element padding between them
+allowed) form a run, of at most `_GROUP_ELEMENTS` elements. A rebuild gives each run one fp32 buffer
+over its span and makes every master of it a view of that buffer; the next release splits the whole
+run with one kernel call (one remainder and one list of tie indices per run, indices into the run),
+and the next rebuild joins it with one. The first release after `attach` meets the optimizer's own,
+separately allocated masters and splits them one by one; the rebuild after it gathers them.
+
 Exact by construction, and checked: an element whose remainder falls outside the range (a model
 weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
-whole tensor's master in fp32, so a master is never rebuilt wrong. The masters stay the same tensor
-objects (Adam's state and Megatron's `main_param` are keyed by them); only their `.data` changes.
+whole run's masters in fp32 (its tensor's, on the per-tensor path), so a master is never rebuilt
+wrong. The masters stay the same tensor objects (Adam's state and Megatron's `main_param` are keyed
+by them); only their `.data` changes. Offloading parks a view's whole storage (`workers/offload.py`),
+so a run kept in fp32 moves as one buffer.
 
 Only Megatron's DistributedOptimizer over bf16 parameters with torch's Adam (no Transformer Engine)
 is supported: `refusal()` says why anything else is not.
@@ -158,9 +169,10 @@ class _Master:
     model: torch.Tensor  # the bf16 model shard the master was last copied into (a view of the DDP buffer)
     offset: int = 0  # where `model` starts in its run's span (elements)
     released: bool = False
+    shape: torch.Size = field(init=False)  # a released master's .data is empty: its shape is kept here
 
     def __post_init__(self):
-        self.shape = self.master.shape  # a released master's .data is empty: its shape is kept here
+        self.shape = self.master.shape
 
     @property
     def numel(self) -> int:
@@ -207,17 +219,21 @@ class _Run:
 
 
 # elements of padding a run may step over: Megatron starts each parameter in its DDP buffer at a
-# multiple of 64 elements and pads bucket ends to lcm(data-parallel size, 128). The padding rides
-# along in the run's buffers (a few bytes); it is never written, so its check holds like a weight's.
-_MAX_GAP = 1 << 10
+# multiple of 64 elements. The padding rides along in the run's buffers (a few bytes) and is never
+# written, so its check holds like a weight's. Not wider: a wider gap could hold another data-parallel
+# rank's share of a bucket, which the parameter all-gather rewrites every step, so the run would fail
+# its check (still exact, but kept in fp32).
+_MAX_GAP = 63
 
 
 def _runs(masters: list[_Master], limit: int) -> list[_Run]:
     """Maximal runs of masters whose model shards follow one another in one storage (in storage order,
     gaps up to `_MAX_GAP`), each spanning at most `limit` elements unless one shard alone is larger:
     a run is split and checked at once, so `limit` bounds the extra memory as `_GROUP_ELEMENTS` does."""
+    storages: dict[int, int] = {}  # in order of first appearance: the runs of separate tensors keep their order
+
     def key(m: _Master) -> tuple[int, int]:
-        return m.model.untyped_storage().data_ptr(), m.model.storage_offset()
+        return storages.setdefault(m.model.untyped_storage().data_ptr(), len(storages)), m.model.storage_offset()
 
     grouped: list[list[_Master]] = []
     for m in sorted(masters, key=key):
