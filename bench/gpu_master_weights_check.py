@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         report["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     args.out.write_text(json.dumps(report, indent=2))
     for run in report["runs"]:
-        print(f"{run['kernels']:>9} {run['layout']:>8} ({run['runs_of_masters']:4d} runs): release {run['release_s'] * 1e3:8.1f} ms, rebuild {run['rebuild_s'] * 1e3:8.1f} ms, "
+        print(f"{run['kernels']:>9} {run['layout']:>8} ({run['runs_of_masters']:4d} runs):"
+              f" release {run['release_s'] * 1e3:8.1f} ms, rebuild {run['rebuild_s'] * 1e3:8.1f} ms, "
               f"freed {run['freed_gib']:.2f} GiB, exact {run['exact']}")
     return 0 if all(run["exact"] for run in report["runs"]) else 1
 

@@ -189,7 +189,7 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
         assert calls == {"split": 2, "tie_mask": 2, "join": 2}  # every run has ties
         _assert_exact(pairs, expected)
     # the same Parameter objects (Adam's state is keyed by them), each run's masters views of one buffer
-    assert [master for master, _ in pairs] == parameters and all(a is b for a, b in zip(parameters, [m for m, _ in pairs]))
+    assert all(a is b for a, b in zip(parameters, [master for master, _ in pairs], strict=True))
     first, second = parameters[: len(sizes)], parameters[len(sizes) :]
     for run in (first, second):
         assert len({master.untyped_storage().data_ptr() for master in run}) == 1
