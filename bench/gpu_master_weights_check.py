@@ -6,7 +6,10 @@ releases it after, so both run once per training step over all parameters. Sessi
 eager kernels at Qwen3-4B at about 0.44 s per step on an H200 (15.3k against 17.0k training tokens/s);
 this script times both kernel sets on masters shaped like a model's parameters (no Megatron, no
 checkpoint: random fp32 masters and their bf16 rounding), and checks that each rebuild equals the
-masters it started from.
+masters it started from. As in Megatron, the masters are separate tensors and the bf16 model shards
+views of one contiguous buffer ("ddp" layout), so after the first (untimed) round a release and a
+rebuild take one kernel call per run of back-to-back shards; on GPU the generated kernels are also
+timed with each shard its own tensor ("separate": one run, so one call, per tensor).
 
     python bench/gpu_master_weights_check.py --model Qwen3-4B --out $OUT/master_weights.json
     python bench/gpu_master_weights_check.py --smoke --out /tmp/mw.json      # CPU, tiny, eager only
@@ -42,12 +45,27 @@ def parameter_sizes(config: dict) -> list[int]:
     return sizes
 
 
-def make_pairs(sizes: list[int], device: torch.device, seed: int = 0) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+def make_pairs(sizes: list[int], device: torch.device, layout: str = "ddp",
+               seed: int = 0) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(fp32 master, bf16 model shard) per parameter. The masters are separate tensors, as Megatron's
+    optimizer allocates them. layout "ddp": the model shards are views of one contiguous bf16 buffer,
+    each starting at a multiple of 64 elements (as Megatron's DDP lays them out: compact masters then
+    work per run of them); "separate": each shard its own tensor (one run per tensor)."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    pairs = []
+    starts, end = [], 0
     for size in sizes:
+        starts.append(end)
+        end = -(-(end + size) // 64) * 64
+    buffer = torch.zeros(end, dtype=torch.bfloat16, device=device) if layout == "ddp" else None
+    pairs = []
+    for size, start in zip(sizes, starts):
         master = torch.randn(size, generator=generator, device=device) * 0.02
-        pairs.append((torch.nn.Parameter(master, requires_grad=False), master.to(torch.bfloat16)))
+        if buffer is None:
+            model = master.to(torch.bfloat16)
+        else:
+            model = buffer[start : start + size]
+            model.copy_(master)
+        pairs.append((torch.nn.Parameter(master, requires_grad=False), model))
     return pairs
 
 
@@ -75,7 +93,7 @@ def time_kernels(name: str, kernels, pairs, device: torch.device, repeats: int) 
             release.append(middle - start)
             rebuild.append(time.perf_counter() - middle)
             exact = exact and all(torch.equal(m.view(torch.int32), want) for (m, _), want in zip(pairs, expected))
-        return {"kernels": name, "release_s": sorted(release[1:])[len(release[1:]) // 2],
+        return {"kernels": name, "runs_of_masters": compact.runs, "release_s": sorted(release[1:])[len(release[1:]) // 2],
                 "rebuild_s": sorted(rebuild[1:])[len(rebuild[1:]) // 2], "first_round_s": release[0] + rebuild[0],
                 "freed_gib": freed / 2**30, "exact": exact}
     finally:
@@ -94,21 +112,28 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
         config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "vocab_size": 1000}
-        runs = [("eager", master_weights._EAGER)]
+        runs = [("eager", master_weights._EAGER, "ddp")]
     else:
         device = torch.device("cuda")
         config = json.loads((SHAPES_DIR / f"{args.model}.json").read_text())
-        runs = [("eager", master_weights._EAGER), ("generated", master_weights._generated())]
+        generated = master_weights._generated()
+        runs = [("eager", master_weights._EAGER, "ddp"), ("generated", generated, "ddp"),
+                ("generated", generated, "separate")]
     sizes = parameter_sizes(config)
-    pairs = make_pairs(sizes, device)
+    results = []
+    for name, kernels, layout in runs:
+        pairs = make_pairs(sizes, device, layout)
+        results.append({**time_kernels(name, kernels, pairs, device, args.repeats), "layout": layout})
+        del pairs
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU", "torch": torch.__version__,
               "model": "tiny" if args.smoke else args.model, "tensors": len(sizes), "elements": sum(sizes),
-              "runs": [time_kernels(name, kernels, pairs, device, args.repeats) for name, kernels in runs]}
+              "runs": results}
     if device.type == "cuda":
         report["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     args.out.write_text(json.dumps(report, indent=2))
     for run in report["runs"]:
-        print(f"{run['kernels']:>9}: release {run['release_s'] * 1e3:8.1f} ms, rebuild {run['rebuild_s'] * 1e3:8.1f} ms, "
+        print(f"{run['kernels']:>9} {run['layout']:>8} ({run['runs_of_masters']:4d} runs):"
+              f" release {run['release_s'] * 1e3:8.1f} ms, rebuild {run['rebuild_s'] * 1e3:8.1f} ms, "
               f"freed {run['freed_gib']:.2f} GiB, exact {run['exact']}")
     return 0 if all(run["exact"] for run in report["runs"]) else 1
 

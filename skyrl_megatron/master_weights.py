@@ -14,10 +14,21 @@ steps we keep `remainder` as int16 (2 bytes) and free the master: 2 of the 4 byt
 The one value int16 cannot hold is +2**15, a tie rounded down to an even model weight (about one
 element in 2**17); such elements are stored as -2**15 and listed by index, to be corrected.
 
+The work goes by runs, not tensors (an MoE model has thousands of parameter tensors; a kernel call
+costs ~0.1 ms of host time): the model shards are views of Megatron DDP's contiguous parameter
+buffer, so masters whose shards lie back to back there (Megatron's 64-element padding between them
+allowed) form a run, of at most `_GROUP_ELEMENTS` elements. A rebuild gives each run one fp32 buffer
+over its span and makes every master of it a view of that buffer; the next release splits the whole
+run with one kernel call (one remainder and one list of tie indices per run, indices into the run),
+and the next rebuild joins it with one. The first release after `attach` meets the optimizer's own,
+separately allocated masters and splits them one by one; the rebuild after it gathers them.
+
 Exact by construction, and checked: an element whose remainder falls outside the range (a model
 weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
-whole tensor's master in fp32, so a master is never rebuilt wrong. The masters stay the same tensor
-objects (Adam's state and Megatron's `main_param` are keyed by them); only their `.data` changes.
+whole run's masters in fp32 (its tensor's, on the per-tensor path), so a master is never rebuilt
+wrong. The masters stay the same tensor objects (Adam's state and Megatron's `main_param` are keyed
+by them); only their `.data` changes. Offloading parks a view's whole storage (`workers/offload.py`),
+so a run kept in fp32 moves as one buffer.
 
 Only Megatron's DistributedOptimizer over bf16 parameters with torch's Adam (no Transformer Engine)
 is supported: `refusal()` says why anything else is not.
@@ -30,7 +41,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -156,19 +167,138 @@ def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch
 class _Master:
     master: torch.Tensor  # the optimizer's fp32 parameter (kept as an object; its .data comes and goes)
     model: torch.Tensor  # the bf16 model shard the master was last copied into (a view of the DDP buffer)
-    remainder: torch.Tensor | None = None  # set while released
-    tie_indices: torch.Tensor | None = None
+    offset: int = 0  # where `model` starts in its run's span (elements)
+    released: bool = False
+    shape: torch.Size = field(init=False)  # a released master's .data is empty: its shape is kept here
+
+    def __post_init__(self):
+        self.shape = self.master.shape
 
     @property
-    def released(self) -> bool:
-        return self.remainder is not None
+    def numel(self) -> int:
+        return self.model.numel()
+
+
+@dataclass
+class _Piece:
+    """A released stretch [start, stop) of a run's span: its remainder and tie indices (from `start`)."""
+    start: int
+    stop: int
+    remainder: torch.Tensor
+    tie_indices: torch.Tensor
+
+
+@dataclass
+class _Run:
+    """Masters whose model shards lie back to back in one storage (padding between them allowed).
+
+    `model` is a flat bf16 view over the whole span. After a rebuild every master's `.data` is a view
+    of `buffer` (one fp32 tensor over the span), so the next release splits the run with one kernel
+    call; the first release after `attach` finds Megatron's separately allocated masters and splits
+    them one by one (pieces), and the rebuild after it gathers them into a buffer."""
+    members: list[_Master]
+    model: torch.Tensor
+    buffer: torch.Tensor | None = None
+    pieces: list[_Piece] = field(default_factory=list)
+
+    @property
+    def span(self) -> int:
+        return self.model.numel()
+
+    def whole(self) -> bool:
+        """Whether the masters are, as the rebuild left them, views of `buffer` in the model's layout
+        (anything that gave a master other storage since sends the run down the per-tensor path)."""
+        if self.buffer is None or any(m.released for m in self.members):
+            return False
+        storage, base = self.buffer.untyped_storage().data_ptr(), self.buffer.data_ptr()
+        return all(
+            m.master.data.untyped_storage().data_ptr() == storage and m.master.data.is_contiguous()
+            and m.master.data.data_ptr() == base + 4 * m.offset and m.master.numel() == m.numel
+            for m in self.members
+        )
+
+
+# elements of padding a run may step over: Megatron starts each parameter in its DDP buffer at a
+# multiple of 64 elements. The padding rides along in the run's buffers (a few bytes) and is never
+# written, so its check holds like a weight's. Not wider: a wider gap could hold another data-parallel
+# rank's share of a bucket, which the parameter all-gather rewrites every step, so the run would fail
+# its check (still exact, but kept in fp32).
+_MAX_GAP = 63
+
+
+def _runs(masters: list[_Master], limit: int) -> list[_Run]:
+    """Maximal runs of masters whose model shards follow one another in one storage (in storage order,
+    gaps up to `_MAX_GAP`), each spanning at most `limit` elements unless one shard alone is larger:
+    a run is split and checked at once, so `limit` bounds the extra memory as `_GROUP_ELEMENTS` does."""
+    storages: dict[int, int] = {}  # in order of first appearance: the runs of separate tensors keep their order
+
+    def key(m: _Master) -> tuple[int, int]:
+        return storages.setdefault(m.model.untyped_storage().data_ptr(), len(storages)), m.model.storage_offset()
+
+    grouped: list[list[_Master]] = []
+    for m in sorted(masters, key=key):
+        if grouped and _follows(grouped[-1], m, limit):
+            grouped[-1].append(m)
+        else:
+            grouped.append([m])
+    runs = []
+    for members in grouped:
+        first, last = members[0].model, members[-1].model
+        for m in members:
+            m.offset = m.model.storage_offset() - first.storage_offset()
+        span = last.storage_offset() + last.numel() - first.storage_offset()
+        model = first.view(-1) if len(members) == 1 else first.as_strided((span,), (1,), first.storage_offset())
+        runs.append(_Run(members, model))
+    return runs
+
+
+def _follows(run: list[_Master], m: _Master, limit: int) -> bool:
+    last, first = run[-1].model, run[0].model
+    gap = m.model.storage_offset() - (last.storage_offset() + last.numel())
+    return (
+        m.model.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+        and m.model.is_contiguous() and last.is_contiguous() and m.model.dtype == last.dtype
+        and 0 <= gap <= _MAX_GAP
+        and m.model.storage_offset() + m.model.numel() - first.storage_offset() <= limit
+    )
+
+
+@dataclass
+class _Split:
+    """A stretch split on the device whose checks are not read yet: the whole run (one kernel call)
+    or one master of it."""
+    run: _Run
+    members: list[_Master]
+    start: int
+    stop: int
+    whole_run: bool
+    master: torch.Tensor  # flat fp32 over [start, stop) of the run's span
+    model: torch.Tensor  # flat bf16 over the same stretch
+    remainder: torch.Tensor
+    stats: torch.Tensor
+
+
+def _splits(run: _Run) -> Iterator[_Split]:
+    """The run's present masters split on the device: at once when they are views of the run's buffer,
+    else one by one (the first release after `attach`, or masters given other storage since)."""
+    if run.whole():
+        yield _Split(run, run.members, 0, run.span, True, run.buffer, run.model,
+                     *_split_on_device(run.buffer, run.model))
+        return
+    for m in run.members:
+        if m.released or m.numel == 0:
+            continue
+        master, model = m.master.data.view(-1), m.model.view(-1)
+        yield _Split(run, [m], m.offset, m.offset + m.numel, False, master, model, *_split_on_device(master, model))
 
 
 class CompactMasterWeights:
     """The fp32 masters of a Megatron optimizer, released to bf16 + int16 between steps."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        self._masters = [_Master(master, model) for master, model in pairs]
+        masters = [_Master(master, model) for master, model in pairs]
+        # empty shards (a parameter wholly on other data-parallel ranks) have nothing to release
+        self._runs = _runs([m for m in masters if m.numel], _GROUP_ELEMENTS)
         self._logged = self._warned_kept = False
 
     @classmethod
@@ -181,7 +311,12 @@ class CompactMasterWeights:
 
     @property
     def released(self) -> bool:
-        return any(m.released for m in self._masters)
+        return any(run.pieces for run in self._runs)
+
+    @property
+    def runs(self) -> int:
+        """How many runs the masters form (each one kernel call per release and rebuild once gathered)."""
+        return len(self._runs)
 
     def release(self) -> int:
         """Free every master that its model weight and a remainder can rebuild; returns the bytes freed
@@ -189,18 +324,18 @@ class CompactMasterWeights:
 
         The remainders are computed a group at a time (about `_GROUP_ELEMENTS` elements, so the extra
         memory stays small) and each group's checks are read on the host at once: one wait per group,
-        not one per tensor and chunk (Megatron has a master per parameter: ~2,000 at MoE widths)."""
+        not one per run or tensor and chunk (Megatron has a master per parameter: thousands at MoE
+        widths)."""
         freed = kept = 0
         group, elements = [], 0
         with torch.no_grad():
-            for m in self._masters:
-                if m.released or m.master.numel() == 0:
-                    continue
-                group.append((m, *_split_on_device(m.master.data, m.model)))
-                elements += m.master.numel()
-                if elements >= _GROUP_ELEMENTS:
-                    group_freed, group_kept = _settle(group)
-                    freed, kept, group, elements = freed + group_freed, kept + group_kept, [], 0
+            for run in self._runs:
+                for split in _splits(run):
+                    group.append(split)
+                    elements += split.stop - split.start
+                    if elements >= _GROUP_ELEMENTS:
+                        group_freed, group_kept = _settle(group)
+                        freed, kept, group, elements = freed + group_freed, kept + group_kept, [], 0
             group_freed, group_kept = _settle(group)
             freed, kept = freed + group_freed, kept + group_kept
         if not self._logged:
@@ -214,19 +349,19 @@ class CompactMasterWeights:
         return freed
 
     def rebuild(self) -> None:
-        """Give every released master its exact fp32 value back (before the optimizer step)."""
+        """Give every released master its exact fp32 value back (before the optimizer step), as a view
+        of one fp32 buffer per run."""
         with torch.no_grad():
-            for m in self._masters:
-                if not m.released:
+            for run in self._runs:
+                if not run.pieces:
                     continue
-                if m.remainder.untyped_storage().nbytes() < _nbytes(m.remainder):
+                if any(p.remainder.untyped_storage().nbytes() < _nbytes(p.remainder) for p in run.pieces):
                     raise RuntimeError("compact master weights: the optimizer state is offloaded; backload it first")
-                m.master.data = join_master(m.model, m.remainder, m.tie_indices)
-                m.remainder = m.tie_indices = None
+                _gather(run)
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """What stands for the released masters (remainders, tie indices): optimizer state to offload."""
-        return [t for m in self._masters if m.released for t in (m.remainder, m.tie_indices)]
+        return [t for run in self._runs for p in run.pieces for t in (p.remainder, p.tie_indices)]
 
     @contextlib.contextmanager
     def materialised(self) -> Iterator[None]:
@@ -242,23 +377,53 @@ class CompactMasterWeights:
                 self.release()
 
 
-def _settle(group: list[tuple[_Master, torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+def _gather(run: _Run) -> None:
+    """Rebuild the run's released masters into one fp32 buffer over its span, every master a view of it."""
+    if [(p.start, p.stop) for p in run.pieces] == [(0, run.span)]:  # released whole: one kernel call
+        (piece,) = run.pieces
+        buffer = join_master(run.model, piece.remainder, piece.tie_indices)
+    else:  # released one by one (or partly kept): once after `attach`, then the run is whole
+        buffer = run.model.float()  # the padding between shards: its weight widened, exactly (remainder 0)
+        for piece in run.pieces:
+            buffer[piece.start : piece.stop] = join_master(run.model[piece.start : piece.stop], piece.remainder,
+                                                           piece.tie_indices)
+        for m in run.members:
+            if not m.released:  # kept in fp32: copied in
+                buffer[m.offset : m.offset + m.numel] = m.master.data.view(-1)
+    for m in run.members:
+        m.master.data = buffer[m.offset : m.offset + m.numel].view(m.shape)
+        m.released = False
+    run.buffer, run.pieces = buffer, []
+
+
+def _settle(group: list[_Split]) -> tuple[int, int]:
     """Release the group's masters whose checks hold (one host read for the whole group); returns
-    (bytes freed, elements kept in fp32)."""
+    (bytes freed, elements kept in fp32).
+
+    A whole run whose check fails stays in fp32 as a whole: the check fails only where a model weight
+    is not its master rounded (NaN, or written by something other than the optimizer step), which
+    normal training never does; splitting the run again per tensor would mean copying the kept masters
+    out of the shared buffer (a view keeps all of it alive) and a kernel call per tensor at every step,
+    for memory alone. Exactness is the same either way: nothing of a kept run is freed."""
     if not group:
         return 0, 0
-    stats = torch.cat([stats for _, _, stats in group]).tolist()
+    stats = torch.cat([split.stats for split in group]).tolist()
     freed = kept = offset = 0
-    for m, remainder, _ in group:
-        chunks = -(-m.master.numel() // _kernels(m.master.device).chunk)
+    for split in group:
+        chunks = -(-(split.stop - split.start) // _kernels(split.master.device).chunk)
         mine, offset = stats[offset : offset + 2 + chunks], offset + 2 + chunks
         if not _in_range(mine):
-            kept += m.master.numel()
+            kept += sum(m.numel for m in split.members)
             continue
-        m.remainder, m.tie_indices = remainder, _tie_indices(m.master.data, m.model, mine[2:])
-        freed += m.master.untyped_storage().nbytes() - _nbytes(m.remainder) - _nbytes(m.tie_indices)
-        m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
-        m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
+        piece = _Piece(split.start, split.stop, split.remainder, _tie_indices(split.master, split.model, mine[2:]))
+        split.run.pieces.append(piece)
+        freed += 4 * (split.stop - split.start) - _nbytes(piece.remainder) - _nbytes(piece.tie_indices)
+        for m in split.members:
+            m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
+            m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
+            m.released = True
+        if split.whole_run:
+            split.run.buffer = None  # its last views are gone: the memory is free
     return freed, kept
 
 

@@ -111,6 +111,167 @@ def test_a_model_weight_that_is_not_its_master_rounded_is_refused():
 
 
 # ----------------------------------------------------------------------------------------------
+# Runs: model shards back to back in one buffer (as in Megatron's DDP), one kernel call per run
+# ----------------------------------------------------------------------------------------------
+
+_TIE_DOWN = 0x3F808000  # 1.00390625 + half an ulp: a tie rounded down to an even weight
+
+
+def _back_to_back(pieces: list[list[torch.Tensor]]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(master, model shard) pairs: the masters separate fp32 tensors (as Megatron's optimizer allocates
+    them), each list's model shards views of one bf16 buffer, each shard starting at a multiple of 64
+    elements (Megatron's DDP padding), the first and last element of every master a tie rounded down."""
+    pairs = []
+    for storage in pieces:
+        starts, end = [], 0
+        for piece in storage:
+            starts.append(end)
+            end = -(-(end + piece.numel()) // 64) * 64
+        buffer = torch.zeros(end, dtype=torch.bfloat16)
+        for piece, start in zip(storage, starts):
+            master = piece.clone()
+            master.view(torch.int32)[[0, -1]] = _TIE_DOWN
+            buffer[start : start + master.numel()] = master.to(torch.bfloat16)
+            pairs.append((torch.nn.Parameter(master, requires_grad=False), buffer[start : start + master.numel()]))
+    return pairs
+
+
+def _counting(monkeypatch, kernels) -> dict[str, int]:
+    """Use `kernels`, counting the calls of each function."""
+    calls = {"split": 0, "tie_mask": 0, "join": 0}
+
+    def counted(name):
+        function = getattr(kernels, name)
+
+        def call(*args):
+            calls[name] += 1
+            return function(*args)
+
+        return call
+
+    counting = dataclasses.replace(kernels, **{name: counted(name) for name in calls})
+    monkeypatch.setattr(master_weights, "_kernels", lambda device: counting)
+    return calls
+
+
+def _bits(pairs) -> list[torch.Tensor]:
+    return [master.detach().view(torch.int32).clone() for master, _ in pairs]
+
+
+def _assert_exact(pairs, expected) -> None:
+    for (master, _), want in zip(pairs, expected, strict=True):
+        assert torch.equal(master.detach().view(torch.int32), want)
+
+
+def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monkeypatch):
+    """The first release after attach meets the optimizer's separate masters (one call per tensor); the
+    rebuild gathers each run's masters into one buffer, and from then on a run is one call."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    calls = _counting(monkeypatch, master_weights._EAGER)
+    values = _adversarial_masters()
+    sizes = [1000, 37, 4096, 129, 64, 2500, 7, 300]
+    cut = torch.split(values[: sum(sizes) * 2], sizes * 2)
+    pairs = _back_to_back([list(cut[: len(sizes)]), list(cut[len(sizes) :])])  # two buffers: two runs
+    parameters, expected = [master for master, _ in pairs], _bits(pairs)
+    masters = CompactMasterWeights(pairs)
+    assert masters.runs == 2
+    masters.release()
+    assert calls["split"] == len(pairs) and all(master.numel() == 0 for master in parameters)
+    masters.rebuild()
+    assert calls["join"] == len(pairs)
+    _assert_exact(pairs, expected)
+    for _ in range(2):
+        calls.update(split=0, tie_mask=0, join=0)
+        masters.release()
+        assert all(master.numel() == 0 for master, _ in pairs) and len(masters.stored_tensors()) == 2 * 2
+        masters.rebuild()
+        assert calls == {"split": 2, "tie_mask": 2, "join": 2}  # every run has ties
+        _assert_exact(pairs, expected)
+    # the same Parameter objects (Adam's state is keyed by them), each run's masters views of one buffer
+    assert all(a is b for a, b in zip(parameters, [master for master, _ in pairs], strict=True))
+    first, second = parameters[: len(sizes)], parameters[len(sizes) :]
+    for run in (first, second):
+        assert len({master.untyped_storage().data_ptr() for master in run}) == 1
+    assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
+
+
+def _corrupt(model: torch.Tensor, index: int) -> None:
+    """Flip an exponent bit: the weight is no longer its master rounded."""
+    model.view(torch.int16)[index] ^= 0x4000
+
+
+@pytest.mark.parametrize("kernels", ["eager-7", "generated"])
+def test_runs_are_exact_across_their_borders_and_a_failing_run_stays_in_fp32(monkeypatch, kernels):
+    """Adversarial values cut into shards of odd lengths (padding between them), ties at every border,
+    runs capped by the group size; a run whose model weight was written by something else keeps all of
+    its masters in fp32 (exact), the others are released; once the weight is right again, it is too."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    _use_kernels(monkeypatch, kernels)
+    monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 50_000)
+    values = _adversarial_masters()
+    generator = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 2000, (200,), generator=generator).tolist()
+    cut = list(torch.split(values[: sum(sizes)], sizes))
+    pairs = _back_to_back([cut[:120], cut[120:]])
+    expected = _bits(pairs)
+    masters = CompactMasterWeights(pairs)
+    assert 4 <= masters.runs < 10  # capped by the group size, and apart per buffer
+    masters.release()
+    masters.rebuild()  # gathered into one buffer per run
+    _assert_exact(pairs, expected)
+
+    victim = 50  # a master in the middle of a run: its whole run stays in fp32
+    _corrupt(pairs[victim][1], 3)
+    masters.release()
+    kept = [i for i, (master, _) in enumerate(pairs) if master.numel()]
+    assert victim in kept and len(pairs) > len(kept) > 1
+    storage = pairs[victim][0].untyped_storage().data_ptr()
+    assert all(pairs[i][0].untyped_storage().data_ptr() == storage for i in kept)  # the run, as a whole
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+
+    _corrupt(pairs[victim][1], 3)  # right again
+    masters.release()
+    assert all(master.numel() == 0 for master, _ in pairs)
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+
+
+def test_an_offload_parks_a_kept_run_whole(monkeypatch):
+    """Masters kept in fp32 are views of their run's buffer: the offloader parks (and frees) that whole
+    buffer, not only the first view it meets, along with the released runs' remainders."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+    from skyrl_megatron.workers.offload import ModelOffloader
+
+    values = _adversarial_masters()
+    cut = list(torch.split(values[:20_000], [3000, 5000, 2000] * 2))
+    pairs = _back_to_back([cut[:3], cut[3:]])
+    expected = _bits(pairs)
+    masters = CompactMasterWeights(pairs)
+    masters.release()
+    masters.rebuild()
+    _corrupt(pairs[4][1], 0)  # the second run stays in fp32: three views of one buffer
+    masters.release()
+    assert [master.numel() for master, _ in pairs] == [0, 0, 0, 3000, 5000, 2000]
+    kept_buffer = pairs[3][0].untyped_storage().nbytes()
+    assert kept_buffer == 4 * (3008 + 5056 + 2000)  # the run's span: its shards and the padding between
+    to_park = kept_buffer + sum(t.untyped_storage().nbytes() for t in masters.stored_tensors())
+    optimizer = torch.optim.Adam([master for master, _ in pairs])
+    monkeypatch.setitem(master_weights._ATTACHED, optimizer, masters)
+    offloader = ModelOffloader([])
+    offloader.offload(model=False, optimizer=True, optimizer_obj=optimizer, pin_memory=False)
+    held = [t.untyped_storage().nbytes() for t in [master for master, _ in pairs] + masters.stored_tensors()]
+    assert held == [0] * len(held)
+    assert sum(p.host.numel() * p.host.element_size() for p in offloader._parked["optimizer"]) == to_park
+    offloader.backload(model=False, optimizer=True, optimizer_obj=optimizer)
+    _corrupt(pairs[4][1], 0)
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+
+
+# ----------------------------------------------------------------------------------------------
 # On a model (CPU ranks)
 # ----------------------------------------------------------------------------------------------
 
@@ -210,6 +371,7 @@ def _train(built, optimizer, scheduler, rank: int, offload_after: int | None = N
 
 
 def _compact_against_plain(rank, world, hf_dir, layout=None):
+    from skyrl_megatron.master_weights import compact_masters_of, masters_materialised
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -220,7 +382,11 @@ def _compact_against_plain(rank, world, hf_dir, layout=None):
     initial = _held_bytes(optimizer)  # released as soon as the optimizer is built
     compact = _train(built, optimizer, scheduler, rank, offload_after=1)
     numel = sum(p.numel() for p in built.chunks[0].parameters())
-    return {"plain": plain, "compact": compact, "initial": initial, "numel": numel}
+    with masters_materialised(optimizer):  # gathered: the masters of a run share one buffer
+        masters = [p for p in _optimizer_params(optimizer) if p.numel()]
+        runs = {"runs": compact_masters_of(optimizer).runs, "masters": len(masters),
+                "buffers": len({p.untyped_storage().data_ptr() for p in masters})}
+    return {"plain": plain, "compact": compact, "initial": initial, "numel": numel, "runs": runs}
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -265,6 +431,9 @@ def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, family, world
         # each rank's masters are its share of its model part: all of it without data parallelism
         shared, data_parallel = plain["held"][0]["masters"], world // layout.get("tensor", 1)
         assert shared == 4 * result["numel"] if data_parallel == 1 else 0 < shared < 4 * result["numel"]
+        # the model shards lie back to back in DDP's buffer: a few runs, each one buffer of masters
+        runs = result["runs"]
+        assert runs["buffers"] == runs["runs"] <= 4 < runs["masters"], runs
         # offloaded, the remainders left with Adam's state (and came back: the later steps match)
         assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
         assert compact["parked"]["adam"] < plain["held"][1]["adam"]
@@ -274,7 +443,7 @@ def _checkpoints_across_the_switch(rank, world, hf_dir, root):
     """Save after 2 steps with the key on (off), load into a fresh model with it off (on), 2 more steps;
     and the weights-only load of a worker (`load_optimizer_states=False`), which reloads the masters."""
     from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
-    from skyrl_megatron.master_weights import compact_masters_of
+    from skyrl_megatron.master_weights import compact_masters_of, masters_materialised
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")

@@ -6,7 +6,8 @@ parameter is a view into one of them; offloading therefore copies each buffer to
 frees the device storage *in place* (``untyped_storage().resize_(0)``), so the views stay valid
 and backloading restores the storage under the same tensors. A model without DDP (the reference
 model) and the optimizer's fp32 main parameters and Adam moments are handled per tensor the same
-way. Each call reports the bytes moved and the seconds it took.
+way (per storage: a tensor that views part of a storage parks all of it). Each call reports the
+bytes moved and the seconds it took.
 
 The same code runs in the CPU runtime, where "device" memory is host memory: the copies and
 storage frees are real, which is what the tests check.
@@ -135,8 +136,22 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
         key = t.untyped_storage().data_ptr()
         if key not in seen and t.untyped_storage().nbytes() > 0:
             seen.add(key)
-            unique.append(t)
+            unique.append(_whole_storage(t))
     return unique
+
+
+def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or, where it is a view of part of its storage, a byte tensor over all of it: parking frees
+    the whole storage, so all of it must be copied (compact master weights kept in fp32 are views of one
+    buffer per run of parameters)."""
+    storage = tensor.untyped_storage()
+    if tensor.storage_offset() == 0 and tensor.is_contiguous() and _nbytes(tensor) == storage.nbytes():
+        return tensor
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class ModelOffloader:
