@@ -477,7 +477,7 @@ def _checkpoints_across_the_switch(rank, world, hf_dir, root):
     from skyrl_megatron.workers.training import TrainedRoleMixin
 
     built, optimizer, scheduler = _build(hf_dir, compact=True)
-    worker = SimpleNamespace(built=built, optimizer=optimizer, scheduler=scheduler)
+    worker = SimpleNamespace(built=built, optimizer=optimizer, scheduler=scheduler, manual_gc=None)
     TrainedRoleMixin.load_checkpoint(worker, f"{root}/compact_True", load_optimizer_states=False)
     weights_only = _state(built, optimizer)
     report["weights_only"] = {
