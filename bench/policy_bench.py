@@ -352,6 +352,12 @@ def compose(case: Case, s: Settings):
 # ----------------------------------------------------------------------------------------------
 
 
+def peak_since_last_call(allocator_peak_gib: float, drained_phase_peaks: dict[str, float]) -> float:
+    """The larger of the allocator's counter and every phase peak a worker recorded (`PhasePeaks.drain()`)."""
+    recorded = [gib for key, gib in drained_phase_peaks.items() if key.endswith("_peak_allocated_gib")]
+    return max([allocator_peak_gib, *recorded])
+
+
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -379,13 +385,19 @@ class _Measured:
     def bench_worker_seconds(self) -> dict[str, float]:
         return dict(self.__dict__.get("_bench_seconds", {}))
 
-    def bench_peak_memory(self, reset: bool = True) -> float:
-        """GiB allocated at the peak since the last reset (0 without CUDA)."""
+    def bench_peak_memory(self) -> float:
+        """GiB allocated at the peak since the last call (0 without CUDA).
+
+        Our workers reset the allocator's peak counter at the start of each phase they measure
+        (`workers/memory_peaks.py`: scoring, each training pass, the optimizer step), so after a
+        training call the counter holds the optimizer step's peak alone; their own record of each
+        phase's peak, drained here, holds the passes before it (the host's FSDP2 workers keep none)."""
         if not torch.cuda.is_available():
             return 0.0
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        if reset:
-            torch.cuda.reset_peak_memory_stats()
+        phase_peaks = getattr(self, "phase_peaks", None)
+        peak = peak_since_last_call(torch.cuda.max_memory_allocated() / 2**30,
+                                    phase_peaks.drain() if phase_peaks is not None else {})
+        torch.cuda.reset_peak_memory_stats()
         return peak
 
     def bench_path(self) -> dict[str, Any]:

@@ -260,3 +260,18 @@ def test_fsdp2_gets_the_standin_where_flash_attn_has_no_cuda_build(tmp_path, mon
     assert what.startswith("stand-in") and Path(site) == tmp_path / "flash_attn_standin"
     assert (Path(site) / "flash_attn" / "flash_attn_interface.py").is_file()
     assert (Path(site) / "flash_attn-2.8.3.dist-info" / "METADATA").read_text().startswith("Metadata-Version")
+
+
+def test_a_training_phase_peak_counts_the_passes_before_the_optimizer_step():
+    """Our workers reset the allocator's peak counter per phase: after a training call the counter holds
+    only the optimizer step's peak, their own record the training passes' higher one (sessions 13-19 read
+    the counter alone)."""
+    from skyrl_megatron.workers.memory_peaks import PhasePeaks
+
+    bench = _bench_module()
+    peaks = PhasePeaks()
+    peaks._peaks = {"training": {"peak_allocated_gib": 97.0, "peak_reserved_gib": 99.0},
+                    "optimizer_step": {"peak_allocated_gib": 67.6, "peak_reserved_gib": 99.0}}
+    assert bench.peak_since_last_call(67.6, peaks.drain()) == 97.0
+    assert bench.peak_since_last_call(67.6, peaks.drain()) == 67.6  # drained: the next call starts afresh
+    assert bench.peak_since_last_call(111.2, {}) == 111.2  # the host's FSDP2 workers record no phases
