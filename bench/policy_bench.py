@@ -243,6 +243,7 @@ class Settings:
     profile_backends: tuple[str, ...] = ("megatron", "fsdp2")
     fsdp_packed_rows: int = 8  # fsdp2: rows per micro-batch, packed into one sequence by the host
     flash_attn_site: str | None = None  # fsdp2: put first on its workers' PYTHONPATH (the stand-in)
+    fsdp_forward_rows: int | None = None  # fsdp2: rows per scoring micro-batch (None: fsdp_packed_rows)
 
 
 ENV_PREFIX = "env:"  # a variant entry "env:NAME=VALUE" sets an environment variable for the case
@@ -303,12 +304,13 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
     rows_per_gpu = s.batch.rows // gpus
     if case.backend == "fsdp2":
         rows = min(s.fsdp_packed_rows, rows_per_gpu)
+        forward_rows = min(s.fsdp_forward_rows or s.fsdp_packed_rows, rows_per_gpu)
         return common + [
             "trainer.strategy=fsdp2",
             "trainer.flash_attn=true",  # FlashAttention-2 varlen kernels
             "trainer.use_sample_packing=true",  # each micro-batch's rows unpadded into one sequence
             f"trainer.micro_train_batch_size_per_gpu={rows}",
-            f"trainer.micro_forward_batch_size_per_gpu={rows}",
+            f"trainer.micro_forward_batch_size_per_gpu={forward_rows}",
         ]
     if case.backend == "fsdp2_sdpa":
         return common + [
@@ -701,6 +703,8 @@ def micro_batch_lines(report: dict) -> list[str]:
         "megatron": f"`megatron`: {BACKENDS['megatron']}, packed micro-batches of at most {report['token_budget']} tokens.",
         "fsdp2": f"`fsdp2`: {BACKENDS['fsdp2']}; {report['fsdp_packed_rows']} rows per micro-batch packed into one "
                  f"sequence ({packed.get('mean', 0):,.0f} tokens on average, {packed.get('max', 0):,} at most)"
+                 + (f"; scoring {report['fsdp_forward_rows']} rows per micro-batch"
+                    if report.get("fsdp_forward_rows", report["fsdp_packed_rows"]) != report["fsdp_packed_rows"] else "")
                  + (f"; flash_attn: {report['fsdp_flash_attn']}" if report.get("fsdp_flash_attn") else "") + ".",
         "fsdp2_sdpa": f"`fsdp2_sdpa`: {BACKENDS['fsdp2_sdpa']}, {report['fsdp_micro_rows']} rows each.",
     }
@@ -862,6 +866,10 @@ def main(argv: list[str] | None = None) -> int:
     # 151936] logits tensor): try --fsdp-packed-rows 16 where it fits and keep the faster.
     parser.add_argument("--fsdp-packed-rows", type=int,
                         help="fsdp2: rows per packed micro-batch (default: token-budget equivalent, see above)")
+    # Scoring keeps no activations for backward: when ours scores with a larger budget
+    # (--variant ...forward_max_tokens_per_microbatch=N), give FSDP2's scoring as many rows (N / 1.1k).
+    parser.add_argument("--fsdp-forward-rows", type=int,
+                        help="fsdp2: rows per scoring micro-batch (default: --fsdp-packed-rows)")
     parser.add_argument("--fsdp-flash-attn", choices=("auto", "standin", "installed"), default="auto",
                         help="fsdp2's flash_attn: the installed CUDA build, or bench/flash_attn_standin (PyTorch's "
                              "FA2 kernels); auto: the build where its CUDA extension imports, else the stand-in")
@@ -932,7 +940,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
                         args.recompute, args.steps, args.warmup, variants,
                         str(args.profile) if args.profile else None, tuple(args.profile_backends.split(",")),
-                        packed_rows, flash_attn_site)
+                        packed_rows, flash_attn_site, args.fsdp_forward_rows)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     peak_tflops = measured_bf16_peak_tflops()
@@ -951,6 +959,7 @@ def main(argv: list[str] | None = None) -> int:
         "token_budget": args.token_budget,
         "fsdp_micro_rows": args.fsdp_micro_rows,
         "fsdp_packed_rows": packed_rows,
+        "fsdp_forward_rows": args.fsdp_forward_rows or packed_rows,
         "fsdp_packed_tokens": packed_micro_batch_tokens(batch["attention_mask"], packed_rows),
         "fsdp_flash_attn": flash_attn_used,
         "layers": args.layers,

@@ -196,6 +196,8 @@ class MegatronWorkerConfig:
     expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = True
     max_tokens_per_microbatch: int | None = None
+    # scoring passes' token budget (they keep no activations for backward); None: max_tokens_per_microbatch
+    forward_max_tokens_per_microbatch: int | None = None
     checkpoint_cache_dir: str | None = None
     force_reconvert: bool = False
     empty_cuda_cache: bool = True
@@ -521,6 +523,10 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     problems += _attention_kernel_problems(f"{prefix}.attention_kernel", mc.attention_kernel, mc.runtime)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
         problems.append(Problem(f"{prefix}.max_tokens_per_microbatch", "must be positive or null", "set a token budget such as 8192, or null to split by count"))
+    forward_budget = mc.forward_max_tokens_per_microbatch
+    if forward_budget is not None and (isinstance(forward_budget, bool) or not isinstance(forward_budget, int) or forward_budget < 1):
+        problems.append(Problem(f"{prefix}.forward_max_tokens_per_microbatch", f"must be a positive integer or null, got {forward_budget!r}",
+                                "set the scoring passes' token budget, e.g. 32768, or null to use max_tokens_per_microbatch"))
 
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)

@@ -270,9 +270,11 @@ def test_megatron_field_names_read_from_source_equal_the_dataclasses():
         assert names == {f.name for f in dataclasses.fields(classes[name])}, section
 
 
-def test_switches_must_be_booleans_and_the_chunk_budget_positive(compose, hf_config_dir):
+def test_switches_must_be_booleans_and_sizes_positive(compose, hf_config_dir):
     msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.manual_gc=sometimes",
                               f"{MC}.empty_cuda_cache=1", f"{MC}.logits_chunk_mib=0"))
     assert f"{MC}.manual_gc: must be true or false, got 'sometimes'" in msg
     assert f"{MC}.empty_cuda_cache: must be true or false, got 1" in msg
     assert f"{MC}.logits_chunk_mib: must be a positive integer, got 0" in msg
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.forward_max_tokens_per_microbatch=-5"))
+    assert f"{MC}.forward_max_tokens_per_microbatch: must be a positive integer or null, got -5" in msg

@@ -14,8 +14,8 @@ from skyrl_megatron.workers.out_of_memory import StepKnobs, WorkerOutOfMemory, e
 WORKER = "policy worker rank 1/2 (dp 0, cp 0, tp 1, pp 0)"
 
 
-def _knobs(max_tokens=None, recompute=None) -> StepKnobs:
-    return StepKnobs(role="policy", max_tokens_per_microbatch=max_tokens,
+def _knobs(max_tokens=None, recompute=None, key="max_tokens_per_microbatch") -> StepKnobs:
+    return StepKnobs(role="policy", token_budget_key=key, token_budget=max_tokens,
                      micro_batch_key="trainer.micro_train_batch_size_per_gpu", micro_batch_size=4,
                      recompute_granularity=recompute)
 
@@ -99,3 +99,10 @@ def test_the_driver_gets_the_workers_message_without_rays_wrapping():
     other = ray.exceptions.RayTaskError("ppo_train", "Traceback ...", ValueError("bad shape")).as_instanceof_cause()
     assert reported_failure(other) is None
     assert reported_failure(ValueError("bad shape")) is None
+
+
+def test_a_scoring_oom_names_the_scoring_budget_when_scoring_has_its_own():
+    with pytest.raises(WorkerOutOfMemory) as raised:
+        with explains_out_of_memory(WORKER, "scoring", _knobs(max_tokens=32768, key="forward_max_tokens_per_microbatch")):
+            _allocate_too_much()
+    assert "lower trainer.policy.megatron_config.forward_max_tokens_per_microbatch (now 32768)" in str(raised.value)

@@ -4,7 +4,6 @@ automatic collection inside a pass, the pass's cyclic garbage freed when it ends
 from __future__ import annotations
 
 import gc
-import types
 import weakref
 
 import pytest
@@ -75,15 +74,7 @@ def test_a_nested_pass_or_collection_turned_off_by_the_user_is_left_alone(collec
 
 
 @pytest.mark.parametrize("manual_gc", [True, False])
-def test_the_workers_pass_guard_pauses_collection_when_configured(manual_gc, collector):
-    from skyrl_megatron.workers.base import MegatronWorkerMixin
-    from skyrl_megatron.workers.memory_peaks import PhasePeaks
-
-    worker = MegatronWorkerMixin()
-    worker.role, worker.worker_name = "policy", "policy worker rank 0/1"
-    worker.megatron_cfg = types.SimpleNamespace(max_tokens_per_microbatch=None, transformer_config_kwargs={})
-    worker.__dict__["_host_cfg"] = types.SimpleNamespace(trainer=types.SimpleNamespace(micro_forward_batch_size_per_gpu=1))
-    worker.phase_peaks = PhasePeaks()
-    worker.manual_gc = ManualGc() if manual_gc else None
+def test_the_workers_pass_guard_pauses_collection_when_configured(manual_gc, collector, stand_in_worker):
+    worker = stand_in_worker({"manual_gc": manual_gc})
     with worker._step_guard("scoring"):
         assert gc.isenabled() is not manual_gc

@@ -124,11 +124,19 @@ class MegatronWorkerMixin:
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def _batching(self, micro_batch_size: int) -> MicroBatching:
-        """Rows per micro-batch from the host's config; the token budget, when set, wins (and packs)."""
+    def _token_budget(self, phase: str) -> tuple[str, int | None]:
+        """(key, value) of the phase's token budget: scoring passes keep no activations for backward, so
+        they may take a larger one (`forward_max_tokens_per_microbatch`)."""
+        m = self.megatron_cfg
+        if phase == "scoring" and m.forward_max_tokens_per_microbatch is not None:
+            return "forward_max_tokens_per_microbatch", m.forward_max_tokens_per_microbatch
+        return "max_tokens_per_microbatch", m.max_tokens_per_microbatch
+
+    def _batching(self, micro_batch_size: int, phase: str) -> MicroBatching:
+        """Rows per micro-batch from the host's config; the phase's token budget, when set, wins (and packs)."""
         return MicroBatching(
             micro_batch_size=int(micro_batch_size),
-            max_tokens=self.megatron_cfg.max_tokens_per_microbatch,
+            max_tokens=self._token_budget(phase)[1],
             packed=bool(self.host_cfg.trainer.use_sample_packing),
         )
 
@@ -144,9 +152,11 @@ class MegatronWorkerMixin:
     def _explains_out_of_memory(self, phase: str):
         trainer = self.host_cfg.trainer
         micro_key = "micro_train_batch_size_per_gpu" if phase == "training" else "micro_forward_batch_size_per_gpu"
+        budget_key, budget = self._token_budget(phase)
         knobs = StepKnobs(
             role=self.role,
-            max_tokens_per_microbatch=self.megatron_cfg.max_tokens_per_microbatch,
+            token_budget_key=budget_key,
+            token_budget=budget,
             micro_batch_key=f"trainer.{micro_key}",
             micro_batch_size=int(getattr(trainer, micro_key)),
             recompute_granularity=self.megatron_cfg.transformer_config_kwargs.get("recompute_granularity"),
@@ -167,7 +177,7 @@ class MegatronWorkerMixin:
                 data["sequences"],
                 data["attention_mask"],
                 response_length,
-                self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
+                self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu, "scoring"),
                 temperature=float(self.host_cfg.generator.sampling_params.temperature),
                 routes=self._scoring_routes(data),
                 record_routes=self._scoring_route_store(),

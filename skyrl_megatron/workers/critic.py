@@ -64,7 +64,7 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
                 data["sequences"],
                 data["attention_mask"],
                 response_length,
-                self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu),
+                self._batching(self.host_cfg.trainer.micro_forward_batch_size_per_gpu, "scoring"),
             )
         if values is None:  # not the last pipeline stage: the host does not collect from here
             values = torch.zeros(data["sequences"].shape[0], response_length)
@@ -87,7 +87,7 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
                 data["attention_mask"][rows],
                 {k: data[k][rows] for k in VALUE_KEYS},
                 self.objective,
-                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
                 dp_group=ps.get_data_parallel_group(),
             )
 

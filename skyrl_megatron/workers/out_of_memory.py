@@ -42,18 +42,19 @@ class StepKnobs:
     """Where the sizes of a worker's step come from, for the message (host config key -> value)."""
 
     role: str  # policy | ref | critic
-    max_tokens_per_microbatch: int | None
+    token_budget_key: str  # max_tokens_per_microbatch, or forward_max_tokens_per_microbatch when scoring has its own
+    token_budget: int | None
     micro_batch_key: str  # trainer.micro_train_batch_size_per_gpu or trainer.micro_forward_batch_size_per_gpu
     micro_batch_size: int
     recompute_granularity: str | None
 
     def advice(self, phase: str) -> str:
         prefix = f"trainer.{self.role}.megatron_config"
-        if self.max_tokens_per_microbatch is None:
-            budget = (f"set {prefix}.max_tokens_per_microbatch (a token budget, e.g. 8192; micro-batches are "
+        if self.token_budget is None:
+            budget = (f"set {prefix}.{self.token_budget_key} (a token budget, e.g. 8192; micro-batches are "
                       f"split by count now) or lower {self.micro_batch_key} (now {self.micro_batch_size})")
         else:
-            budget = f"lower {prefix}.max_tokens_per_microbatch (now {self.max_tokens_per_microbatch})"
+            budget = f"lower {prefix}.{self.token_budget_key} (now {self.token_budget})"
         steps = [budget]
         if phase == "training" and self.recompute_granularity != "full":
             now = self.recompute_granularity or "off"

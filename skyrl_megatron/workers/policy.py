@@ -79,7 +79,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 data["attention_mask"][rows],
                 response,
                 self.objective,
-                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu),
+                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
                 temperature=float(self.host_cfg.generator.sampling_params.temperature),
                 dp_group=ps.get_data_parallel_group(),
                 routes=routes,

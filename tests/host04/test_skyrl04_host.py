@@ -73,7 +73,7 @@ def test_our_keys_have_their_0_3_1_names_and_defaults(base):
     ours = yaml.safe_load((REPO / "config" / "megatron" / "policy.yaml").read_text())
     section = cfg.trainer.policy.megatron_config
     for key in ("runtime", "virtual_pipeline_model_parallel_size", "sequence_parallel", "fused_kernels",
-                "checkpoint_cache_dir", "force_reconvert", "max_tokens_per_microbatch", "attention_kernel", "manual_gc",
+                "checkpoint_cache_dir", "force_reconvert", "max_tokens_per_microbatch", "attention_kernel", "manual_gc", "forward_max_tokens_per_microbatch",
                 "logits_chunk_mib"):
         expected = "cpu" if key == "runtime" else ours[key]
         assert getattr(section, key) == expected, key
