@@ -91,7 +91,7 @@ def _generated() -> _Kernels:
     """The same functions as one generated kernel each (torch.compile, one compile for all lengths).
     Eager, every step of a chunk is its own kernel with int64 temporaries: at Qwen3-4B about 0.4 s per
     optimizer step on an H200 (session 19); generated, the int64 values stay in registers, so a whole
-    tensor is one call (no Python loop over chunks)."""
+    tensor or run of tensors is one call (no Python loop over chunks)."""
     compile_ = functools.partial(torch.compile, dynamic=True)
     return _Kernels(compile_(_split_chunk), compile_(_tie_mask), compile_(_join_chunk), chunk=1 << 62)
 
@@ -355,7 +355,7 @@ class CompactMasterWeights:
             for run in self._runs:
                 if not run.pieces:
                     continue
-                if any(p.remainder.untyped_storage().nbytes() < _nbytes(p.remainder) for p in run.pieces):
+                if any(p.remainder.untyped_storage().nbytes() < p.remainder.nbytes for p in run.pieces):
                     raise RuntimeError("compact master weights: the optimizer state is offloaded; backload it first")
                 _gather(run)
 
@@ -410,14 +410,13 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
     stats = torch.cat([split.stats for split in group]).tolist()
     freed = kept = offset = 0
     for split in group:
-        chunks = -(-(split.stop - split.start) // _kernels(split.master.device).chunk)
-        mine, offset = stats[offset : offset + 2 + chunks], offset + 2 + chunks
+        mine, offset = stats[offset : offset + split.stats.numel()], offset + split.stats.numel()
         if not _in_range(mine):
             kept += sum(m.numel for m in split.members)
             continue
         piece = _Piece(split.start, split.stop, split.remainder, _tie_indices(split.master, split.model, mine[2:]))
         split.run.pieces.append(piece)
-        freed += 4 * (split.stop - split.start) - _nbytes(piece.remainder) - _nbytes(piece.tie_indices)
+        freed += 4 * (split.stop - split.start) - piece.remainder.nbytes - piece.tie_indices.nbytes
         for m in split.members:
             m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
             m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
@@ -425,10 +424,6 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
         if split.whole_run:
             split.run.buffer = None  # its last views are gone: the memory is free
     return freed, kept
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _parts(optimizer) -> list:

@@ -145,13 +145,9 @@ def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
     the whole storage, so all of it must be copied (compact master weights kept in fp32 are views of one
     buffer per run of parameters)."""
     storage = tensor.untyped_storage()
-    if tensor.storage_offset() == 0 and tensor.is_contiguous() and _nbytes(tensor) == storage.nbytes():
+    if tensor.storage_offset() == 0 and tensor.is_contiguous() and tensor.nbytes == storage.nbytes():
         return tensor
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class ModelOffloader:
