@@ -19,9 +19,11 @@ def test_scoring_takes_its_own_budget_and_training_the_training_one(stand_in_wor
     assert (training.max_tokens, training.micro_batch_size) == (8192, 1)
 
 
-def test_without_a_scoring_budget_scoring_takes_the_training_one(stand_in_worker):
+def test_without_a_scoring_budget_scoring_takes_four_times_the_training_one_and_names_its_own_key(stand_in_worker):
     worker = stand_in_worker({"max_tokens_per_microbatch": 8192})
-    assert worker._batching(2, "scoring").max_tokens == worker._batching(1, "training").max_tokens == 8192
+    assert worker._batching(1, "training").max_tokens == 8192
+    assert worker._batching(2, "scoring").max_tokens == 4 * 8192
+    assert worker._token_budget("scoring") == ("forward_max_tokens_per_microbatch", 4 * 8192)
     assert stand_in_worker()._batching(2, "scoring").max_tokens is None  # rows, as the host splits them
 
 

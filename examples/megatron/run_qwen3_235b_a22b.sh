@@ -27,10 +27,10 @@
 #     grads          20.81 GiB  main_grad buffers of the trainable parameters
 #     optimizer      41.08 GiB  fp32 main params + Adam m, v; dense / 16 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.47 GiB  saved for backward: 94 layers x 1 micro-batch in flight
-#     transient       1.68 GiB  largest backward transient: logprob head
-#     opt. step      13.69 GiB  AdamW's fp32 sqrt(v) over the shard; peaks apart from the two above
+#     transient       3.93 GiB  largest backward transient: logprob head
+#     opt. step       0.00 GiB  the step's fp32 temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
-#     total          88.98 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
+#     total          80.69 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-235B-A22B}

@@ -10,12 +10,16 @@ Bad input exits with status 2 and one line naming the flag and the fix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from typing import Any
 
 from skyrl_megatron.planner.arch import load_model_arch
 from skyrl_megatron.planner.errors import PlanError
 from skyrl_megatron.planner.layout import Layout
-from skyrl_megatron.planner.memory import GIB, RECOMPUTE_GRANULARITIES, BatchPlan, MemoryEstimate, TrainingSetup, estimate
+from skyrl_megatron.planner.memory import (
+    DEFAULT_LOGITS_CHUNK_BYTES, GIB, RECOMPUTE_GRANULARITIES, BatchPlan, MemoryEstimate, TrainingSetup, estimate,
+)
 from skyrl_megatron.planner.report import format_estimate, format_suggestions
 from skyrl_megatron.planner.suggest import suggest_layouts
 
@@ -55,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="eager SwiGLU (swiglu not in megatron_config.fused_kernels, or bias_activation_fusion=false)",
     )
     training.add_argument(
-        "--logits-chunk-mib", type=int, default=256, help="the logprob head's fp32 logits per chunk (logits_chunk_mib)"
+        "--logits-chunk-mib", type=int, default=DEFAULT_LOGITS_CHUNK_BYTES // 2**20, help="the logprob head's fp32 logits per chunk (logits_chunk_mib)"
     )
     training.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     training.add_argument(
@@ -115,10 +119,12 @@ def _training_setup(args: argparse.Namespace) -> TrainingSetup:
     )
 
 
-def estimate_from_argv(argv: list[str]) -> MemoryEstimate:
-    """The estimate `skyrl-megatron plan <argv>` prints (one layout; no --suggest), as numbers."""
+def estimate_from_argv(argv: list[str], **training: Any) -> MemoryEstimate:
+    """The estimate `skyrl-megatron plan <argv>` prints (one layout; no --suggest), as numbers;
+    `training` replaces TrainingSetup fields the command line has no flag for (e.g. `fused_adam`)."""
     args = build_parser().parse_args(argv)
-    return estimate(load_model_arch(args.model), _layout(args), _batch_plan(args), _training_setup(args))
+    setup = dataclasses.replace(_training_setup(args), **training)
+    return estimate(load_model_arch(args.model), _layout(args), _batch_plan(args), setup)
 
 
 def _layout(args: argparse.Namespace) -> Layout:

@@ -17,12 +17,14 @@ transient    the largest short-lived set during backward, which does not coexist
              weight's fp32 grad accumulator: our logprobs are chunked, no [tokens, vocab] tensor exists),
              one layer's un-recomputed activations (what recomputation rebuilds, and roughly what the
              gradients of a layer's activations take otherwise), or the embedding's gradient.
-opt. step    the optimizer step's temporaries, after backward freed activations and transients:
-             without Transformer Engine or Apex, Megatron steps with PyTorch's AdamW, whose multi-tensor
-             (foreach) update builds sqrt(v) for a whole parameter group at once: 4 B per element of the
-             rank's optimizer shard on the GPU. The peak is the larger of this and activations + transient
-             (measured on 2 x H200, session 14: the step, not backward, set the policy's peak in both
-             scaled MoE examples).
+opt. step    the optimizer step's temporaries, after backward freed activations and transients, 4 B
+             per element of the rank's optimizer shard on the GPU for each of: fp32 copies of bf16
+             gradients (Megatron's distributed optimizer makes them without grad_reduce_in_fp32), and
+             torch's multi-tensor (foreach) AdamW's sqrt(v) of a whole parameter group, where Megatron
+             steps with it (`fused_adam=False`; our optimizer switches to torch's fused kernel, which
+             updates in place: optim.use_fused_torch_adam). The peak is the larger of this and
+             activations + transient (session 14, foreach: the step set the policy's peak in both scaled
+             MoE examples; session 20, fused: backward set it at Qwen3-4B and an 8-layer Qwen3-30B-A3B).
 overhead     a fixed allowance: CUDA context, cuBLAS and NCCL workspaces, a sleeping colocated vLLM.
 
 Activations assume a flash-style core attention (no [s, s] scores; ours is SDPA / varlen flash, or
@@ -45,7 +47,7 @@ ADAM_STATE_BYTES = 3 * FP32  # fp32 main param, exp_avg, exp_avg_sq
 FIXED_OVERHEAD_BYTES = 3 * GIB
 # The caching allocator rounds block sizes and fragments, so reserved memory runs above allocated.
 USABLE_FRACTION = 0.9
-DEFAULT_LOGITS_CHUNK_BYTES = 256 * 2**20  # compute/logprobs.py's chunk budget
+DEFAULT_LOGITS_CHUNK_BYTES = 1024 * 2**20  # compute/logprobs.py's chunk budget (megatron_config.logits_chunk_mib)
 # Live chunk-sized buffers at the head's backward peak: fp32 logits, fp32 probabilities (with the
 # entropy), and the bf16 projection and gradient halves.
 LOGITS_CHUNK_BUFFERS = 3
@@ -74,6 +76,8 @@ class TrainingSetup:
     grad_reduce_in_fp32: bool = True
     distributed_optimizer: bool = True
     optimizer_offload_fraction: float = 0.0  # share of the optimizer state kept on the CPU
+    # torch's fused Adam (what our optimizer runs: optim.use_fused_torch_adam); False: foreach AdamW
+    fused_adam: bool = True
 
 
 @dataclass(frozen=True)
@@ -337,12 +341,17 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
         activations=round(in_flight * saved_per_pass),
         transient=round(transient),
         transient_source=source,
-        optimizer_step=round(FP32 * shard_on_gpu),
+        optimizer_step=round(FP32 * shard_on_gpu * _step_temporaries(training)),
         overhead=FIXED_OVERHEAD_BYTES,
         parameters_on_gpu=parameters_on_gpu,
         layers_on_stage=len(layers),
         micro_batches_in_flight=in_flight,
     )
+
+
+def _step_temporaries(training: TrainingSetup) -> int:
+    """fp32 shard-sized tensors the optimizer step allocates (see the module docstring)."""
+    return int(not training.grad_reduce_in_fp32) + int(not training.fused_adam)
 
 
 def _transients(

@@ -73,7 +73,7 @@ def format_estimate(
         ("optimizer", result.optimizer, f"fp32 main params + Adam m, v; {optimizer_shards}"),
         ("activations", result.activations, f"saved for backward: {in_flight}"),
         ("transient", result.transient, f"largest backward transient: {result.transient_source}"),
-        ("opt. step", result.optimizer_step, "AdamW's fp32 sqrt(v) over the shard; peaks apart from the two above"),
+        ("opt. step", result.optimizer_step, "the step's fp32 temporaries over the shard; peaks apart from the two above"),
         ("overhead", result.overhead, "CUDA context, cuBLAS/NCCL workspaces (fixed allowance)"),
         ("total", result.total, f"{verdict} {_limit(gpu_memory_bytes)}"),
     )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from skyrl_megatron import host_api
-from skyrl_megatron.config import MegatronWorkerConfig
+from skyrl_megatron.config import SCORING_BUDGET_FACTOR, MegatronWorkerConfig
 from skyrl_megatron.failures import register_current_worker
 from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.cache import ConversionCacheSettings
@@ -126,10 +126,13 @@ class MegatronWorkerMixin:
 
     def _token_budget(self, phase: str) -> tuple[str, int | None]:
         """(key, value) of the phase's token budget: scoring passes keep no activations for backward, so
-        they may take a larger one (`forward_max_tokens_per_microbatch`)."""
+        they take a larger one (`forward_max_tokens_per_microbatch`, by default SCORING_BUDGET_FACTOR x the
+        training budget; the key an out-of-memory names)."""
         m = self.megatron_cfg
         if phase == "scoring" and m.forward_max_tokens_per_microbatch is not None:
             return "forward_max_tokens_per_microbatch", m.forward_max_tokens_per_microbatch
+        if phase == "scoring" and m.max_tokens_per_microbatch is not None:
+            return "forward_max_tokens_per_microbatch", SCORING_BUDGET_FACTOR * m.max_tokens_per_microbatch
         return "max_tokens_per_microbatch", m.max_tokens_per_microbatch
 
     def _batching(self, micro_batch_size: int, phase: str) -> MicroBatching:
