@@ -184,8 +184,8 @@ def _positive(value) -> bool:
 
 
 # Scoring keeps no activations for backward, so by default it packs this many times the training budget:
-# on an H200 (session 20) 4 x 8192 tokens scored Qwen3-1.7B 1.55x and Qwen3-4B 1.1x faster than 8192, for
-# 1.3-1.8 GiB more at the scoring peak (docs/benchmarks.md)
+# on an H200 (session 20) 4 x 8192 tokens (with 1 GiB logits chunks) scored Qwen3-1.7B 1.55x and Qwen3-4B
+# 1.1x faster than 8192 tokens (256 MiB chunks), for 1.3-1.8 GiB more at the scoring peak (docs/benchmarks.md)
 SCORING_BUDGET_FACTOR = 4
 
 
