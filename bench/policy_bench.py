@@ -365,6 +365,21 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+# The caching allocator's own counters (torch.cuda.memory_stats): a cudaMalloc or cudaFree inside a pass
+# costs far more than a cached block, and cudaFree waits for the device; counted per phase call to tell
+# a pass-to-pass spread from the allocator's growth (zeros without CUDA).
+ALLOCATOR_COUNTERS = {"cuda_mallocs": "num_device_alloc", "cuda_frees": "num_device_free", "alloc_retries": "num_alloc_retries"}
+
+
+def allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTERS.items()}
+
+
+def counts_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in ALLOCATOR_COUNTERS}
+
+
 class _Measured:
     """Read-only additions to a worker class: peak memory, the path that ran, the time each phase
     spends inside the worker (against the driver's, the rest is dispatch and collection), and an
@@ -378,14 +393,19 @@ class _Measured:
 
     def _bench_timed(self, phase: str, fn, args, kwargs):
         _synchronize()
-        started = time.perf_counter()
+        counts, started = allocator_counts(), time.perf_counter()
         result = fn(*args, **kwargs)
         _synchronize()
         self.__dict__.setdefault("_bench_seconds", {})[phase] = time.perf_counter() - started
+        self.__dict__.setdefault("_bench_allocator", {})[phase] = counts_between(counts, allocator_counts())
         return result
 
     def bench_worker_seconds(self) -> dict[str, float]:
         return dict(self.__dict__.get("_bench_seconds", {}))
+
+    def bench_allocator_calls(self) -> dict[str, dict[str, int]]:
+        """Per phase, the allocator's cudaMalloc / cudaFree / retry counts during its last call."""
+        return dict(self.__dict__.get("_bench_allocator", {}))
 
     def bench_peak_memory(self) -> float:
         """GiB allocated at the peak since the last call (0 without CUDA).
@@ -539,6 +559,11 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             per_rank = ray.get(policy.async_run_ray_method("pass_through", "bench_worker_seconds"))
             return {phase: max(r[phase] for r in per_rank) for phase in per_rank[0]}
 
+        def allocator_calls() -> dict[str, dict[str, int]]:  # per phase, the most on any rank
+            per_rank = ray.get(policy.async_run_ray_method("pass_through", "bench_allocator_calls"))
+            return {phase: {name: max(r[phase][name] for r in per_rank) for name in ALLOCATOR_COUNTERS}
+                    for phase in per_rank[0]}
+
         def step(number: int) -> tuple[dict[str, float], dict[str, float], dict]:
             data = training_input(batch, s.batch.max_response, global_step=number + 1)
             start = time.perf_counter()
@@ -556,15 +581,20 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         peak()
         phases: dict[str, list[float]] = {"forward": [], "train": []}
         in_worker: dict[str, list[float]] = {"forward": [], "train": []}
+        allocations: dict[str, list[dict[str, int]]] = {"forward": [], "train": []}
         for number in range(s.warmup + s.steps):
             driver, worker, status = step(number)
+            calls = allocator_calls()
             if number >= s.warmup:
                 for phase in phases:
                     phases[phase].append(driver[phase])
                     in_worker[phase].append(worker[phase])
+                    allocations[phase].append(calls[phase])
             print(f"  {case.name} step {number}{' (warm-up)' if number < s.warmup else ''}: "
-                  f"forward {driver['forward']:.2f} s ({worker['forward']:.2f} in worker), "
-                  f"train {driver['train']:.2f} s ({worker['train']:.2f} in worker), "
+                  f"forward {driver['forward']:.2f} s ({worker['forward']:.2f} in worker, "
+                  f"{calls['forward']['cuda_mallocs']} cudaMalloc), "
+                  f"train {driver['train']:.2f} s ({worker['train']:.2f} in worker, "
+                  f"{calls['train']['cuda_mallocs']} cudaMalloc), "
                   f"loss {status['policy_loss']:.4f}", flush=True)
         profile = None
         if s.profile_dir is not None and case.backend in s.profile_backends:
@@ -592,6 +622,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             "median_seconds": median,
             "worker_seconds": in_worker[phase],
             "median_worker_seconds": statistics.median(in_worker[phase]),
+            "allocator_calls": allocations[phase],
             "tokens_per_s_per_gpu": tokens / median / case.gpus,
             "mfu": None if peak_tflops is None else phase_flops / median / case.gpus / (peak_tflops * 1e12),
             "mfu_datasheet": None if datasheet is None else phase_flops / median / case.gpus / (datasheet * 1e12),

@@ -275,3 +275,12 @@ def test_a_training_phase_peak_counts_the_passes_before_the_optimizer_step():
     assert bench.peak_since_last_call(67.6, peaks.drain()) == 97.0
     assert bench.peak_since_last_call(67.6, peaks.drain()) == 67.6  # drained: the next call starts afresh
     assert bench.peak_since_last_call(111.2, {}) == 111.2  # the host's FSDP2 workers record no phases
+
+
+def test_allocator_calls_are_counted_between_two_readings():
+    bench = _bench_module()
+    before = {"cuda_mallocs": 10, "cuda_frees": 4, "alloc_retries": 0}
+    after = {"cuda_mallocs": 13, "cuda_frees": 9, "alloc_retries": 1}
+    assert bench.counts_between(before, after) == {"cuda_mallocs": 3, "cuda_frees": 5, "alloc_retries": 1}
+    if not torch.cuda.is_available():
+        assert bench.allocator_counts() == dict.fromkeys(bench.ALLOCATOR_COUNTERS, 0)

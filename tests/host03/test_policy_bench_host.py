@@ -86,6 +86,8 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
         # the time inside the workers is part of the driver's
         assert len(measured["worker_seconds"]) == 3
         assert all(0 < w <= d for w, d in zip(measured["worker_seconds"], measured["seconds"]))
+        # the allocator's calls per step and phase, on each rank (zeros on CPU: no CUDA allocator)
+        assert measured["allocator_calls"] == [{"cuda_mallocs": 0, "cuda_frees": 0, "alloc_retries": 0}] * 3
     profile = case["profile"]
     assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0
     table = Path(profile["file"]).read_text()
