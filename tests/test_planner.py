@@ -222,6 +222,21 @@ def test_the_optimizer_step_holds_an_fp32_copy_of_the_gpu_shard_per_temporary_an
     assert no_recompute.optimizer_step < no_recompute.activations + no_recompute.transient
 
 
+def test_compact_master_weights_keep_2_bytes_of_each_master_between_steps_and_rebuild_them_in_the_step():
+    model, layout = arch("Qwen3-4B"), Layout(gpus_per_node=2)
+    fp32, compact = (estimate(model, layout, BATCH, TrainingSetup(compact_master_weights=on)) for on in (False, True))
+    shard = fp32.optimizer / ADAM_STATE_BYTES
+    assert fp32.optimizer - compact.optimizer == pytest.approx(2 * shard, abs=2)  # int16 remainder for fp32 master
+    assert compact.optimizer_step - fp32.optimizer_step == pytest.approx(2 * shard, abs=2)  # the step's fp32 masters
+    assert compact.total == pytest.approx(fp32.total - 2 * shard, abs=2)  # backward, not the step, sets this peak
+    refused = ((TrainingSetup(compact_master_weights=True, distributed_optimizer=False), "--no-distributed-optimizer"),
+               (TrainingSetup(compact_master_weights=True, optimizer_offload_fraction=0.5), "--optimizer-offload-fraction"))
+    for setup, named in refused:
+        with pytest.raises(PlanError) as raised:
+            estimate(model, layout, BATCH, setup)
+        assert raised.value.flag == "--compact-master-weights" and named in raised.value.fix
+
+
 SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("examples_s*/run_qwen3_*"))
 
 
@@ -263,6 +278,8 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, list[st
         chunk = next((o.split("=")[1] for o in overrides if "logits_chunk_mib=" in o), "256")
         argv = ["--model", str(config), "--gpus-per-node", "1", "--gpu-memory-gib", "141",
                 "--micro-batch-tokens", str(report["token_budget"]), "--logits-chunk-mib", chunk]
+        if any(o.endswith("compact_master_weights=true") for o in overrides):
+            argv.append("--compact-master-weights")
         peaks.append((case["case"], argv, case["phases"]["train"]["peak_gib"]))
     return peaks
 
@@ -271,8 +288,7 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, list[st
 def test_plan_bounds_the_training_peak_of_the_policy_bench_within_ten_percent(path, tmp_path):
     """bench/policy_bench.py on one H200 (session 20: the first runs whose training peak includes the passes,
     fused Adam): the plan, overhead included, is at least the training phase's peak allocated memory and at
-    most 10% above it (256 MiB logits chunks unless the case's variant set them; compact master weights,
-    which the plan does not model, only lower the measured peak)."""
+    most 10% above it (256 MiB logits chunks, and compact master weights where the case's variant set them)."""
     peaks = _bench_training_peaks(path, tmp_path)
     assert peaks
     for case, argv, measured_gib in peaks:

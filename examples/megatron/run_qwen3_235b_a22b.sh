@@ -28,7 +28,7 @@
 #     optimizer      41.08 GiB  fp32 main params + Adam m, v; dense / 16 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.47 GiB  saved for backward: 94 layers x 1 micro-batch in flight
 #     transient       3.93 GiB  largest backward transient: logprob head
-#     opt. step       0.00 GiB  the step's fp32 temporaries over the shard; peaks apart from the two above
+#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          80.69 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail

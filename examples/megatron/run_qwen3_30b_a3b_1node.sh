@@ -26,7 +26,7 @@
 #     optimizer      42.65 GiB  fp32 main params + Adam m, v; dense / 8 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
 #     transient       4.77 GiB  largest backward transient: logprob head
-#     opt. step       0.00 GiB  the step's fp32 temporaries over the shard; peaks apart from the two above
+#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          80.78 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument("--no-grad-reduce-in-fp32", action="store_true", help="bf16 gradient buffers")
     training.add_argument("--no-distributed-optimizer", action="store_true", help="do not shard optimizer state over DP")
+    training.add_argument("--compact-master-weights", action="store_true",
+                          help="fp32 masters kept as bf16 weight + 16-bit remainder between steps (compact_master_weights)")
     parser.add_argument("--suggest", action="store_true", help="list the layouts of the cluster that fit --gpu-memory-gib")
     parser.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to print")
     return parser
@@ -116,6 +118,7 @@ def _training_setup(args: argparse.Namespace) -> TrainingSetup:
         grad_reduce_in_fp32=not args.no_grad_reduce_in_fp32,
         distributed_optimizer=not args.no_distributed_optimizer,
         optimizer_offload_fraction=args.optimizer_offload_fraction,
+        compact_master_weights=args.compact_master_weights,
     )
 
 

@@ -8,7 +8,9 @@ grads        Megatron DDP's main_grad buffers of the trainable parameters, 4 B e
              optimizer reduce-scatters into the same buffer.
 optimizer    fp32 main params + Adam m and v, 12 B per trainable parameter, divided by the
              distributed optimizer's shard group (DP x CP for dense parameters, expert-DP for experts),
-             less the share offloaded to the CPU.
+             less the share offloaded to the CPU. With compact master weights (master_weights.py) a
+             master is its bf16 model weight plus a 2 B remainder between optimizer steps: 10 B, and the
+             step rebuilds the fp32 masters (2 B more per element, counted under opt. step).
 activations  tensors the layers save for backward (`layer_activation_bytes`) x the micro-batches in
              flight on the stage: PP - stage under 1F1B, Megatron's warm-up count under interleaving
              (assumes a full pipeline, i.e. at least PP micro-batches per step).
@@ -44,6 +46,8 @@ from skyrl_megatron.planner.layout import Layout, check_layout
 GIB = 2**30
 BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 main param, exp_avg, exp_avg_sq
+# a compact master between steps: its bf16 model weight (counted under params) plus an int16 remainder
+COMPACT_MASTER_SAVING = FP32 - 2
 FIXED_OVERHEAD_BYTES = 3 * GIB
 # The caching allocator rounds block sizes and fragments, so reserved memory runs above allocated.
 USABLE_FRACTION = 0.9
@@ -78,6 +82,7 @@ class TrainingSetup:
     optimizer_offload_fraction: float = 0.0  # share of the optimizer state kept on the CPU
     # torch's fused Adam (what our optimizer runs: optim.use_fused_torch_adam); False: foreach AdamW
     fused_adam: bool = True
+    compact_master_weights: bool = False  # megatron_config.compact_master_weights
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,9 @@ def check_settings(batch: BatchPlan, training: TrainingSetup) -> None:
          f"use some of {', '.join(RECOMPUTE_MODULES)}"),
         (training.lora_rank >= 0, "--lora-rank", f"must be 0 or more, got {training.lora_rank}", "set 0 for a full fine-tune"),
         (0.0 <= offload <= 1.0, "--optimizer-offload-fraction", f"must be between 0 and 1, got {offload}", "set a share such as 0.5"),
+        (not training.compact_master_weights or (training.distributed_optimizer and offload == 0.0),
+         "--compact-master-weights", "needs the distributed optimizer with nothing offloaded to the CPU",
+         "drop --no-distributed-optimizer and --optimizer-offload-fraction, or --compact-master-weights"),
     )
     for ok, flag, message, fix in checks:
         if not ok:
@@ -325,7 +333,8 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
     expert_shards = layout.expert_dp if training.distributed_optimizer else 1
     on_gpu_share = 1.0 - training.optimizer_offload_fraction
     shard_on_gpu = (trainable_dense / dense_shards + trainable_expert / expert_shards) * on_gpu_share
-    optimizer = ADAM_STATE_BYTES * shard_on_gpu
+    # between steps; the step itself rebuilds compact masters to fp32
+    optimizer = (ADAM_STATE_BYTES - COMPACT_MASTER_SAVING * training.compact_master_weights) * shard_on_gpu
 
     layers = stage_layers(arch, layout, stage)
     saved_per_pass = sum(layer_activation_bytes(arch, layout, batch, moe_layer=arch.is_moe_layer(i)) for i in layers)
@@ -341,7 +350,7 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
         activations=round(in_flight * saved_per_pass),
         transient=round(transient),
         transient_source=source,
-        optimizer_step=round(FP32 * shard_on_gpu * _step_temporaries(training)),
+        optimizer_step=round(shard_on_gpu * _step_temporary_bytes(training)),
         overhead=FIXED_OVERHEAD_BYTES,
         parameters_on_gpu=parameters_on_gpu,
         layers_on_stage=len(layers),
@@ -349,9 +358,10 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
     )
 
 
-def _step_temporaries(training: TrainingSetup) -> int:
-    """fp32 shard-sized tensors the optimizer step allocates (see the module docstring)."""
-    return int(not training.grad_reduce_in_fp32) + int(not training.fused_adam)
+def _step_temporary_bytes(training: TrainingSetup) -> int:
+    """Bytes per element of the GPU's optimizer shard that the optimizer step adds (module docstring)."""
+    fp32_temporaries = int(not training.grad_reduce_in_fp32) + int(not training.fused_adam)
+    return FP32 * fp32_temporaries + COMPACT_MASTER_SAVING * training.compact_master_weights
 
 
 def _transients(
