@@ -428,3 +428,14 @@ def test_the_logits_chunk_budget_reaches_the_logprob_head_term():
     small, large = (estimate_from_argv([*base, "--logits-chunk-mib", str(mib)]) for mib in (256, 1024))
     assert small.transient_source == large.transient_source == "logprob head"
     assert large.transient - small.transient == LOGITS_CHUNK_BUFFERS * (1024 - 256) * 2**20
+
+
+def test_the_plan_takes_the_logprob_heads_default_chunk():
+    """The planner (no torch imports) keeps its own copy of the head's default chunk budget: the same value
+    as the head's and as `megatron_config.logits_chunk_mib`'s default."""
+    from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES as head_default
+    from skyrl_megatron.config import MegatronWorkerConfig
+    from skyrl_megatron.planner.memory import DEFAULT_LOGITS_CHUNK_BYTES as planner_default
+
+    assert planner_default == head_default == MegatronWorkerConfig().logits_chunk_mib * 2**20
+    assert BatchPlan(8192).logits_chunk_bytes == planner_default
