@@ -217,6 +217,7 @@ def test_the_optimizer_step_holds_an_fp32_copy_of_the_gpu_shard_per_temporary_an
     assert bf16_grads.optimizer_step == pytest.approx(2 * shard, abs=2)
     offloaded = estimate(model, layout, recomputed, TrainingSetup(fused_adam=False, optimizer_offload_fraction=1.0))
     assert offloaded.optimizer_step == 0  # the CPU share steps on the CPU
+    assert offloaded.total == offloaded.params + offloaded.grads + offloaded.activations + offloaded.transient + offloaded.overhead
     no_recompute = estimate(arch("Qwen3-1.7B"), Layout(gpus_per_node=8, tp=1), BatchPlan(micro_batch_tokens=16384),
                             TrainingSetup(fused_adam=False))
     assert no_recompute.optimizer_step < no_recompute.activations + no_recompute.transient
