@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,13 +51,14 @@ def make_pairs(sizes: list[int], device: torch.device, layout: str = "ddp",
                seed: int = 0) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(fp32 master, bf16 model shard) per parameter. The masters are separate tensors, as Megatron's
     optimizer allocates them. layout "ddp": the model shards are views of one contiguous bf16 buffer,
-    each starting at a multiple of 64 elements (as Megatron's DDP lays them out: compact masters then
-    work per run of them); "separate": each shard its own tensor (one run per tensor)."""
+    each starting at a multiple of 64 elements, the last parameter first (as Megatron's DDP lays them
+    out: compact masters then work per run of them, and the first master split is the final norm's);
+    "separate": each shard its own tensor (one run per tensor)."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    starts, end = [], 0
-    for size in sizes:
-        starts.append(end)
-        end = -(-(end + size) // 64) * 64
+    starts, end = [0] * len(sizes), 0
+    for index in reversed(range(len(sizes))) if layout == "ddp" else range(len(sizes)):
+        starts[index] = end
+        end = -(-(end + sizes[index]) // 64) * 64
     buffer = torch.zeros(end, dtype=torch.bfloat16, device=device) if layout == "ddp" else None
     pairs = []
     for size, start in zip(sizes, starts):
@@ -105,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="Qwen3-4B", help="a dense shape in examples/megatron/model_configs")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, eager kernels only")
+    parser.add_argument("--only", choices=["eager", "generated"], help="time one kernel set (GPU)")
     parser.add_argument("--out", type=Path, default=Path("master_weights.json"))
     args = parser.parse_args(argv)
+    # compile from this process's own first call, as a worker with an empty cache does: a kernel cached by
+    # an earlier process (its launch shape from other lengths) would hide what the worker gets
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
 
     if args.smoke:
         device = torch.device("cpu")
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         generated = master_weights._generated()
         runs = [("eager", master_weights._EAGER, "ddp"), ("generated", generated, "ddp"),
                 ("generated", generated, "separate")]
+        runs = [run for run in runs if args.only in (None, run[0])]
     sizes = parameter_sizes(config)
     results = []
     for name, kernels, layout in runs:

@@ -48,6 +48,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _TIE = 1 << 15  # the remainder of a tie rounded down; int16 holds -_TIE but not +_TIE
+_OUT_OF_RANGE = 2  # the status of an element whose model weight is not its master rounded
 # elements per eager pass: bounds the int64 temporaries (a few times 32 MiB) whatever the tensor's size
 _CHUNK = 1 << 22
 # elements whose remainders are computed before their checks are read at once (2 bytes each)
@@ -55,13 +56,26 @@ _GROUP_ELEMENTS = 1 << 27
 
 
 def _split_chunk(bits: torch.Tensor, upper: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(remainder int16 with +_TIE stored as -_TIE, int64 [min, max, ties] of the exact difference)
-    from a master's int32 bits and its model weight's int16 bits. The difference is taken in int64:
-    an unrelated pair must not wrap into the accepted range."""
+    """(remainder int16 with +_TIE stored as -_TIE, status int8 per element: 0 in range, 1 a tie rounded
+    down, _OUT_OF_RANGE where int16 cannot hold the difference) from a master's int32 bits and its model
+    weight's int16 bits. The difference is taken in int64: an unrelated pair must not wrap into range.
+
+    Elementwise only; `_chunk_stats` reduces the statuses with torch's own reductions, whose launch
+    shape follows the length at every call. A reduction generated with the split (dynamic shapes) took
+    its launch shape from the first length compiled: in a worker the first master split is a norm's
+    (Megatron's buffer starts with the last parameters), and every run of about 10^8 elements then took
+    35 ms in one program (1.3 s per Qwen3-4B step on an H200, session 21)."""
     diff = bits.to(torch.int64) - upper.to(torch.int64) * (1 << 16)
     tie = diff == _TIE
     remainder = torch.where(tie, -_TIE, diff).to(torch.int16)
-    return remainder, torch.stack([diff.min(), diff.max(), tie.sum()])
+    outside = (diff < -_TIE) | (diff > _TIE)
+    status = torch.where(outside, _OUT_OF_RANGE, tie.to(torch.int8)).to(torch.int8)
+    return remainder, status
+
+
+def _chunk_stats(status: torch.Tensor) -> torch.Tensor:
+    """int64 [worst status, ties] of one chunk's statuses (the tie count holds when the worst is in range)."""
+    return torch.stack([status.amax().to(torch.int64), status.sum(dtype=torch.int64)])
 
 
 def _tie_mask(bits: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
@@ -108,16 +122,19 @@ def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 
 def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(remainder int16, stats int64 [min, max, ties in chunk 0, ties in chunk 1, ...]) on the device,
+    """(remainder int16, stats int64 [worst status, ties in chunk 0, ties in chunk 1, ...]) on the device,
     no host read: the caller reads the stats of many tensors at once (`_settle`)."""
     kernels = _kernels(master.device)
     bits, upper = master.view(torch.int32), model.view(torch.int16)
-    if master.numel() == 0:  # no min or max to take
+    if master.numel() == 0:  # nothing to check
         return upper.clone(), torch.zeros(2, dtype=torch.int64, device=master.device)
-    pieces, stats = zip(*(kernels.split(bits[start:stop], upper[start:stop])
-                          for start, stop in _chunks(master.numel(), kernels.chunk)))
+    pieces, stats = [], []
+    for start, stop in _chunks(master.numel(), kernels.chunk):
+        remainder, status = kernels.split(bits[start:stop], upper[start:stop])
+        pieces.append(remainder)
+        stats.append(_chunk_stats(status))  # the statuses are freed here, chunk by chunk
     stats = torch.stack(stats)
-    return _joined(pieces), torch.cat([stats[:, 0].min().view(1), stats[:, 1].max().view(1), stats[:, 2]])
+    return _joined(tuple(pieces)), torch.cat([stats[:, 0].max().view(1), stats[:, 1]])
 
 
 def _joined(pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -137,7 +154,11 @@ def _tie_indices(master: torch.Tensor, model: torch.Tensor, tie_counts: list[int
 
 
 def _in_range(stats: list[int]) -> bool:
-    return -_TIE <= stats[0] and stats[1] <= _TIE
+    return stats[0] < _OUT_OF_RANGE
+
+
+def _tie_counts(stats: list[int]) -> list[int]:
+    return stats[1:]
 
 
 def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -149,7 +170,7 @@ def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tenso
     stats = stats.tolist()  # a host read
     if not _in_range(stats):
         return None
-    return remainder, _tie_indices(master, model, stats[2:])
+    return remainder, _tie_indices(master, model, _tie_counts(stats))
 
 
 def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch.Tensor) -> torch.Tensor:
@@ -414,7 +435,7 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
         if not _in_range(mine):
             kept += sum(m.numel for m in split.members)
             continue
-        piece = _Piece(split.start, split.stop, split.remainder, _tie_indices(split.master, split.model, mine[2:]))
+        piece = _Piece(split.start, split.stop, split.remainder, _tie_indices(split.master, split.model, _tie_counts(mine)))
         split.run.pieces.append(piece)
         freed += 4 * (split.stop - split.start) - piece.remainder.nbytes - piece.tie_indices.nbytes
         for m in split.members:
