@@ -207,6 +207,8 @@ class MegatronWorkerConfig:
     forward_max_tokens_per_microbatch: int | None = None
     checkpoint_cache_dir: str | None = None
     force_reconvert: bool = False
+    # give the CUDA allocator's free blocks back when the host asks between phases and when offloading
+    # (colocated engines or models need them); false: keep the pool (GPUs the worker has to itself)
     empty_cuda_cache: bool = True
     # Python's long-lived objects frozen out of the cyclic collector, which waits for each pass to end
     manual_gc: bool = True
@@ -475,6 +477,11 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
             problems.append(Problem(f"{prefix}.{name}", f"must be true or false, got {getattr(mc, name)!r}", "set true or false"))
     if problems:
         return problems
+    sharing = _gpu_sharing(cfg, role)
+    if mc.empty_cuda_cache is False and sharing:
+        problems.append(Problem(f"{prefix}.empty_cuda_cache",
+                                f"false keeps this worker's CUDA cache while {sharing} shares its GPUs",
+                                "set it true, or give the models and engines GPUs of their own"))
 
     world = role_world_size(cfg, role)
     placement = f"trainer.placement.{role}_num_nodes * {role}_num_gpus_per_node"
@@ -772,6 +779,16 @@ def _check_against_model(prefix: str, shape: ModelShape, tp: int, pp: int, vpp: 
 # auto: the host's own engines; cpu / gpu: our HF engine (engines/hf_engine.py) on CPU, or on a GPU of its own
 ENGINES = ("auto", "cpu", "gpu")
 HF_ENGINES = ("cpu", "gpu")
+
+
+def _gpu_sharing(cfg, role: str) -> str | None:
+    """The placement key under which another model or the engines use this role's GPUs, or None."""
+    placement = cfg.trainer.placement
+    if placement.get("colocate_all"):
+        return "trainer.placement.colocate_all"
+    if role in ("policy", "ref") and placement.get("colocate_policy_ref"):
+        return "trainer.placement.colocate_policy_ref"
+    return None
 
 
 def check_inference_engine(cfg) -> list[Problem]:

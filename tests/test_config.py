@@ -270,6 +270,18 @@ def test_megatron_field_names_read_from_source_equal_the_dataclasses():
         assert names == {f.name for f in dataclasses.fields(classes[name])}, section
 
 
+def test_keeping_the_cuda_cache_is_refused_where_the_gpus_are_shared(compose, hf_config_dir):
+    path = f"trainer.policy.model.path={hf_config_dir()}"
+    keep = f"{MC}.empty_cuda_cache=false"
+    msg = problems_of(compose(path, keep, "trainer.placement.colocate_all=true"))
+    assert f"{MC}.empty_cuda_cache: false keeps this worker's CUDA cache while trainer.placement.colocate_all" in msg
+    msg = problems_of(compose(path, "trainer.placement.colocate_all=false", "trainer.placement.colocate_policy_ref=true",
+                              "trainer.ref.megatron_config.empty_cuda_cache=false"))
+    assert "trainer.ref.megatron_config.empty_cuda_cache: false keeps" in msg and "colocate_policy_ref" in msg
+    apart = ("trainer.placement.colocate_all=false", "trainer.placement.colocate_policy_ref=false")
+    validate_config(compose(path, keep, *apart))  # GPUs of its own: nothing to refuse
+
+
 def test_switches_must_be_booleans_and_sizes_positive(compose, hf_config_dir):
     msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.manual_gc=sometimes",
                               f"{MC}.empty_cuda_cache=1", f"{MC}.logits_chunk_mib=0"))

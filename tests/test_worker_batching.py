@@ -1,6 +1,7 @@
 """Which token budget a worker's pass takes: scoring may have its own (`forward_max_tokens_per_microbatch`,
 no activations kept for backward), training takes `max_tokens_per_microbatch`; an out-of-memory names
-the budget of the pass that failed."""
+the budget of the pass that failed; the host's request to empty the CUDA cache between passes follows
+`empty_cuda_cache`."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def test_an_out_of_memory_names_the_budget_of_its_pass(stand_in_worker, phase, n
     with pytest.raises(WorkerOutOfMemory, match=re.escape(f"lower trainer.policy.megatron_config.{named}")):
         with worker._step_guard(phase):
             torch.empty(2**50, dtype=torch.uint8)  # the CPU allocator refuses, as a GPU's would
+
+
+@pytest.mark.parametrize("empty", [True, False])
+def test_the_hosts_empty_cache_request_follows_empty_cuda_cache(stand_in_worker, monkeypatch, empty):
+    """The host asks after every scoring and training call; a worker on GPUs of its own may keep its pool
+    (a GPU runtime stood in by its flag: torch.cuda.empty_cache is counted, not run)."""
+    import types
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    worker = stand_in_worker({"empty_cuda_cache": empty})
+    worker.runtime = types.SimpleNamespace(is_cpu=False)
+    worker.empty_cache()
+    assert len(calls) == (1 if empty else 0)
+    worker.runtime = types.SimpleNamespace(is_cpu=True)
+    worker.empty_cache()  # no CUDA cache on the CPU runtime
+    assert len(calls) == (1 if empty else 0)
