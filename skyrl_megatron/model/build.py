@@ -103,11 +103,13 @@ class BuiltModel:
     def fused_kernels(self) -> tuple[str, ...]:
         """The generated kernels this model runs with (`model/fusions.py`), as built."""
         from skyrl_megatron.model.norm import FusedRMSNorm
+        from skyrl_megatron.model.qk_norm_rope import QKNormRopeSelfAttention
 
         modules = [module for chunk in self.chunks for module in chunk.modules()]
         present = {
             "rms_norm": any(isinstance(module, FusedRMSNorm) for module in modules),
             "rope": rope.is_fused() and self.provider.position_embedding_type in ("rope", "yarn"),
+            "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
             "logprobs": self.fused_logprobs,
         }
@@ -201,7 +203,8 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.transformer_layer_spec = layer_spec_for(
-        provider, runtime, fused_norms=spec.fused("rms_norm", runtime), attention_kernel=spec.attention_kernel
+        provider, runtime, fused_norms=spec.fused("rms_norm", runtime), attention_kernel=spec.attention_kernel,
+        qk_norm_rope=spec.fused("qk_norm_rope", runtime),
     )
     provider.finalize()
     return provider

@@ -11,6 +11,8 @@ Each kernel named in `megatron_config.fused_kernels` becomes one generated Trito
 direction on GPU:
 - `rms_norm`: every RMSNorm of the block (`norm.FusedRMSNorm`), query/key norms included;
 - `rope`: the rotation of packed (THD) query and key (`rope.apply_thd_rope`);
+- `qk_norm_rope`: the per-head query/key RMSNorm and the rotation as one kernel per direction
+  (`qk_norm_rope.QKNormRopeSelfAttention`; also on CPU, eager, where the model has those norms);
 - `swiglu`: Megatron's own `bias_activation_fusion` (also torch.compile'd), which in addition keeps
   only the SwiGLU input for backward;
 - `logprobs`: the logprob/entropy head's softmax statistics and logit gradient, one pass over each

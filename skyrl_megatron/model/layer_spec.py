@@ -69,9 +69,27 @@ def _with_grouped_experts(layer):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 
-def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False, attention_kernel: str = AUTO):
+def _with_qk_norm_rope(layer):
+    """A copy of a TransformerLayer spec whose self-attention applies its query/key norms inside the
+    rotation (model/qk_norm_rope.py); other attention modules (e.g. MLA) are left as they are."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from skyrl_megatron.model.norm import DeferrableNorm
+    from skyrl_megatron.model.qk_norm_rope import QKNormRopeSelfAttention
+
+    attention = layer.submodules.self_attention
+    if attention.module is not SelfAttention:
+        return layer
+    submodules = dataclasses.replace(attention.submodules, q_layernorm=DeferrableNorm, k_layernorm=DeferrableNorm)
+    attention = dataclasses.replace(attention, module=QKNormRopeSelfAttention, submodules=submodules)
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+
+
+def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False, attention_kernel: str = AUTO,
+                     qk_norm_rope: bool = False):
     """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention
-    (its segment kernel from `attention_kernel`, `megatron_config.attention_kernel`).
+    (its segment kernel from `attention_kernel`, `megatron_config.attention_kernel`); with `qk_norm_rope`
+    (and query/key norms in the model) the norms run inside the rotation.
 
     MoE layers with `moe_grouped_gemm` run their experts as grouped GEMMs (Megatron's local spec
     would run them one by one, whatever the flag says).
@@ -95,16 +113,20 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
     layer = _replace_modules(layer, WrappedTorchNorm, norm)
     # Megatron calls the core-attention builder with keywords; the partial adds the setting
     layer = _with_core_attention(layer, functools.partial(CoreAttention, attention_kernel=attention_kernel))
+    if qk_norm_rope and config.qk_layernorm:
+        layer = _with_qk_norm_rope(layer)
     if config.num_moe_experts and config.moe_grouped_gemm:
         layer = _with_grouped_experts(layer)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
-def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attention_kernel: str = AUTO):
+def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attention_kernel: str = AUTO,
+                   qk_norm_rope: bool = False):
     """The spec (or spec factory) to set as `provider.transformer_layer_spec`.
 
     `fused_norms`: RMSNorm as a generated kernel in the local spec (TE brings its own).
+    `qk_norm_rope`: the query/key norms inside the rotation's kernel (local spec).
     `attention_kernel`: the packed segment kernel of our core attention; refused here, at model build,
     where it cannot run (e.g. flash4 on a GPU older than Hopper).
     """
@@ -124,4 +146,5 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attent
         f"local (Megatron-Core layers, {'fused' if fused_norms else 'torch'} norms; TE not installed); "
         f"core attention: {describe_core_attention(runtime, provider.params_dtype, attention_kernel)}{experts}"
     )
-    return functools.partial(local_block_spec, fused_norms=fused_norms, attention_kernel=attention_kernel)
+    return functools.partial(local_block_spec, fused_norms=fused_norms, attention_kernel=attention_kernel,
+                             qk_norm_rope=qk_norm_rope)

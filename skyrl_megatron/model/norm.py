@@ -7,10 +7,14 @@ them over the TP group, as it does for TE's norms.
 
 `FusedTorchNorm` builds the same norms with RMSNorm as one generated kernel per direction
 (`model/fusions.py`). PyTorch's own fused RMSNorm launches one thread block per row, which leaves
-most of the GPU idle on the 128-wide rows of Qwen3's per-head query/key norms.
+most of the GPU idle on the 128-wide rows of Qwen3's per-head query/key norms. `DeferrableNorm` builds
+the query/key norms whose attention applies them inside its rotation (`model/qk_norm_rope.py`).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -68,3 +72,32 @@ class FusedTorchNorm:
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
         return _build_norm(config, hidden_size, eps, FusedRMSNorm)
+
+
+class DeferrableRMSNorm(torch.nn.RMSNorm):
+    """`torch.nn.RMSNorm` (same parameters and state dict) that its attention can tell to pass its
+    input through, when it applies the norm itself inside the rotation (`deferred`)."""
+
+    deferring = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x if self.deferring else super().forward(x)
+
+
+class DeferrableNorm:
+    """A `LayerNormBuilder` (Megatron's norm call signature) for the query/key norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        return _build_norm(config, hidden_size, eps, DeferrableRMSNorm)
+
+
+@contextlib.contextmanager
+def deferred(*norms: DeferrableRMSNorm) -> Iterator[None]:
+    """Inside, the norms pass their input through (their owner applies them)."""
+    for norm in norms:
+        norm.deferring = True
+    try:
+        yield
+    finally:
+        for norm in norms:
+            norm.deferring = False

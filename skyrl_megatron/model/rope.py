@@ -146,6 +146,13 @@ class _RotationTables:
 _TABLES = _RotationTables()
 
 
+def rotation_tables(freqs: Tensor, cu_seqlens: Tensor, local_tokens: int, cp_size: int, cp_rank: int,
+                    dtype: torch.dtype, mscale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos and sin [local_tokens, 1, 1, dim] of this rank's packed tokens, as `apply_thd_rope` rotates by
+    (computed once per micro-batch)."""
+    return _TABLES.get(freqs, cu_seqlens, local_tokens, cp_size, cp_rank, dtype, mscale)
+
+
 def is_fused() -> bool:
     return _FUSED
 

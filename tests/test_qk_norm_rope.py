@@ -1,0 +1,161 @@
+"""`fused_kernels: [qk_norm_rope]`: the query/key RMSNorm inside the rotation (model/qk_norm_rope.py).
+
+The kernel against PyTorch's RMSNorm followed by Megatron's rotation (values and the gradients of input
+and weight; eager and compiled for CPU, which runs the same graph capture and dynamic shapes as the
+GPU); one compiled graph per direction for every token count; and a tiny Qwen3 built with it against
+the same checkpoint built without, on packed and padded micro-batches (padded ones take Megatron's own
+path), with the same parameter names and the same gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron.model import qk_norm_rope
+from skyrl_megatron.testing import run_on_ranks
+
+
+def _reference(x, weight, cos, sin, eps):
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = normed.unsqueeze(1)
+    return ((normed * cos.unsqueeze(1)) + (_rotate_half(normed, False) * sin.unsqueeze(1))).squeeze(1)
+
+
+def _inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, heads, dim, generator=generator) * 3).to(dtype)
+    weight = (torch.rand(dim, generator=generator) + 0.5).to(dtype)
+    angles = torch.rand(tokens, 1, dim // 2, generator=generator) * 10
+    angles = torch.cat([angles, angles], dim=-1)  # rotate-half tables repeat their frequencies
+    return x, weight, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+
+
+@pytest.mark.parametrize("kernels", ["eager", "generated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_matches_torch_norm_then_megatrons_rotation(monkeypatch, kernels, dtype):
+    if kernels == "generated":
+        monkeypatch.setattr(qk_norm_rope, "_kernels", lambda device: qk_norm_rope._GENERATED)
+    tolerance = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    for tokens, heads in [(11, 4), (6, 2)]:  # query and key heads, two micro-batch sizes
+        x, weight, cos, sin = _inputs(tokens, heads, 16, dtype)
+        x_ref, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+        w_ref, w_fused = weight.clone().requires_grad_(), weight.clone().requires_grad_()
+        out_ref = _reference(x_ref, w_ref, cos, sin, 1e-6)
+        out_fused = qk_norm_rope.norm_rope(x_fused, w_fused, cos, sin, 1e-6)
+        assert out_fused.dtype == dtype and out_fused.shape == x.shape
+        torch.testing.assert_close(out_fused, out_ref, **tolerance)
+        grad = torch.randn_like(out_ref)
+        out_ref.backward(grad)
+        out_fused.backward(grad)
+        torch.testing.assert_close(x_fused.grad, x_ref.grad, **tolerance)
+        assert w_fused.grad.dtype == dtype
+        # the weight's gradient sums over every token and head: compared relative to its size
+        torch.testing.assert_close(w_fused.grad.float(), w_ref.grad.float(), atol=tolerance["atol"] * tokens * heads,
+                                   rtol=tolerance["rtol"])
+
+
+def test_each_direction_compiles_once_for_every_token_and_head_count():
+    """New micro-batch sizes reuse the compiled graphs, for query (4 heads) and key (2 heads) alike:
+    a recompile per micro-batch would cost seconds on a GPU, and past Dynamo's limit the kernel runs eagerly."""
+    torch._dynamo.reset()
+    forward, backward = qk_norm_rope._GENERATED
+
+    def both(tokens: int, heads: int):
+        x, weight, cos, sin = _inputs(tokens, heads, 16, torch.float32, seed=tokens)
+        out, inverse_rms = forward(x, weight, cos, sin, 1e-6)
+        backward(torch.randn_like(out), x, weight, cos, sin, inverse_rms)
+
+    for heads in (4, 2):
+        both(9, heads)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for tokens in (21, 5, 130):
+            for heads in (4, 2):
+                both(tokens, heads)
+
+
+def test_the_kernels_have_no_graph_breaks():
+    x, weight, cos, sin = _inputs(7, 2, 8, torch.float32)
+    assert torch._dynamo.explain(qk_norm_rope.norm_rope_forward)(x, weight, cos, sin, 1e-6).graph_break_count == 0
+    out, inverse_rms = qk_norm_rope.norm_rope_forward(x, weight, cos, sin, 1e-6)
+    explained = torch._dynamo.explain(qk_norm_rope.norm_rope_backward)(out, x, weight, cos, sin, inverse_rms)
+    assert explained.graph_break_count == 0
+
+
+SEQ_LENGTHS = (7, 12, 3, 9)
+
+
+def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
+    """One tiny Qwen3 built with the fused query/key norm and rotation and one without (same checkpoint,
+    fp32, same layout): this rank's logits on a packed and a padded micro-batch, and every parameter's
+    gradient of the packed one."""
+    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    parallel = ParallelConfig(**layout)
+    initialize_model_parallel(parallel)
+    # the fused kernels are a GPU setting; here the spec takes it on CPU too (eager kernels)
+    ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels
+    calls = []
+    real_norm_rope = qk_norm_rope.norm_rope
+    qk_norm_rope.norm_rope = lambda *args: calls.append(1) or real_norm_rope(*args)
+
+    generator = torch.Generator().manual_seed(5)
+    batch, seq = len(SEQ_LENGTHS), max(SEQ_LENGTHS)
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, n in enumerate(SEQ_LENGTHS):
+        tokens[i, :n] = torch.randint(1, 256, (n,), generator=generator)
+        mask[i, :n] = 1
+    packed = pack_padded_batch(tokens, mask, parallel)
+    out = {}
+    for name, kernels in (("fused", ("qk_norm_rope",)), ("reference", ())):
+        built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", fused_kernels=kernels))
+        model = built.chunks[0]
+        calls.clear()
+        logits = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
+        packed_calls = len(calls)
+        (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        with torch.no_grad():
+            padded = model(tokens, torch.arange(seq).expand(batch, seq), None)
+        out[name] = {
+            "kernels": built.fused_kernels,
+            "attention": type(model.decoder.layers[0].self_attention).__name__,
+            "norm_rope_calls": packed_calls,
+            "padded_calls": len(calls) - packed_calls,
+            "packed": logits.detach(),
+            "padded": padded,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "layers": len(model.decoder.layers),
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tensor": 2, "sequence_parallel": True})],
+                         ids=["world1", "tp2-sp"])
+def test_a_model_with_it_equals_the_model_without(tmp_path, world, layout):
+    """Under TP each rank normalises and rotates its own heads; the norm weights' gradients are partial
+    per rank as without the fusion (Megatron reduces them over the TP group)."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    make_tiny_hf_model("qwen3", tmp_path, seed=4)
+    for result in run_on_ranks(_logits_and_grads, world, str(tmp_path), layout, timeout=300):
+        _assert_equal_models(result["fused"], result["reference"])
+
+
+def _assert_equal_models(fused: dict, reference: dict) -> None:
+    assert "qk_norm_rope" in fused["kernels"] and "qk_norm_rope" not in reference["kernels"]
+    assert fused["attention"] == "QKNormRopeSelfAttention" and reference["attention"] == "SelfAttention"
+    assert fused["norm_rope_calls"] == 2 * fused["layers"]  # query and key of every layer: the joined path ran
+    assert fused["padded_calls"] == 0  # unpacked micro-batches take Megatron's own path
+    torch.testing.assert_close(fused["packed"], reference["packed"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused["padded"], reference["padded"], atol=1e-5, rtol=1e-5)
+    assert fused["grads"].keys() == reference["grads"].keys()
+    assert any("q_layernorm" in name for name in fused["grads"])
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(fused["grads"][name], grad, atol=1e-4, rtol=1e-4, msg=name)
