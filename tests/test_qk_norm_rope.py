@@ -4,7 +4,7 @@ The kernel against PyTorch's RMSNorm followed by Megatron's rotation (values and
 and weight; eager and compiled for CPU, which runs the same graph capture and dynamic shapes as the
 GPU); one compiled graph per direction for every token count; and a tiny Qwen3 built with it against
 the same checkpoint built without, on packed and padded micro-batches (padded ones take Megatron's own
-path), with the same parameter names and the same gradients, at world 1, TP2+SP and CP2.
+path), with the same parameter names and the same gradients, at world 1, TP2+SP and CP2 (and Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ SEQ_LENGTHS = (7, 12, 3, 9)
 
 
 def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
-    """One tiny Qwen3 built with the fused query/key norm and rotation and one without (same checkpoint,
+    """One tiny model built with the fused query/key norm and rotation and one without (same checkpoint,
     fp32, same layout): this rank's logits on a packed and a padded micro-batch, and every parameter's
     gradient of the packed one."""
     from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
@@ -113,7 +113,8 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
         tokens[i, :n] = torch.randint(1, 256, (n,), generator=generator)
         mask[i, :n] = 1
     packed = pack_padded_batch(tokens, mask, parallel)
-    split = ContextParallelSplit.for_packed(packed.packed_seq_params, coords.cp, parallel.context)  # CP: this rank's share
+    # under CP each rank holds its share of every sequence (identity without CP)
+    split = ContextParallelSplit.for_packed(packed.packed_seq_params, coords.cp, parallel.context)
     out = {}
     for name, kernels in (("fused", ("qk_norm_rope",)), ("reference", ())):
         built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", fused_kernels=kernels))
@@ -141,15 +142,17 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tensor": 2, "sequence_parallel": True}), (2, {"context": 2})],
-                         ids=["world1", "tp2-sp", "cp2"])
-def test_a_model_with_it_equals_the_model_without(tmp_path, world, layout):
+@pytest.mark.parametrize("family, world, layout", [
+    ("qwen3", 1, {}), ("qwen3", 2, {"tensor": 2, "sequence_parallel": True}), ("qwen3", 2, {"context": 2}),
+    ("qwen3_moe", 1, {}),
+], ids=["world1", "tp2-sp", "cp2", "moe-world1"])
+def test_a_model_with_it_equals_the_model_without(tmp_path, family, world, layout):
     """Under TP each rank normalises and rotates its own heads; the norm weights' gradients are partial
     per rank as without the fusion (Megatron reduces them over the TP group). Under CP each rank rotates
     its two chunks of every sequence by their global positions."""
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    make_tiny_hf_model("qwen3", tmp_path, seed=4)
+    make_tiny_hf_model(family, tmp_path, seed=4)
     for result in run_on_ranks(_logits_and_grads, world, str(tmp_path), layout, timeout=300):
         _assert_equal_models(result["fused"], result["reference"])
 
