@@ -433,7 +433,8 @@ class _Measured:
             # the packed kernel the model was built with (megatron_config.attention_kernel, model/attention.py)
             packed = {"sdpa": "masked SDPA"}.get(self.built.segment_kernel, self.built.segment_kernel)
             attention = "TE" if te else f"ours (SDPA / {packed})"
-            return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels), **threads}
+            return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels),
+                    "weights": dataclasses.asdict(self.built.load_report), **threads}
         config = getattr(getattr(model, "model", model), "config", None)
         path = {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"),
                 "sample_packing": bool(getattr(model, "use_sample_packing", False)), **threads}
@@ -549,6 +550,9 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         init_seconds = time.perf_counter() - started
         policy = trainer.policy_model
         path = ray.get(policy.async_run_ray_method("pass_through", "bench_path"))[0]
+        weights = path.get("weights")  # ours: how the weights came (cache hit, conversion, load), seconds
+        print(f"  {case.name} started in {init_seconds:.1f} s" + (f"; weights: {json.dumps(weights)}" if weights else ""),
+              flush=True)
 
         def peak() -> float:
             return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))

@@ -76,6 +76,9 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     # the packed kernel the workers built with: masked SDPA on the CPU runtime (attention_kernel=auto)
     assert (path["transformer_engine"], path["attention"]) == (False, "ours (SDPA / masked SDPA)")
     assert path["torch_threads"] >= 1  # recorded: host-side thread pools were a GPU bottleneck
+    # how the weights came, for the start-up time: through the bench's conversion cache, a fresh one (a miss)
+    assert path["weights"]["hit"] is False and path["weights"]["conversion_seconds"] > 0
+    assert f"megatron:tp2 started in {case['init_seconds']:.1f} s; weights: " in run.stdout
     assert report["tokens"] == case["tokens"] > 0
     for phase in ("forward", "train"):
         measured = case["phases"][phase]
