@@ -3,8 +3,8 @@
 Qwen3 normalises each attention head of the query and key (RMSNorm over 128-wide rows) and then
 rotates them. Without Transformer Engine, Megatron-Core runs the two apart: PyTorch's fused RMSNorm,
 which launches a thread block per 128-wide row and reduces the weight gradient in two more kernels,
-then the rotation (`rope.py`). In a profiled Qwen3-4B step on an H200 the norms took about 0.59 s of
-4.75 s of kernels (session 21). Here the norm and the rotation are one generated kernel per
+then the rotation (`rope.py`). In a profiled Qwen3-4B step on an H200 the RMSNorms (these and the
+block's own) took about 0.59 s of 4.75 s of kernels (session 21). Here the norm and the rotation are one generated kernel per
 direction, in fp32, rounded once, and the rotation's call is the only call per tensor and direction:
 session 7's generated norm was a loss because it added compiled calls, each with its host cost.
 
