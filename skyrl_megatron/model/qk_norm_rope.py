@@ -29,13 +29,8 @@ from skyrl_megatron.model.fusions import compile_kernel
 from skyrl_megatron.model.norm import DeferrableRMSNorm, deferred
 
 
-def _rotate_half(t: Tensor) -> Tensor:
-    first, second = torch.chunk(t, 2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def _rotate_half_transposed(t: Tensor) -> Tensor:
-    """The adjoint of `_rotate_half`: (a, b) -> (b, -a)."""
+    """The adjoint of rotate-half ((a, b) -> (-b, a), `rope.rotate_half_rope`): (a, b) -> (b, -a)."""
     first, second = torch.chunk(t, 2, dim=-1)
     return torch.cat((second, -first), dim=-1)
 
@@ -46,8 +41,7 @@ def norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: 
     x32 = x.float()
     inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     normed = x32 * inverse_rms * weight.float()
-    rotated = normed * cos.float() + _rotate_half(normed) * sin.float()
-    return rotated.to(x.dtype), inverse_rms
+    return rope.rotate_half_rope(normed, cos, sin).to(x.dtype), inverse_rms  # rotated in fp32
 
 
 def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
@@ -104,22 +98,21 @@ class QKNormRopeSelfAttention(SelfAttention):
 
     def forward(self, hidden_states: Tensor, attention_mask: Tensor, *args, **kwargs):
         rotary = kwargs.get("rotary_pos_emb")
-        if args or not self._joinable(rotary, kwargs.get("packed_seq_params"), kwargs.get("inference_context")):
+        pair = rotary if rotary is None or isinstance(rotary, tuple) else (rotary, rotary)  # query's, key's
+        if args or not self._joinable(pair, kwargs.get("packed_seq_params"), kwargs.get("inference_context")):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
-        pair = rotary if isinstance(rotary, tuple) else (rotary, rotary)
         self._rotation = (pair, kwargs["packed_seq_params"])
         try:
             return super().forward(hidden_states, attention_mask, *args, **{**kwargs, "rotary_pos_emb": None})
         finally:
             self._rotation = None
 
-    def _joinable(self, rotary, packed_seq_params, inference_context) -> bool:
+    def _joinable(self, pair, packed_seq_params, inference_context) -> bool:
         config = self.config
-        if rotary is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        if pair is None or packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return False
         if inference_context is not None or config.rotary_interleaved or config.multi_latent_attention:
             return False
-        pair = rotary if isinstance(rotary, tuple) else (rotary, rotary)
         full_width = all(freqs is not None and freqs.shape[-1] == self.hidden_size_per_attention_head for freqs in pair)
         norms = (self.q_layernorm, self.k_layernorm)
         return full_width and all(isinstance(norm, DeferrableRMSNorm) for norm in norms)
