@@ -13,6 +13,7 @@ is skipped (and reported) instead of writing NaNs into the weights.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch
 
 from skyrl_megatron import multi_tensor
 from skyrl_megatron.master_weights import attach, compact_masters_of, refusal
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # megatron is imported lazily: importing it costs seconds
     from megatron.core.optimizer import OptimizerConfig
@@ -114,11 +117,12 @@ class OptimizerSettings:
         )
         return cls(config=config, schedule=schedule)
 
-    def build_optimizer(self, chunks: Sequence[torch.nn.Module], *, compact_master_weights: bool = False):
+    def build_optimizer(self, chunks: Sequence[torch.nn.Module], *, compact_master_weights: bool | str = False):
         """Megatron's optimizer over the DDP-wrapped model chunks (one per virtual pipeline stage).
 
         `compact_master_weights` keeps the fp32 masters as bf16 weight + int16 remainder between
-        steps (`master_weights.py`; `optimizer_step` rebuilds them for the step).
+        steps (`master_weights.py`; `optimizer_step` rebuilds them for the step): True there or an
+        error, "auto" wherever this optimizer allows it.
 
         Whether the optimizer is distributed must agree with how the DDP grad buffers were laid
         out, so it follows `ddp_config.use_distributed_optimizer`; asking for a distributed
@@ -144,9 +148,12 @@ class OptimizerSettings:
         use_fused_torch_adam(optimizer)
         if compact_master_weights:
             reason = refusal(optimizer)
-            if reason is not None:
+            if reason is None:
+                attach(optimizer)
+            elif compact_master_weights is True:
                 raise OptimizerSettingsError(f"megatron_config.compact_master_weights cannot be used: {reason}")
-            attach(optimizer)
+            else:
+                logger.info("compact master weights (auto): off, %s", reason)
         return optimizer
 
     def build_scheduler(self, optimizer):

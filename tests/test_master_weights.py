@@ -591,12 +591,16 @@ def test_each_refusal_names_the_key(role, megatron_config, bf16, named):
     assert len(problems) == 1 and problems[0].key == f"{prefix}.compact_master_weights"
     assert named in str(problems[0])
     mc.compact_master_weights = "yes"
-    assert "must be true or false" in str(_compact_master_weight_problems(cfg, role, prefix, mc)[0])
+    assert "must be true, false or auto" in str(_compact_master_weight_problems(cfg, role, prefix, mc)[0])
+    mc.compact_master_weights = "auto"  # settles on fp32 masters where they cannot be compact, with no error
+    assert _compact_master_weight_problems(cfg, role, prefix, mc) == []
 
 
 def _build_refusals(rank, world, hf_dir):
     from skyrl_megatron.optim import OptimizerSettingsError
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    from skyrl_megatron.master_weights import compact_masters_of
 
     init_distributed("cpu")
     initialize_model_parallel(ParallelConfig(), seed=0)
@@ -607,16 +611,20 @@ def _build_refusals(rank, world, hf_dir):
             messages.append(None)
         except OptimizerSettingsError as error:
             messages.append(str(error))
-    return messages
+    # "auto" (the default) compacts where it can and quietly keeps fp32 masters where it cannot
+    auto = [compact_masters_of(_build(hf_dir, compact="auto", **kwargs)[1]) is not None
+            for kwargs in ({}, {"distributed_optimizer": False}, {"dtype": "fp32"})]
+    return messages, auto
 
 
 @pytest.mark.slow
 def test_building_the_optimizer_refuses_what_compact_masters_cannot_handle(tmp_path):
-    """The same rules at build time, for callers that skip the config check."""
+    """The same rules at build time, for callers that skip the config check; `auto` follows them silently."""
     from skyrl_megatron.testing import make_tiny_hf_model
 
     hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
-    (messages,) = run_on_ranks(_build_refusals, 1, hf_dir, timeout=300)
+    ((messages, auto),) = run_on_ranks(_build_refusals, 1, hf_dir, timeout=300)
+    assert auto == [True, False, False]
     plain, fp32 = messages
     assert "megatron_config.compact_master_weights" in plain and "use_distributed_optimizer: true" in plain
     assert "megatron_config.compact_master_weights" in fp32 and "bf16" in fp32

@@ -127,8 +127,8 @@ def test_pipeline_stages_hold_every_parameter_once_plus_the_tied_embedding_copy(
 
 
 def test_data_parallelism_shards_only_the_optimizer_state():
-    model = arch("Qwen3-1.7B")
-    single, eight = (estimate(model, Layout(gpus_per_node=n), BATCH) for n in (1, 8))
+    model, fp32_masters = arch("Qwen3-1.7B"), TrainingSetup(compact_master_weights=False)
+    single, eight = (estimate(model, Layout(gpus_per_node=n), BATCH, fp32_masters) for n in (1, 8))
     assert (eight.params, eight.grads, eight.activations) == (single.params, single.grads, single.activations)
     assert eight.optimizer * 8 == pytest.approx(single.optimizer, rel=1e-9)
     unsharded = estimate(model, Layout(gpus_per_node=8), BATCH, TrainingSetup(distributed_optimizer=False))
@@ -144,7 +144,7 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group():
         assert params.expert * 8 == sum(model.layer_params(i).expert for i in range(model.num_layers))
         dense = params.tp_sharded + params.replicated
         expected = ADAM_STATE_BYTES * (dense / layout.dp + params.expert / expert_dp)
-        assert estimate(model, layout, BATCH).optimizer == round(expected)
+        assert estimate(model, layout, BATCH, TrainingSetup(compact_master_weights=False)).optimizer == round(expected)
 
 
 def test_recompute_orders_activations_full_below_selective_below_none():
@@ -192,7 +192,7 @@ def test_the_most_loaded_stage_is_reported():
 
 def test_lora_trains_only_adapters_and_offload_moves_optimizer_state_off_the_gpu():
     model, layout = arch("Qwen3-30B-A3B"), Layout(gpus_per_node=8, ep=8)
-    full = estimate(model, layout, BATCH)
+    full = estimate(model, layout, BATCH, TrainingSetup(compact_master_weights=False))  # as offloading settles auto
     lora = estimate(model, layout, BATCH, TrainingSetup(lora_rank=32))
     assert lora.params > full.params  # the frozen base stays, adapters are added
     assert lora.grads < full.grads / 10 and lora.optimizer < full.optimizer / 10
@@ -205,21 +205,22 @@ def test_the_optimizer_step_holds_an_fp32_copy_of_the_gpu_shard_per_temporary_an
     """Fused Adam with fp32 gradients allocates nothing shard-sized; foreach AdamW's sqrt(v) and the fp32
     copies of bf16 gradients are one fp32 shard each; the step sets the peak only where it outgrows backward."""
     model, layout, recomputed = arch("Qwen3-30B-A3B"), Layout(gpus_per_node=8, ep=8), BatchPlan(8192, recompute="full")
-    fused = estimate(model, layout, recomputed)
+    fp32_masters = {"compact_master_weights": False}  # (compact masters add their own term: the test below)
+    fused = estimate(model, layout, recomputed, TrainingSetup(**fp32_masters))
     assert fused.optimizer_step == 0
     assert fused.total == fused.params + fused.grads + fused.optimizer + fused.activations + fused.transient + fused.overhead
-    foreach = estimate(model, layout, recomputed, TrainingSetup(fused_adam=False))
+    foreach = estimate(model, layout, recomputed, TrainingSetup(fused_adam=False, **fp32_masters))
     shard = foreach.optimizer / 3  # Adam's three fp32 tensors per element of the GPU shard
     assert foreach.optimizer_step == pytest.approx(shard, abs=1)
     assert foreach.optimizer_step > foreach.activations + foreach.transient
     assert foreach.total == foreach.params + foreach.grads + foreach.optimizer + foreach.optimizer_step + foreach.overhead
-    bf16_grads = estimate(model, layout, recomputed, TrainingSetup(fused_adam=False, grad_reduce_in_fp32=False))
+    bf16_grads = estimate(model, layout, recomputed, TrainingSetup(fused_adam=False, grad_reduce_in_fp32=False, **fp32_masters))
     assert bf16_grads.optimizer_step == pytest.approx(2 * shard, abs=2)
     offloaded = estimate(model, layout, recomputed, TrainingSetup(fused_adam=False, optimizer_offload_fraction=1.0))
     assert offloaded.optimizer_step == 0  # the CPU share steps on the CPU
     assert offloaded.total == offloaded.params + offloaded.grads + offloaded.activations + offloaded.transient + offloaded.overhead
     no_recompute = estimate(arch("Qwen3-1.7B"), Layout(gpus_per_node=8, tp=1), BatchPlan(micro_batch_tokens=16384),
-                            TrainingSetup(fused_adam=False))
+                            TrainingSetup(fused_adam=False, **fp32_masters))
     assert no_recompute.optimizer_step < no_recompute.activations + no_recompute.transient
 
 
@@ -230,6 +231,11 @@ def test_compact_master_weights_keep_2_bytes_of_each_master_between_steps_and_re
     assert fp32.optimizer - compact.optimizer == pytest.approx(2 * shard, abs=2)  # int16 remainder for fp32 master
     assert compact.optimizer_step - fp32.optimizer_step == pytest.approx(2 * shard, abs=2)  # the step's fp32 masters
     assert compact.total == pytest.approx(fp32.total - 2 * shard, abs=2)  # backward, not the step, sets this peak
+    auto = estimate(model, layout, BATCH, TrainingSetup())  # the workers' default: compact where it can be
+    assert auto.optimizer == compact.optimizer and auto.optimizer_step == compact.optimizer_step
+    for unsharded in (TrainingSetup(distributed_optimizer=False), TrainingSetup(optimizer_offload_fraction=0.5)):
+        assert not unsharded.compacts_masters  # auto settles on fp32 masters there, with no error
+        estimate(model, layout, BATCH, unsharded)
     refused = ((TrainingSetup(compact_master_weights=True, distributed_optimizer=False), "--no-distributed-optimizer"),
                (TrainingSetup(compact_master_weights=True, optimizer_offload_fraction=0.5), "--optimizer-offload-fraction"))
     for setup, named in refused:
@@ -246,18 +252,21 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
     """The example layouts scaled to 2 x H200 ran 2 GRPO steps (sessions 14 and 15, bench/gpu_examples.py): the
     plan without its fixed overhead (which covers what the allocator does not count) is at least the policy's
     peak allocated memory in every phase, and at most 10% above it. Planned as those runs were: torch's
-    foreach AdamW (fused Adam came in session 17) and 256 MiB logits chunks (the default until session 20)."""
+    foreach AdamW (fused Adam came in session 17), 256 MiB logits chunks (the default until session 20) and fp32
+    masters (compact ones became the default in session 22)."""
     results = json.loads((directory.parent / "results.json").read_text())
     planner_args = {r["script"]: r["planner_args"] for r in results}
     argv = ["--model", str(directory / "scaled_config.json"), *planner_args[f"{directory.name}.sh"], "--logits-chunk-mib", "256"]
-    planned = estimate_from_argv(argv, fused_adam=False)
+    planned = estimate_from_argv(argv, fused_adam=False, compact_master_weights=False)
     steps = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
     measured = max(v for step in steps for k, v in step.items() if k.startswith("memory/policy_") and "allocated" in k) * GIB
     assert len(steps) == 2 and all(step["sync/bitwise_equal"] == 1.0 for step in steps)
     assert measured <= planned.total - planned.overhead <= 1.10 * measured
 
 
-POLICY_BENCH_RUNS = [p for p in sorted((ROOT / "docs" / "results" / "s20_2026-11-27").glob("*.json"))
+# the runs, with the logprob head's chunk size (MiB) of the code they ran: 256 until session 20, then 1024
+BENCH_RUN_CHUNK_MIB = {"s20_2026-11-27": "256", "s22_2026-11-27": "1024"}
+POLICY_BENCH_RUNS = [p for run in BENCH_RUN_CHUNK_MIB for p in sorted((ROOT / "docs" / "results" / run).glob("*.json"))
                      if "cases" in json.loads(p.read_text())]
 
 
@@ -276,11 +285,11 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, list[st
         if case["backend"] != "megatron":
             continue
         overrides = report["variants"].get(case["variant"], []) if case["variant"] else []
-        chunk = next((o.split("=")[1] for o in overrides if "logits_chunk_mib=" in o), "256")
+        chunk = next((o.split("=")[1] for o in overrides if "logits_chunk_mib=" in o), BENCH_RUN_CHUNK_MIB[path.parent.name])
         argv = ["--model", str(config), "--gpus-per-node", "1", "--gpu-memory-gib", "141",
                 "--micro-batch-tokens", str(report["token_budget"]), "--logits-chunk-mib", chunk]
-        if any(o.endswith("compact_master_weights=true") for o in overrides):
-            argv.append("--compact-master-weights")
+        compact = any(o.endswith("compact_master_weights=true") for o in overrides)  # off by default then
+        argv += ["--compact-master-weights", "true" if compact else "false"]
         peaks.append((case["case"], argv, case["phases"]["train"]["peak_gib"]))
     return peaks
 
@@ -289,7 +298,8 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, list[st
 def test_plan_bounds_the_training_peak_of_the_policy_bench_within_ten_percent(path, tmp_path):
     """bench/policy_bench.py on one H200 (session 20: the first runs whose training peak includes the passes,
     fused Adam): the plan, overhead included, is at least the training phase's peak allocated memory and at
-    most 10% above it (256 MiB logits chunks, and compact master weights where the case's variant set them)."""
+    most 10% above it (the logits chunks of the code that ran, and compact master weights where the case's variant
+    set them)."""
     peaks = _bench_training_peaks(path, tmp_path)
     assert peaks
     for case, argv, measured_gib in peaks:

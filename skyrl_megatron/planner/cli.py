@@ -67,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument("--no-grad-reduce-in-fp32", action="store_true", help="bf16 gradient buffers")
     training.add_argument("--no-distributed-optimizer", action="store_true", help="do not shard optimizer state over DP")
-    training.add_argument("--compact-master-weights", action="store_true",
-                          help="fp32 masters kept as bf16 weight + 16-bit remainder between steps (compact_master_weights)")
+    training.add_argument("--compact-master-weights", nargs="?", type=_true_false_auto, const=True, default="auto",
+                          metavar="{auto,true,false}",
+                          help="fp32 masters kept as bf16 weight + 16-bit remainder between steps (compact_master_weights; "
+                               "auto, the default: with the distributed optimizer and nothing offloaded)")
     parser.add_argument("--suggest", action="store_true", help="list the layouts of the cluster that fit --gpu-memory-gib")
     parser.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to print")
     return parser
@@ -110,6 +112,14 @@ def _batch_plan(args: argparse.Namespace) -> BatchPlan:
         swiglu_fusion=not args.unfused_swiglu,
         logits_chunk_bytes=args.logits_chunk_mib * 2**20,
     )
+
+
+def _true_false_auto(text: str) -> bool | str:
+    """A megatron_config value that may be true, false or auto, as the config spells it."""
+    value = {"true": True, "false": False, "auto": "auto"}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected auto, true or false, got {text!r}")
+    return value
 
 
 def _training_setup(args: argparse.Namespace) -> TrainingSetup:

@@ -82,7 +82,15 @@ class TrainingSetup:
     optimizer_offload_fraction: float = 0.0  # share of the optimizer state kept on the CPU
     # torch's fused Adam (what our optimizer runs: optim.use_fused_torch_adam); False: foreach AdamW
     fused_adam: bool = True
-    compact_master_weights: bool = False  # megatron_config.compact_master_weights
+    # megatron_config.compact_master_weights: True, False or "auto" (on where the optimizer allows it)
+    compact_master_weights: bool | str = "auto"
+
+    @property
+    def compacts_masters(self) -> bool:
+        """Whether the masters are compact between steps, "auto" settled as the workers settle it."""
+        if self.compact_master_weights == "auto":
+            return self.distributed_optimizer and self.optimizer_offload_fraction == 0.0
+        return bool(self.compact_master_weights)
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ def check_settings(batch: BatchPlan, training: TrainingSetup) -> None:
          f"use some of {', '.join(RECOMPUTE_MODULES)}"),
         (training.lora_rank >= 0, "--lora-rank", f"must be 0 or more, got {training.lora_rank}", "set 0 for a full fine-tune"),
         (0.0 <= offload <= 1.0, "--optimizer-offload-fraction", f"must be between 0 and 1, got {offload}", "set a share such as 0.5"),
-        (not training.compact_master_weights or (training.distributed_optimizer and offload == 0.0),
+        (training.compact_master_weights is not True or (training.distributed_optimizer and offload == 0.0),
          "--compact-master-weights", "needs the distributed optimizer with nothing offloaded to the CPU",
          "drop --no-distributed-optimizer and --optimizer-offload-fraction, or --compact-master-weights"),
     )
@@ -334,7 +342,7 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
     on_gpu_share = 1.0 - training.optimizer_offload_fraction
     shard_on_gpu = (trainable_dense / dense_shards + trainable_expert / expert_shards) * on_gpu_share
     # between steps; the step itself rebuilds compact masters to fp32
-    optimizer = (ADAM_STATE_BYTES - COMPACT_MASTER_SAVING * training.compact_master_weights) * shard_on_gpu
+    optimizer = (ADAM_STATE_BYTES - COMPACT_MASTER_SAVING * training.compacts_masters) * shard_on_gpu
 
     layers = stage_layers(arch, layout, stage)
     saved_per_pass = sum(layer_activation_bytes(arch, layout, batch, moe_layer=arch.is_moe_layer(i)) for i in layers)
@@ -361,7 +369,7 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
 def _step_temporary_bytes(training: TrainingSetup) -> int:
     """Bytes per element of the GPU's optimizer shard that the optimizer step adds (module docstring)."""
     fp32_temporaries = int(not training.grad_reduce_in_fp32) + int(not training.fused_adam)
-    return FP32 * fp32_temporaries + COMPACT_MASTER_SAVING * training.compact_master_weights
+    return FP32 * fp32_temporaries + COMPACT_MASTER_SAVING * training.compacts_masters
 
 
 def _transients(

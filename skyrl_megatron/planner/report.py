@@ -45,7 +45,7 @@ def describe_training(batch: BatchPlan, training: TrainingSetup) -> list[str]:
     first = f"{batch.micro_batch_tokens} tokens per micro-batch (packed), recompute {recompute}, {swiglu} SwiGLU, {tuning}"
     grads = "fp32" if training.grad_reduce_in_fp32 else "bf16"
     optimizer = "distributed" if training.distributed_optimizer else "unsharded"
-    masters = "compact main params (bf16 + 16-bit remainder between steps)" if training.compact_master_weights else "fp32 main params"
+    masters = "compact main params (bf16 + 16-bit remainder between steps)" if training.compacts_masters else "fp32 main params"
     second = f"bf16 params, {grads} grads, {masters} + Adam ({optimizer}"
     if training.optimizer_offload_fraction:
         second += f", {training.optimizer_offload_fraction:.0%} on the CPU"
@@ -71,7 +71,7 @@ def format_estimate(
     rows = (
         ("params", result.params, f"{count(result.parameters_on_gpu)} parameters, bf16"),
         ("grads", result.grads, "main_grad buffers of the trainable parameters"),
-        ("optimizer", result.optimizer, f"{'compact' if training.compact_master_weights else 'fp32'} main params + Adam m, v; {optimizer_shards}"),
+        ("optimizer", result.optimizer, f"{'compact' if training.compacts_masters else 'fp32'} main params + Adam m, v; {optimizer_shards}"),
         ("activations", result.activations, f"saved for backward: {in_flight}"),
         ("transient", result.transient, f"largest backward transient: {result.transient_source}"),
         ("opt. step", result.optimizer_step, "the step's temporaries over the shard; peaks apart from the two above"),
