@@ -380,10 +380,51 @@ def counts_between(before: dict[str, int], after: dict[str, int]) -> dict[str, i
     return {name: after[name] - before[name] for name in ALLOCATOR_COUNTERS}
 
 
+def process_start_time() -> float | None:
+    """Wall-clock time at which this process was created (Linux's /proc; whole seconds of boot time), or None."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+# A worker's start-up, in the order the host drives it: the process exists; the actor's class arrives (its
+# modules imported) and `__init__` runs; `init_worker_process_group` (ours: Megatron's groups as well);
+# `init_model` (weights, wrappers, optimizer). Wall-clock stamps; the driver makes them relative to its own start.
+STARTUP_STAMPS = ("process_created", "actor_init_entered", "actor_init_done", "process_group_done",
+                  "init_model_entered", "init_model_done")
+
+
+def startup_timeline(stamps: dict[str, float | None], driver_started: float) -> dict[str, float | None]:
+    """Seconds after the driver asked for the workers at which each stage of `STARTUP_STAMPS` ended."""
+    return {name: None if stamps.get(name) is None else round(stamps[name] - driver_started, 2) for name in STARTUP_STAMPS}
+
+
 class _Measured:
     """Read-only additions to a worker class: peak memory, the path that ran, the time each phase
     spends inside the worker (against the driver's, the rest is dispatch and collection), and an
     optional profile of one step."""
+
+    def __init__(self, *args, **kwargs):
+        self._bench_startup = {"process_created": process_start_time(), "actor_init_entered": time.time()}
+        super().__init__(*args, **kwargs)
+        self._bench_startup["actor_init_done"] = time.time()
+
+    def init_worker_process_group(self, *args, **kwargs):
+        result = super().init_worker_process_group(*args, **kwargs)
+        self._bench_startup["process_group_done"] = time.time()
+        return result
+
+    def init_model(self, *args, **kwargs):
+        self._bench_startup["init_model_entered"] = time.time()
+        result = super().init_model(*args, **kwargs)
+        self._bench_startup["init_model_done"] = time.time()
+        return result
+
+    def bench_startup(self) -> dict[str, float | None]:
+        return dict(self._bench_startup)
 
     def forward(self, *args, **kwargs):
         return self._bench_timed("forward", super().forward, args, kwargs)
@@ -545,14 +586,16 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         initialize_ray(cfg, log_to_driver=False)
     try:
         trainer = host_trainer(cfg, tokenizer, total_training_steps=100)
-        started = time.perf_counter()
+        started, driver_started = time.perf_counter(), time.time()
         trainer.build_models(measured_policy_class(case.backend), None, None)
         init_seconds = time.perf_counter() - started
         policy = trainer.policy_model
         path = ray.get(policy.async_run_ray_method("pass_through", "bench_path"))[0]
+        startup = startup_timeline(ray.get(policy.async_run_ray_method("pass_through", "bench_startup"))[0], driver_started)
         weights = path.get("weights")  # ours: how the weights came (cache hit, conversion, load), seconds
         print(f"  {case.name} started in {init_seconds:.1f} s" + (f"; weights: {json.dumps(weights)}" if weights else ""),
               flush=True)
+        print(f"  {case.name} start-up, rank 0, s after the driver asked: {json.dumps(startup)}", flush=True)
 
         def peak() -> float:
             return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))
@@ -617,7 +660,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
     datasheet = datasheet_peak_tflops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
     result = {"case": case.name, "backend": case.backend, "layout": case.layout, "variant": case.variant,
               "gpus": case.gpus, "path": path,
-              "init_seconds": init_seconds, "tokens": tokens, "profile": profile, "phases": {}}
+              "init_seconds": init_seconds, "startup": startup, "tokens": tokens, "profile": profile, "phases": {}}
     for phase, seconds in phases.items():
         median = statistics.median(seconds)
         phase_flops = flops * (3 if phase == "train" else 1)

@@ -22,6 +22,7 @@ from skyrl_megatron.model.cache import (
     CACHE_ROOT_ENV,
     CHECKPOINT_DIRNAME,
     DIGEST_MEMO_NAME,
+    HASH_BLOCK_BYTES,
     CacheEntry,
     EntryLock,
     FileDigests,
@@ -57,6 +58,36 @@ def test_only_checkpoints_on_this_machine_can_be_keyed(tmp_path):
 
 
 # ---- keys and digests (fake checkpoints: only bytes matter here) ---------------------------------
+
+
+def _reference_digest(data: bytes) -> str:
+    """The documented digest, written out again: sha256 over the size and each block's sha256."""
+    blocks = [hashlib.sha256(data[i:i + HASH_BLOCK_BYTES]).digest() for i in range(0, len(data), HASH_BLOCK_BYTES)]
+    return hashlib.sha256(len(data).to_bytes(8, "little") + b"".join(blocks)).hexdigest()
+
+
+def test_a_large_file_hashes_block_by_block_in_parallel_and_any_changed_block_shows(tmp_path):
+    """One file of several blocks (the first start reads a multi-GB HF shard and the entry it writes): its
+    digest is the documented one whatever the thread count, and a byte changed in any block, or a byte
+    appended, changes it."""
+    data = bytearray(os.urandom(2 * HASH_BLOCK_BYTES + 12345))
+    path = tmp_path / "model-00001-of-00001.safetensors"
+    path.write_bytes(data)
+    expected = _reference_digest(bytes(data))
+    for threads in (1, 4):
+        assert FileDigests(tmp_path / f"memo{threads}.json", max_threads=threads).of([path])[path] == expected
+    seen = {expected}
+    for offset in (0, HASH_BLOCK_BYTES + 7, len(data) - 1):
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        path.write_bytes(changed)
+        seen.add(FileDigests(tmp_path / "memo_changed.json").of([path])[path])
+    path.write_bytes(bytes(data) + b"\0")
+    seen.add(FileDigests(tmp_path / "memo_longer.json").of([path])[path])
+    assert len(seen) == 5
+    empty = tmp_path / "empty.json"
+    empty.write_bytes(b"")
+    assert FileDigests(tmp_path / "memo_empty.json").of([empty])[empty] == _reference_digest(b"")
 
 
 def _fake_checkpoint(directory: Path, weights: bytes = b"w" * 4096) -> Path:
@@ -102,7 +133,7 @@ def test_digests_are_memoized_across_starts_and_refreshed_when_a_file_changes(tm
     first = FileDigests(memo)
     digests = first.of(files)
     assert first.files_read == len(files)
-    assert all(digests[p] == hashlib.sha256(p.read_bytes()).hexdigest() for p in files)
+    assert all(digests[p] == _reference_digest(p.read_bytes()) for p in files)
 
     later_start = FileDigests(memo)  # a new process: only the sidecar carries the memo over
     assert later_start.of(files) == digests
@@ -113,7 +144,7 @@ def test_digests_are_memoized_across_starts_and_refreshed_when_a_file_changes(tm
     weights.write_bytes(new_bytes)  # same size: only mtime/ctime reveal the change
     again = FileDigests(memo)
     current = again.of(files)
-    assert current[weights] == hashlib.sha256(new_bytes).hexdigest()
+    assert current[weights] == _reference_digest(new_bytes)
     assert again.files_read == 1
     # the sidecar keeps only records that still describe a file
     assert len(json.loads(memo.read_text())["digests"]) == len(files)

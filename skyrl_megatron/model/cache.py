@@ -19,7 +19,9 @@ only rank 0 inspects the file system; its verdicts are broadcast so that every r
 branch into the collective save or load. The root must therefore be visible to every rank.
 
 File digests are memoized in ``<root>/file_digests.json`` by file identity (device, inode, size,
-mtime, ctime), so a later start stats a 60 GB checkpoint instead of reading it.
+mtime, ctime), so a later start stats a 60 GB checkpoint instead of reading it. A file's digest is a
+hash of its blocks' hashes (`file_digest`), so that one large file is read by every core at once: the
+first start reads the HF checkpoint for the key and the written entry for its manifest.
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ logger = logging.getLogger(__name__)
 
 CACHE_ROOT_ENV = "SKYRL_MEGATRON_CHECKPOINT_DIR"
 # Bump when the entry layout or the key material changes: old entries then simply stop matching.
-CACHE_FORMAT = 1
+# 2: file digests over blocks (HASH_NAME), not over whole files.
+CACHE_FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_DIRNAME = "checkpoint"
 DIGEST_MEMO_NAME = "file_digests.json"
-# sha256 runs on the CPU's SHA extensions through OpenSSL: about twice blake2b's speed here.
-HASH_NAME = "sha256"
+# sha256 runs on the CPU's SHA extensions through OpenSSL: about twice blake2b's speed here. A file's
+# digest is the sha256 of its size and of the sha256 of each HASH_BLOCK_BYTES block, in order
+# (`file_digest`): blocks hash in parallel threads (hashlib and os.pread release the GIL).
+HASH_NAME = "sha256-of-64MiB-blocks"
+HASH_BLOCK_BYTES = 64 * 2**20
 # The HF files that decide the converted weights. The tokenizer does not, so editing it keeps the entry.
 HF_CONTENT_PATTERNS = (
     "config.json",
@@ -64,7 +70,8 @@ HF_CONTENT_PATTERNS = (
     "pytorch_model*.bin",
     "pytorch_model*.bin.index.json",
 )
-_HASH_THREADS = 8
+_HASH_THREADS = min(32, os.cpu_count() or 8)
+_READ_BYTES = 8 * 2**20  # one read of a block (bounded memory per thread)
 _T = TypeVar("_T")
 
 
@@ -120,16 +127,48 @@ def _identity(path: Path) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def _hash_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, HASH_NAME).hexdigest()
+def _block_hash(path: Path, offset: int, length: int) -> bytes:
+    block = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        end = offset + length
+        while offset < end:
+            data = os.pread(fd, min(_READ_BYTES, end - offset), offset)
+            if not data:
+                raise OSError(f"{path} ended at byte {offset} while hashing (it shrank)")
+            block.update(data)
+            offset += len(data)
+    finally:
+        os.close(fd)
+    return block.digest()
+
+
+def file_digest(block_hashes: Sequence[bytes], size: int) -> str:
+    """The digest of a file of `size` bytes whose HASH_BLOCK_BYTES blocks hash to `block_hashes`."""
+    top = hashlib.sha256(size.to_bytes(8, "little"))
+    for block in block_hashes:
+        top.update(block)
+    return top.hexdigest()
+
+
+def _hash_files(paths: Sequence[Path], max_threads: int) -> dict[Path, str]:
+    """Digests of `paths`, their blocks spread over one pool of threads (a single large file uses them all)."""
+    sizes = {path: path.stat().st_size for path in paths}
+    blocks = [(path, offset, min(HASH_BLOCK_BYTES, sizes[path] - offset))
+              for path in paths for offset in range(0, sizes[path], HASH_BLOCK_BYTES)]
+    with ThreadPoolExecutor(max_workers=max(1, min(max_threads, len(blocks)))) as pool:
+        hashes = list(pool.map(lambda block: _block_hash(*block), blocks))
+    per_file: dict[Path, list[bytes]] = {path: [] for path in paths}
+    for (path, _, _), block_hash in zip(blocks, hashes):
+        per_file[path].append(block_hash)
+    return {path: file_digest(per_file[path], sizes[path]) for path in paths}
 
 
 class FileDigests:
     """Content digests of files, memoized in a JSON sidecar so that unchanged files are not re-read.
 
-    Files are hashed in threads (hashlib releases the GIL on large buffers). `files_read` and
-    `bytes_read` count the actual reads, for logs and tests.
+    Blocks of files are hashed in threads (`_hash_files`). `files_read` and `bytes_read` count the
+    actual reads, for logs and tests.
     """
 
     def __init__(self, memo_path: Path, max_threads: int = _HASH_THREADS):
@@ -151,8 +190,7 @@ class FileDigests:
             if memo[identities[path]]["path"] != str(path)
         }
         if unknown:
-            with ThreadPoolExecutor(max_workers=min(self.max_threads, len(unknown))) as pool:
-                fresh = dict(zip(unknown, pool.map(_hash_file, unknown)))
+            fresh = _hash_files(unknown, self.max_threads)
             self.files_read += len(unknown)
             self.bytes_read += sum(path.stat().st_size for path in unknown)
             digests.update(fresh)
