@@ -393,8 +393,8 @@ def process_start_time() -> float | None:
 # A worker's start-up, in the order the host drives it: the process exists; the actor's class arrives (its
 # modules imported) and `__init__` runs; `init_worker_process_group` (ours: Megatron's groups as well);
 # `init_model` (weights, wrappers, optimizer). Wall-clock stamps; the driver makes them relative to its own start.
-STARTUP_STAMPS = ("process_created", "actor_init_entered", "actor_init_done", "process_group_done",
-                  "init_model_entered", "init_model_done")
+STARTUP_STAMPS = ("process_created", "actor_init_entered", "actor_init_done", "process_group_entered",
+                  "process_group_done", "init_model_entered", "init_model_done")
 
 
 def startup_timeline(stamps: dict[str, float | None], driver_started: float) -> dict[str, float | None]:
@@ -413,6 +413,7 @@ class _Measured:
         self._bench_startup["actor_init_done"] = time.time()
 
     def init_worker_process_group(self, *args, **kwargs):
+        self._bench_startup["process_group_entered"] = time.time()
         result = super().init_worker_process_group(*args, **kwargs)
         self._bench_startup["process_group_done"] = time.time()
         return result
@@ -475,7 +476,8 @@ class _Measured:
             packed = {"sdpa": "masked SDPA"}.get(self.built.segment_kernel, self.built.segment_kernel)
             attention = "TE" if te else f"ours (SDPA / {packed})"
             return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels),
-                    "weights": dataclasses.asdict(self.built.load_report), **threads}
+                    "weights": dataclasses.asdict(self.built.load_report),
+                    "process_groups": dict(getattr(self, "init_parallel_seconds", {})), **threads}
         config = getattr(getattr(model, "model", model), "config", None)
         path = {"transformer_engine": False, "attention": getattr(config, "_attn_implementation", "unknown"),
                 "sample_packing": bool(getattr(model, "use_sample_packing", False)), **threads}
@@ -591,11 +593,16 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         init_seconds = time.perf_counter() - started
         policy = trainer.policy_model
         path = ray.get(policy.async_run_ray_method("pass_through", "bench_path"))[0]
-        startup = startup_timeline(ray.get(policy.async_run_ray_method("pass_through", "bench_startup"))[0], driver_started)
+        startups = [startup_timeline(stamps, driver_started)
+                    for stamps in ray.get(policy.async_run_ray_method("pass_through", "bench_startup"))]
         weights = path.get("weights")  # ours: how the weights came (cache hit, conversion, load), seconds
-        print(f"  {case.name} started in {init_seconds:.1f} s" + (f"; weights: {json.dumps(weights)}" if weights else ""),
+        print(f"  {case.name} started in {init_seconds:.1f} s" + (f"; weights: {json.dumps(weights)}" if weights else "")
+              + (f"; process groups: {json.dumps(path['process_groups'])}" if path.get("process_groups") else ""),
               flush=True)
-        print(f"  {case.name} start-up, rank 0, s after the driver asked: {json.dumps(startup)}", flush=True)
+        # rank 0, and the rank whose actor came up last (the host creates the others once rank 0 is up)
+        latest = max(range(len(startups)), key=lambda rank: startups[rank]["actor_init_entered"] or 0.0)
+        for rank in sorted({0, latest}):
+            print(f"  {case.name} start-up, rank {rank}, s after the driver asked: {json.dumps(startups[rank])}", flush=True)
 
         def peak() -> float:
             return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))
@@ -660,7 +667,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
     datasheet = datasheet_peak_tflops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
     result = {"case": case.name, "backend": case.backend, "layout": case.layout, "variant": case.variant,
               "gpus": case.gpus, "path": path,
-              "init_seconds": init_seconds, "startup": startup, "tokens": tokens, "profile": profile, "phases": {}}
+              "init_seconds": init_seconds, "startup": startups, "tokens": tokens, "profile": profile, "phases": {}}
     for phase, seconds in phases.items():
         median = statistics.median(seconds)
         phase_flops = flops * (3 if phase == "train" else 1)

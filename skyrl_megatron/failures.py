@@ -81,7 +81,9 @@ def register_current_worker(role: str, rank: int, world_size: int, coordinates: 
     except ValueError:
         return
     identity = WorkerIdentity(role, rank, world_size, coordinates, os.getpid(), ray.util.get_node_ip_address())
-    ray.get(registry.register.remote(actor_id, identity, context.current_actor))
+    # Not waited for: the registry actor's process may still be starting (7 s of a CPU worker's start-up
+    # was this wait), and a failure is looked up long after the call was submitted.
+    registry.register.remote(actor_id, identity, context.current_actor)
 
 
 def dead_workers() -> list[WorkerIdentity]:

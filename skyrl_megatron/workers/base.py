@@ -50,10 +50,18 @@ class MegatronWorkerMixin:
         return view
 
     def _init_parallel(self) -> MeshCoordinates:
+        started = time.perf_counter()
         self.megatron_cfg = MegatronWorkerConfig.from_host_config(self.host_cfg, self.role)
+        configured = time.perf_counter()
         self.runtime = init_distributed(self.megatron_cfg.runtime)
+        joined = time.perf_counter()
         self.parallel_config = self.megatron_cfg.parallel()
         coords = initialize_model_parallel(self.parallel_config, seed=self.host_cfg.trainer.seed)
+        # where a start's process-group stage goes (policy_bench reports it): the default group waits for every
+        # rank's actor; Megatron's groups include importing megatron.core, the first use of it in the worker
+        grouped = time.perf_counter()
+        self.init_parallel_seconds = {"config": configured - started, "torch_distributed": joined - configured,
+                                      "megatron_groups": grouped - joined}
         self.mesh_rank = host_api.make_mesh_rank(
             dp=coords.dp,
             cp=coords.cp,
@@ -67,6 +75,9 @@ class MegatronWorkerMixin:
         rank = torch.distributed.get_rank()
         self.worker_name = f"{self.role} worker rank {rank}/{coords.world_size} ({coordinates})"
         register_current_worker(self.role, rank, coords.world_size, coordinates)
+        self.init_parallel_seconds["mesh_and_registry"] = time.perf_counter() - grouped
+        logger.info("skyrl-megatron %s: process groups in %s", self.worker_name,
+                    ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.init_parallel_seconds.items()))
         return coords
 
     def init_worker_process_group(self) -> None:

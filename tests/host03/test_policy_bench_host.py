@@ -79,13 +79,23 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     # how the weights came, for the start-up time: through the bench's conversion cache, a fresh one (a miss)
     assert path["weights"]["hit"] is False and path["weights"]["conversion_seconds"] > 0
     assert f"megatron:tp2 started in {case['init_seconds']:.1f} s; weights: " in run.stdout
-    # where the start-up went, stage by stage on rank 0, in seconds after the driver asked for the workers
-    startup = case["startup"]
-    stages = [startup[name] for name in ("actor_init_entered", "actor_init_done", "process_group_done",
-                                         "init_model_entered", "init_model_done")]
-    assert 0 < stages[0] and stages == sorted(stages) and stages[-1] <= case["init_seconds"] + 0.1, startup
-    assert startup["process_created"] <= stages[0] + 1.0  # (/proc's boot time has whole seconds)
+    # where the start-up went, stage by stage on each rank, in seconds after the driver asked for the workers
+    assert len(case["startup"]) == 2
+    startup_rank0 = case["startup"][0]
+    for startup in case["startup"]:
+        stages = [startup[name] for name in ("actor_init_entered", "actor_init_done", "process_group_done",
+                                             "init_model_entered", "init_model_done")]
+        assert 0 < stages[0] and stages == sorted(stages) and stages[-1] <= case["init_seconds"] + 0.1, startup
+        assert startup["process_created"] <= stages[0] + 1.0  # (/proc's boot time has whole seconds)
+    # the process groups form once the last rank is up: no rank finishes them before every actor has started
+    assert min(s["process_group_done"] for s in case["startup"]) >= max(s["actor_init_done"] for s in case["startup"])
     assert "megatron:tp2 start-up, rank 0, s after the driver asked: {" in run.stdout
+    # inside rank 0's process-group stage: the host config read, torch.distributed's default group, Megatron's
+    # groups, the host's mesh rank and the failure registry
+    inside = path["process_groups"]
+    assert set(inside) == {"config", "torch_distributed", "megatron_groups", "mesh_and_registry"}
+    assert all(v >= 0 for v in inside.values()), inside
+    assert sum(inside.values()) <= startup_rank0["process_group_done"] - startup_rank0["actor_init_done"] + 0.1
     assert report["tokens"] == case["tokens"] > 0
     for phase in ("forward", "train"):
         measured = case["phases"][phase]

@@ -1,0 +1,60 @@
+"""A worker registers in the failure registry (`failures.py`) without waiting for it: the registry's actor
+may still be starting when the first worker's process groups are up (on a 2-core machine that wait was 7 s of
+every start). Here the registry is held shut until the worker's call has returned."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from skyrl_megatron.failures import REGISTRY_NAME, register_current_worker
+
+GATE_TIMEOUT_S = 120  # how long the held registry waits for its gate before giving up (a broken test, not a pass)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)  # two threads: `entries` answers while `register` is held
+class _HeldRegistry:
+    def __init__(self, gate: str):
+        self.gate, self.workers = gate, {}
+
+    def register(self, actor_id, identity, handle) -> None:
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.workers[actor_id] = identity
+
+    def entries(self) -> dict:
+        return dict(self.workers)
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    def come_up(self) -> bool:
+        register_current_worker("policy", 1, 2, "dp 0, cp 0, tp 1, pp 0")
+        return True
+
+
+@pytest.mark.slow
+def test_a_worker_registers_without_waiting_for_the_registry(tmp_path):
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        gate = tmp_path / "gate"
+        registry = _HeldRegistry.options(name=REGISTRY_NAME).remote(str(gate))
+        worker = _Worker.remote()
+        # returns while the registry cannot take the call (a waiting worker would time out here)
+        assert ray.get(worker.come_up.remote(), timeout=GATE_TIMEOUT_S / 2)
+        assert ray.get(registry.entries.remote()) == {}
+        gate.touch()
+        for _ in range(600):  # the call submitted above is delivered once the registry takes it
+            (identity,) = ray.get(registry.entries.remote()).values() or (None,)
+            if identity is not None:
+                break
+            time.sleep(0.1)
+        assert identity is not None, "the registration never reached the registry"
+        assert (identity.role, identity.rank, identity.world_size) == ("policy", 1, 2)
+        assert identity.pid != os.getpid()  # the worker's own process
+    finally:
+        ray.shutdown()
