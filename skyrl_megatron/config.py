@@ -219,7 +219,7 @@ class MegatronWorkerConfig:
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
     attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (model/attention_kernels.py)
     # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py);
-    # auto: wherever the optimizer allows it (optim.Settings.build_optimizer), true: there or an error
+    # auto: wherever the optimizer allows it (optim.OptimizerSettings.build_optimizer), true: there or an error
     compact_master_weights: bool | str = AUTO
     ddp_config: dict[str, Any] = field(default_factory=dict)
     optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
