@@ -555,7 +555,7 @@ def _compact_master_weight_problems(cfg, role: str, prefix: str, mc: MegatronWor
     parameters under torch's Adam (the layouts master_weights.refusal accepts at build time)."""
     key = f"{prefix}.compact_master_weights"
     value = mc.compact_master_weights
-    if not _is_bool_or_auto(value):
+    if not (isinstance(value, bool) or value == AUTO):
         return [Problem(key, f"must be true, false or auto, got {value!r}",
                         "set auto (wherever the optimizer allows it), true or false")]
     if value is not True:  # auto settles quietly on what the built optimizer allows
@@ -783,10 +783,6 @@ def _check_against_model(prefix: str, shape: ModelShape, tp: int, pp: int, vpp: 
 # auto: the host's own engines; cpu / gpu: our HF engine (engines/hf_engine.py) on CPU, or on a GPU of its own
 ENGINES = ("auto", "cpu", "gpu")
 HF_ENGINES = ("cpu", "gpu")
-
-
-def _is_bool_or_auto(value) -> bool:
-    return isinstance(value, bool) or value == AUTO
 
 
 def _gpu_sharing(cfg, role: str) -> str | None:

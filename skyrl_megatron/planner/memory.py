@@ -86,10 +86,15 @@ class TrainingSetup:
     compact_master_weights: bool | str = "auto"
 
     @property
+    def masters_can_be_compact(self) -> bool:
+        """The layouts compact masters support: the distributed optimizer with nothing offloaded to the CPU."""
+        return self.distributed_optimizer and self.optimizer_offload_fraction == 0.0
+
+    @property
     def compacts_masters(self) -> bool:
         """Whether the masters are compact between steps, "auto" settled as the workers settle it."""
         if self.compact_master_weights == "auto":
-            return self.distributed_optimizer and self.optimizer_offload_fraction == 0.0
+            return self.masters_can_be_compact
         return bool(self.compact_master_weights)
 
 
@@ -157,7 +162,7 @@ def check_settings(batch: BatchPlan, training: TrainingSetup) -> None:
          f"use some of {', '.join(RECOMPUTE_MODULES)}"),
         (training.lora_rank >= 0, "--lora-rank", f"must be 0 or more, got {training.lora_rank}", "set 0 for a full fine-tune"),
         (0.0 <= offload <= 1.0, "--optimizer-offload-fraction", f"must be between 0 and 1, got {offload}", "set a share such as 0.5"),
-        (training.compact_master_weights is not True or (training.distributed_optimizer and offload == 0.0),
+        (training.compact_master_weights is not True or training.masters_can_be_compact,
          "--compact-master-weights", "needs the distributed optimizer with nothing offloaded to the CPU",
          "drop --no-distributed-optimizer and --optimizer-offload-fraction, or --compact-master-weights"),
     )
