@@ -241,11 +241,14 @@ class Settings:
     variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     profile_dir: str | None = None  # profile one extra step per case and write its tables here
     profile_backends: tuple[str, ...] = ("megatron", "fsdp2")
+    profile_phase: str = "step"  # what the profile covers: "step" (scoring pass + training), "forward" or "train"
     fsdp_packed_rows: int = 8  # fsdp2: rows per micro-batch, packed into one sequence by the host
     flash_attn_site: str | None = None  # fsdp2: put first on its workers' PYTHONPATH (the stand-in)
     fsdp_forward_rows: int | None = None  # fsdp2: rows per scoring micro-batch (None: fsdp_packed_rows)
 
 
+PROFILED_PHASES = {"step": "one scoring pass + one training call", "forward": "one scoring pass",
+                   "train": "one training call"}
 ENV_PREFIX = "env:"  # a variant entry "env:NAME=VALUE" sets an environment variable for the case
 
 
@@ -501,7 +504,7 @@ class _Measured:
         self._bench_profiler.__enter__()
         self._bench_profile_started = time.perf_counter()
 
-    def bench_profile_stop(self, out_file: str | None) -> dict[str, float]:
+    def bench_profile_stop(self, out_file: str | None, covered: str = "step") -> dict[str, float]:
         """Stop profiling; rank 0 writes the top operators by device and by host time to `out_file`.
         Returns the wall time and the summed device (kernel) time: their gap is the time the GPU
         waited on the host."""
@@ -519,7 +522,7 @@ class _Measured:
         if out_file and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
             sort_device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             Path(out_file).write_text(
-                f"one forward + one train step, rank 0: {json.dumps(summary)}\n\n"
+                f"{PROFILED_PHASES[covered]}, rank 0: {json.dumps(summary)}\n\n"
                 f"where the device waited\n{idle.render()}\n"
                 f"top operators by device time\n{averages.table(sort_by=sort_device, row_limit=40)}\n"
                 f"top operators by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
@@ -618,19 +621,39 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             return {phase: {name: max(r[phase][name] for r in per_rank) for name in ALLOCATOR_COUNTERS}
                     for phase in per_rank[0]}
 
-        def step(number: int) -> tuple[dict[str, float], dict[str, float], dict]:
+        def step(number: int, profiled: str | None = None) -> tuple[dict[str, float], dict[str, float], dict]:
+            """One scoring pass and one training call; `profiled` ("step", "forward", "train") is profiled."""
             data = training_input(batch, s.batch.max_response, global_step=number + 1)
+            if profiled in ("step", "forward"):
+                start_profile()
             start = time.perf_counter()
             data = trainer.fwd_logprobs_values_reward(data)
             driver = {"forward": time.perf_counter() - start}
+            if profiled == "forward":
+                profiles.append(stop_profile())
             peaks["forward"] = max(peaks["forward"], peak())
+            if profiled == "train":
+                start_profile()
             start = time.perf_counter()
             status = trainer.train_critic_and_policy(data)
             driver["train"] = time.perf_counter() - start
+            if profiled in ("step", "train"):
+                profiles.append(stop_profile())
             peaks["train"] = max(peaks["train"], peak())
             if not math.isfinite(status["policy_loss"]):
                 raise RuntimeError(f"{case.name}: non-finite policy loss at step {number}")
             return driver, worker_seconds(), status
+
+        profile_file = str(Path(s.profile_dir or ".") / f"profile_{case.name.replace(':', '_').replace('@', '_')}.txt")
+        profiles: list[dict] = []
+
+        def start_profile() -> None:  # on every rank
+            ray.get(policy.async_run_ray_method("pass_through", "bench_profile_start"))
+
+        def stop_profile() -> dict:  # rank 0 writes its operator tables
+            summary = ray.get(policy.async_run_ray_method("pass_through", "bench_profile_stop", profile_file,
+                                                          s.profile_phase))[0]
+            return {**summary, "file": profile_file, "phase": s.profile_phase}
 
         peak()
         phases: dict[str, list[float]] = {"forward": [], "train": []}
@@ -652,13 +675,9 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
                   f"loss {status['policy_loss']:.4f}", flush=True)
         profile = None
         if s.profile_dir is not None and case.backend in s.profile_backends:
-            # one more step, profiled on every rank; rank 0 writes its operator tables
-            out_file = str(Path(s.profile_dir) / f"profile_{case.name.replace(':', '_').replace('@', '_')}.txt")
-            ray.get(policy.async_run_ray_method("pass_through", "bench_profile_start"))
-            step(s.warmup + s.steps)
-            profile = ray.get(policy.async_run_ray_method("pass_through", "bench_profile_stop", out_file))[0]
-            profile["file"] = out_file
-            print(f"  {case.name} profiled step: {json.dumps(profile)}", flush=True)
+            step(s.warmup + s.steps, profiled=s.profile_phase)  # one more step, its profiled phase timed apart
+            profile = profiles[-1]
+            print(f"  {case.name} profiled {s.profile_phase}: {json.dumps(profile)}", flush=True)
     finally:
         ray.shutdown()
 
@@ -966,6 +985,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one extra step per case (torch.profiler); operator tables to DIR")
     parser.add_argument("--profile-backends", default="megatron,fsdp2",
                         help="with --profile: which backends' cases to profile (a long FSDP2 step makes a large trace)")
+    parser.add_argument("--profile-phase", choices=tuple(PROFILED_PHASES), default="step",
+                        help="with --profile: profile the scoring pass and training call (step) or one of them")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch; FSDP2 cases composed only")
@@ -1025,7 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
                         args.recompute, args.steps, args.warmup, variants,
                         str(args.profile) if args.profile else None, tuple(args.profile_backends.split(",")),
-                        packed_rows, flash_attn_site, args.fsdp_forward_rows)
+                        args.profile_phase, packed_rows, flash_attn_site, args.fsdp_forward_rows)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     peak_tflops = measured_bf16_peak_tflops()

@@ -94,3 +94,31 @@ def test_without_pipeline_each_micro_batch_keeps_its_own_shape_and_results_do_no
     # grouping changes nothing but float summation order
     for name in ("budget_400", "padded_3"):
         torch.testing.assert_close(out[name]["logprobs"], budget["logprobs"], rtol=0, atol=1e-5)
+
+
+def test_packed_boundaries_shared_by_query_and_key_stay_one_tensor_on_the_device(monkeypatch):
+    """Packing gives query and key (padded or not) one boundary tensor; moving the micro-batch to the GPU must
+    keep them one: the rotation tables are cached by the boundaries' identity, and four copies made the cache
+    miss at every layer and direction (168 cos and 168 sin kernels in a 1.7B scoring pass instead of 3 each,
+    session 23's profile). The meta device stands in for the GPU: `.to` makes a new tensor there as on CUDA."""
+    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.pipeline import _params_on
+    from skyrl_megatron.model import rope
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    params = pack_padded_batch(torch.arange(8).reshape(2, 4), mask).packed_seq_params
+    moved = _params_on(params, torch.device("meta"))
+    boundaries = [moved.cu_seqlens_q, moved.cu_seqlens_kv, moved.cu_seqlens_q_padded, moved.cu_seqlens_kv_padded]
+    assert all(b.device.type == "meta" and b is boundaries[0] for b in boundaries)
+    assert moved.max_seqlen_q == params.max_seqlen_q == 4
+
+    computed = []
+    original = rope.frequency_rows
+    monkeypatch.setattr(rope, "frequency_rows", lambda *a: computed.append(1) or original(*a))
+    rope._TABLES.clear()
+    freqs = torch.randn(16, 1, 1, 8, device="meta")
+    for _layer in range(3):  # as the layers do: query's boundaries, then key's
+        for side in (moved.cu_seqlens_q_padded, moved.cu_seqlens_kv_padded):
+            rope.rotation_tables(freqs, side, 7, 1, 0, torch.bfloat16)
+    rope._TABLES.clear()
+    assert len(computed) == 1

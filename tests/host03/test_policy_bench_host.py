@@ -63,7 +63,7 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     out, chart = tmp_path / "report.json", tmp_path / "chart.png"
     profiles = tmp_path / "profiles"
     command = [sys.executable, str(BENCH), "--smoke", "--out", str(out), "--markdown", str(markdown), "--chart", str(chart),
-               "--profile", str(profiles), "--profile-backends", "megatron"]
+               "--profile", str(profiles), "--profile-backends", "megatron", "--profile-phase", "forward"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
 
@@ -109,13 +109,16 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
         # the allocator's calls per step and phase, on each rank (zeros on CPU: no CUDA allocator)
         assert measured["allocator_calls"] == [{"cuda_mallocs": 0, "cuda_frees": 0, "alloc_retries": 0}] * 3
     profile = case["profile"]
-    assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0
+    assert profile["wall_seconds"] > 0 and profile["host_ops"] > 0 and profile["phase"] == "forward"
     table = Path(profile["file"]).read_text()
     assert Path(profile["file"]).parent == profiles and "top operators by host time" in table and "aten::" in table
-    # the runner's marked phases, with their wall times (no device on CPU, so no idle analysis)
-    assert "no device activity recorded" in table
-    for phase in ("prepare_micro_batches", "schedule", "loss", "collect", "optimizer_step"):
+    # the scoring pass alone: the runner's marked phases of a pass, with their wall times (no device on CPU, so
+    # no idle analysis), and none of the training call's
+    assert table.startswith("one scoring pass, rank 0: {") and "no device activity recorded" in table
+    for phase in ("prepare_micro_batches", "schedule", "collect"):
         assert f"skyrl_megatron.{phase}" in table
+    for phase in ("loss", "optimizer_step"):
+        assert f"skyrl_megatron.{phase}" not in table
     assert [p.name for p in profiles.iterdir()] == ["profile_megatron_tp2.txt"]
 
     text = markdown.read_text()

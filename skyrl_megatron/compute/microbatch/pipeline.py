@@ -91,10 +91,17 @@ def prepare_micro_batches(
 
 
 def _params_on(params, device):
-    """PackedSeqParams with its index tensors on `device` (attention kernels read them there)."""
-    moved = {
-        f.name: getattr(params, f.name).to(device)
-        for f in dataclasses.fields(params)
-        if isinstance(getattr(params, f.name), torch.Tensor)
-    }
+    """PackedSeqParams with its index tensors on `device` (attention kernels read them there).
+
+    Fields that share one tensor (self-attention's query and key boundaries, padded or not) still share
+    one after the move: one copy each, and the rotation tables (`model/rope.py`), cached by the
+    boundaries' identity, are computed once per micro-batch instead of once per layer and direction."""
+    moved_by_id: dict[int, torch.Tensor] = {}
+    moved = {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, torch.Tensor):
+            if id(value) not in moved_by_id:
+                moved_by_id[id(value)] = value.to(device)
+            moved[f.name] = moved_by_id[id(value)]
     return dataclasses.replace(params, **moved)
