@@ -315,3 +315,16 @@ def test_packed_model_forward_matches_padded_per_sequence(tmp_path):
     for padded, packed in zip(result["padded"], result["packed"]):
         assert padded.shape == packed.shape
         assert (padded - packed).abs().max().item() <= 1e-5
+
+
+def test_context_parallel_reads_sequence_lengths_back_once_per_micro_batch():
+    """Under CP every layer needs the micro-batch's sequence lengths on the host; on a GPU reading them back
+    waits for the device, so they are read once per boundary tensor (one per micro-batch), not per layer."""
+    from skyrl_megatron.model.attention import _SequenceLengthsOnHost
+
+    lengths = _SequenceLengthsOnHost()
+    boundaries = torch.tensor([0, 4, 12], dtype=torch.int32)
+    assert lengths.of(boundaries) == (4, 8)
+    boundaries.copy_(torch.tensor([0, 2, 12]))  # the same tensor is not read again
+    assert lengths.of(boundaries) == (4, 8)
+    assert lengths.of(torch.tensor([0, 2, 12], dtype=torch.int32)) == (2, 10)  # the next micro-batch's

@@ -179,6 +179,26 @@ def context_parallel_segments(
     )
 
 
+class _SequenceLengthsOnHost:
+    """The packed sequence lengths of the micro-batch being run, read from its boundaries once.
+
+    Every layer passes the same boundary tensor (the micro-batch's, on the GPU); reading it back is a
+    device-to-host wait, which once per layer would drain the GPU's queue in every layer. The entry is
+    held, so its identity cannot pass to another tensor while cached."""
+
+    def __init__(self):
+        self._boundaries: Tensor | None = None
+        self._lengths: tuple[int, ...] = ()
+
+    def of(self, cu_seqlens: Tensor) -> tuple[int, ...]:
+        if cu_seqlens is not self._boundaries:
+            self._boundaries, self._lengths = cu_seqlens, tuple(cu_seqlens.diff().tolist())
+        return self._lengths
+
+
+_SEQUENCE_LENGTHS = _SequenceLengthsOnHost()
+
+
 def segment_causal_mask(segments: CausalSegments) -> Tensor:
     """[Tq, Tk] bool, True where a query may attend: same segment, key not after the query."""
     cu_q, cu_k = segments.cu_seqlens_q.long(), segments.cu_seqlens_k.long()
@@ -387,7 +407,7 @@ class CoreAttention(MegatronModule):
             segments = CausalSegments(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
             output = attend_segments(query, key, value, segments, self.softmax_scale, self._kernel(query))
         else:
-            output = self._context_parallel(query, key, value, tuple(cu_seqlens.diff().tolist()))
+            output = self._context_parallel(query, key, value, _SEQUENCE_LENGTHS.of(cu_seqlens))
         return output.reshape(output.shape[0], -1)
 
     def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, seq_lengths: tuple[int, ...]) -> Tensor:
