@@ -122,3 +122,23 @@ def test_packed_boundaries_shared_by_query_and_key_stay_one_tensor_on_the_device
             rope.rotation_tables(freqs, side, 7, 1, 0, torch.bfloat16)
     rope._TABLES.clear()
     assert len(computed) == 1
+
+
+@pytest.mark.parametrize("parallel_kwargs, min_tokens", [({}, 0), ({"context": 2}, 0), ({"tensor": 2, "sequence_parallel": True}, 64)])
+def test_other_columns_are_laid_out_as_the_packed_tokens(parallel_kwargs, min_tokens):
+    """`pack_like` (the labels, since session 23) gives what packing those columns again gives, alignment
+    padding and a pipeline's minimum length included."""
+    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.model_inputs import pack_like
+    from skyrl_megatron.parallel import ParallelConfig
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([5, 1, 9, 3])
+    mask = (torch.arange(9) < lengths[:, None]).long()
+    tokens, labels = torch.randint(1, 50, (4, 9), generator=g), torch.randint(-100, 50, (4, 9), generator=g)
+    parallel = ParallelConfig(**parallel_kwargs)
+    packed = pack_padded_batch(tokens, mask, parallel, pad_token_id=0, min_tokens=min_tokens)
+    again = pack_padded_batch(labels, mask, parallel, pad_token_id=-100, min_tokens=min_tokens).tokens
+    if parallel_kwargs or min_tokens:  # alignment padding (CP, SP) or a pipeline's length is there to fill
+        assert packed.num_tokens > int(lengths.sum())
+    assert torch.equal(pack_like(labels, packed, -100), again)

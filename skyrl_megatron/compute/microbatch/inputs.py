@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_megatron.compute.microbatch.model_inputs import ModelInputs, PackedBatch
+from skyrl_megatron.compute.microbatch.model_inputs import ModelInputs, PackedBatch, pack_like
 from skyrl_megatron.compute.microbatch.plan import PackingSettings, packed_lengths, round_up
 from skyrl_megatron.compute.microbatch.rows import IGNORE_LABEL, RowSpans, host_labels
 from skyrl_megatron.parallel import ParallelConfig
@@ -92,9 +92,7 @@ def _packed_inputs(sequences, attention_mask, spans, settings, pad_token_id, pad
         ids = torch.full((1, total), pad_token_id, dtype=torch.long)
         return ModelInputs(ids, torch.arange(total).unsqueeze(0), torch.full_like(ids, IGNORE_LABEL), params, spans, host_columns)
     packed = pack_padded_batch(sequences, attention_mask, settings.parallel, pad_token_id, min_tokens=min_tokens)
-    labels = pack_padded_batch(
-        host_labels(sequences, attention_mask), attention_mask, settings.parallel, IGNORE_LABEL, min_tokens=min_tokens
-    ).tokens
+    labels = pack_like(host_labels(sequences, attention_mask), packed, IGNORE_LABEL)
     return ModelInputs(packed.tokens, packed.position_ids, labels, packed.packed_seq_params, spans, host_columns, packed)
 
 

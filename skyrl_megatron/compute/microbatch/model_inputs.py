@@ -37,6 +37,14 @@ class PackedBatch:
         return self.tokens.shape[1]
 
 
+def pack_like(padded_values: torch.Tensor, packed: PackedBatch, fill_value: int | float) -> torch.Tensor:
+    """Per-token values of the padded batch [B, S] laid out as the packed row [1, T] (`fill_value` in its
+    alignment padding): the tokens' packing applied to other columns (labels), without packing again."""
+    out = padded_values.new_full((packed.num_tokens,), fill_value)
+    out[packed.packed_index] = padded_values.reshape(-1)[packed.padded_index]
+    return out.unsqueeze(0)
+
+
 def unpack_to_padded(packed_output: torch.Tensor, packed: PackedBatch, fill_value: float = 0.0) -> torch.Tensor:
     """Per-token outputs of the packed row [1, T, ...] -> [B, S, ...] at the tokens' padded positions;
     padding positions get `fill_value`."""
