@@ -65,7 +65,9 @@ SMOKE_SHAPE = dict(SHAPE, hidden_size=64, num_attention_heads=4, num_key_value_h
                    num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, vocab_size=256)
 
 
-def _init(device: str) -> None:
+def init_single_rank(device: str) -> None:
+    """One process as rank 0 of 1 (a free port), with Megatron's groups for world 1 (also used by
+    gpu_scoring_graph_check.py)."""
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -292,7 +294,7 @@ def main(argv=None) -> int:
     rows, prompt, response = (args.rows, args.tokens // args.rows // 2, args.tokens // args.rows // 2) if on_gpu else (4, 8, 8)
     layers_count = args.layers if on_gpu else 4
     budget = args.tokens if on_gpu else 64
-    _init("cuda" if on_gpu else "cpu")
+    init_single_rank("cuda" if on_gpu else "cpu")
 
     from megatron.core import parallel_state as ps
 

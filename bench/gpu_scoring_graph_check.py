@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_moe_sync_check import init_single_rank  # noqa: E402  (bench/, beside this file)
 
 SMOKE_SHAPE = dict(model_type="qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=128, vocab_size=256, num_hidden_layers=2, max_position_embeddings=4096,
@@ -72,21 +73,6 @@ def pad_to_bucket(ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.
 def _hidden_only(*, hidden_states, **_unused):
     """An output processor: the final norm's output, no head."""
     return hidden_states
-
-
-def _init(device: str) -> None:
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_distributed(device)
-    initialize_model_parallel(ParallelConfig(), seed=0)
 
 
 def build(config, dtype: str):
@@ -138,7 +124,7 @@ def main(argv=None) -> int:
     if on_gpu and not torch.cuda.is_available():
         parser.error("no GPU: use --smoke for the CPU check of this script")
     device = torch.device("cuda" if on_gpu else "cpu")
-    _init(device.type)
+    init_single_rank(device.type)
 
     from transformers import AutoConfig
 

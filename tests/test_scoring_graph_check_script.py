@@ -5,8 +5,8 @@ hidden states of the unpadded forward."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -16,15 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_scoring_graph_check.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_scoring_graph_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_padding_fills_the_bucket_with_short_segments_then_empty_ones():
-    pad_to_bucket = _script().pad_to_bucket
+    pad_to_bucket = runpy.run_path(str(SCRIPT))["pad_to_bucket"]
     ids = torch.arange(1, 11).unsqueeze(0)  # two sequences: 6 and 4 tokens
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
     cu = torch.tensor([0, 6, 10], dtype=torch.int32)
