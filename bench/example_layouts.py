@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,15 +126,23 @@ def scale_example(script: Path, workdir: Path, gpus: int = 2, full_size: bool = 
     return ScaledExample(**{**scaled.__dict__, "planner_args": _planner_args(scaled)})
 
 
-def _planner_args(example: ScaledExample) -> list[str]:
-    def size(key: str, default: str = "1") -> str:
-        return example.setting(key) or default
+def planner_layout_args(setting: Callable[[str], str | None], gpus: int) -> list[str]:
+    """`skyrl-megatron plan` flags of a one-node layout given as megatron_config settings (`setting(name)`: the
+    value set for `megatron_config.<name>`, None where unset): the example scripts' and the policy bench's."""
 
-    args = ["--nodes", "1", "--gpus-per-node", str(example.gpus),
+    def size(key: str, default: str = "1") -> str:
+        return setting(key) or default
+
+    args = ["--nodes", "1", "--gpus-per-node", str(gpus),
             "--tp", size("tensor_model_parallel_size"), "--pp", size("pipeline_model_parallel_size"),
             "--cp", size("context_parallel_size"), "--ep", size("expert_model_parallel_size")]  # fmt: skip
-    if example.setting("expert_tensor_parallel_size"):
-        args += ["--etp", example.setting("expert_tensor_parallel_size")]
+    if setting("expert_tensor_parallel_size"):
+        args += ["--etp", setting("expert_tensor_parallel_size")]
+    return args
+
+
+def _planner_args(example: ScaledExample) -> list[str]:
+    args = planner_layout_args(example.setting, example.gpus)
     tokens = example.setting("max_tokens_per_microbatch")
     if tokens:
         args += ["--micro-batch-tokens", tokens]

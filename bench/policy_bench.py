@@ -630,7 +630,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             data = trainer.fwd_logprobs_values_reward(data)
             driver = {"forward": time.perf_counter() - start}
             if profiled == "forward":
-                profiles.append(stop_profile())
+                profiles.append(stop_profile(profiled))
             peaks["forward"] = max(peaks["forward"], peak())
             if profiled == "train":
                 start_profile()
@@ -638,7 +638,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             status = trainer.train_critic_and_policy(data)
             driver["train"] = time.perf_counter() - start
             if profiled in ("step", "train"):
-                profiles.append(stop_profile())
+                profiles.append(stop_profile(profiled))
             peaks["train"] = max(peaks["train"], peak())
             if not math.isfinite(status["policy_loss"]):
                 raise RuntimeError(f"{case.name}: non-finite policy loss at step {number}")
@@ -650,10 +650,9 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         def start_profile() -> None:  # on every rank
             ray.get(policy.async_run_ray_method("pass_through", "bench_profile_start"))
 
-        def stop_profile() -> dict:  # rank 0 writes its operator tables
-            summary = ray.get(policy.async_run_ray_method("pass_through", "bench_profile_stop", profile_file,
-                                                          s.profile_phase))[0]
-            return {**summary, "file": profile_file, "phase": s.profile_phase}
+        def stop_profile(phase: str) -> dict:  # rank 0 writes its operator tables
+            summary = ray.get(policy.async_run_ray_method("pass_through", "bench_profile_stop", profile_file, phase))[0]
+            return {**summary, "file": profile_file, "phase": phase}
 
         peak()
         phases: dict[str, list[float]] = {"forward": [], "train": []}

@@ -31,6 +31,10 @@ from skyrl_megatron.planner.cli import main as plan_main
 from skyrl_megatron.planner.memory import ADAM_STATE_BYTES, GIB, micro_batches_in_flight
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # the bench's layouts and the examples' planner flags (bench/*.py)
+from example_layouts import planner_layout_args  # noqa: E402
+from policy_bench import LAYOUTS as BENCH_LAYOUTS  # noqa: E402
+
 MODEL_CONFIGS = ROOT / "examples" / "megatron" / "model_configs"
 CLI = shutil.which("skyrl-megatron", path=str(Path(sys.executable).parent)) or "skyrl-megatron"
 BATCH = BatchPlan(micro_batch_tokens=8192)
@@ -270,9 +274,14 @@ BENCH_RUN_DEFAULTS = {"s20_2026-11-27": ("256", False), "s22_2026-11-27": ("1024
                       "s23_2026-11-27": ("1024", True)}
 POLICY_BENCH_RUNS = [p for run in BENCH_RUN_DEFAULTS for p in sorted((ROOT / "docs" / "results" / run).glob("*.json"))
                      if any(c["backend"] == "megatron" for c in json.loads(p.read_text()).get("cases", []))]
-# bench/policy_bench.py's layouts as planner flags (GPUs, flags)
-BENCH_LAYOUT_FLAGS = {"world1": ("1", []), "dp2": ("2", []), "tp2": ("2", ["--tp", "2"]), "ep2": ("2", ["--ep", "2"]),
-                      "tp2ep2": ("2", ["--tp", "2", "--ep", "2", "--etp", "1"])}
+
+
+def _bench_layout_args(layout: str) -> tuple[int, list[str]]:
+    """(GPUs, planner flags) of a bench/policy_bench.py layout, read from the overrides the bench gives it."""
+    gpus, overrides = BENCH_LAYOUTS[layout]
+    prefix = "trainer.policy.megatron_config."
+    settings = dict(o[len(prefix):].split("=", 1) for o in overrides if o.startswith(prefix))
+    return gpus, planner_layout_args(settings.get, gpus)
 
 
 def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, list[str], float]]:
@@ -292,12 +301,12 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
             continue
         overrides = report["variants"].get(case["variant"], []) if case["variant"] else []
         chunk = next((o.split("=")[1] for o in overrides if "logits_chunk_mib=" in o), default_chunk)
-        gpus, layout_flags = BENCH_LAYOUT_FLAGS[case["layout"]]
-        argv = ["--model", str(config), "--gpus-per-node", gpus, "--gpu-memory-gib", "141",
-                "--micro-batch-tokens", str(report["token_budget"]), "--logits-chunk-mib", chunk, *layout_flags]
+        gpus, layout_flags = _bench_layout_args(case["layout"])
+        argv = ["--model", str(config), *layout_flags, "--gpu-memory-gib", "141",
+                "--micro-batch-tokens", str(report["token_budget"]), "--logits-chunk-mib", chunk]
         compact = compact_by_default or any(o.endswith("compact_master_weights=true") for o in overrides)
         argv += ["--compact-master-weights", "true" if compact else "false"]
-        peaks.append((case["case"], int(gpus), argv, case["phases"]["train"]["peak_gib"]))
+        peaks.append((case["case"], gpus, argv, case["phases"]["train"]["peak_gib"]))
     return peaks
 
 
