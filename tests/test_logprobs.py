@@ -103,6 +103,32 @@ def test_without_entropy_and_mask():
     assert (result.logprobs - ref_logprobs).abs().max().item() <= VALUE_ATOL
 
 
+def test_kept_tokens_found_on_the_host_need_no_device_read_and_change_nothing():
+    from skyrl_megatron.testing.host_syncs import HostSyncProbe
+
+    # targets are [b, s] with b = 3 padded rows; the head sees Megatron's [s, b], so the host's index must
+    # follow that order (a [b, s] index would pick other tokens and this comparison would fail)
+    gen = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    mask = torch.rand(BATCH, SEQ, generator=gen) > 0.4
+    mask[2] = False  # a row with nothing to score
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=gen, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN, generator=gen)
+    targets = LogprobTargets.on_device(labels, mask, torch.device("cpu"))
+    assert torch.equal(targets.kept, mask.t().reshape(-1).nonzero().squeeze(1))
+
+    found_on_device = vocab_parallel_logprobs(hidden, weight, labels.t(), mask=mask.t(), with_entropy=True)
+    with HostSyncProbe() as probe:
+        from_host = vocab_parallel_logprobs(
+            hidden, weight, targets.labels.t(), mask=targets.mask.t(), kept=targets.kept, with_entropy=True
+        )
+        (from_host.logprobs.sum() + from_host.entropy.sum()).backward()
+    assert [s.what for s in probe.found] == []
+    assert torch.equal(from_host.logprobs, found_on_device.logprobs)
+    assert torch.equal(from_host.entropy, found_on_device.entropy)
+    assert torch.all(from_host.logprobs[~mask.t()] == 0) and torch.all(from_host.logprobs[mask.t()] < 0)
+
+
 @FUSED
 @pytest.mark.parametrize("outputs", ["logprobs+entropy", "logprobs", "entropy"])
 def test_gradients_match_autograd_through_materialised_path(outputs, fused):

@@ -1,4 +1,5 @@
-"""Micro-batch planning: first-fit-decreasing token budgets, and no padding between micro-batches
+"""Micro-batch planning: first-fit-decreasing token budgets (rows then spread evenly over the count found),
+and no padding between micro-batches
 unless the pipeline (or the allgather MoE dispatcher) needs one shape for all of them.
 
 RL batches have long-tailed response lengths. Taking rows in order leaves micro-batches part-empty,
@@ -43,6 +44,24 @@ def test_token_budget_plan_is_first_fit_decreasing(budget):
     assert len(plan) <= 11 / 9 * -(-int(lengths.clamp(max=budget).sum()) // budget) + 1
     again = plan_micro_batches(lengths, max_tokens=budget)
     assert [g.tolist() for g in again.groups] == [g.tolist() for g in plan.groups]
+    if budget >= int(lengths.max()):
+        # first-fit's count, its rows spread evenly: loads differ by less than the longest row
+        totals = [int(lengths[group].sum()) for group in plan.groups]
+        assert max(totals) - min(totals) <= int(lengths.max())
+
+
+def test_token_budget_plan_spreads_the_remainder_and_keeps_first_fit_where_spreading_would_overflow():
+    # first-fit: 32,700 + 32,600 + 3,800 tokens; spread: three of about 23k (a short last micro-batch is host-bound)
+    lengths = torch.tensor([4000] * 8 + [3700] * 8 + [100] * 12 + [3800])
+    plan = plan_micro_batches(lengths, max_tokens=32768)
+    totals = sorted(int(lengths[group].sum()) for group in plan.groups)
+    assert len(plan) == 3 and totals[-1] - totals[0] <= 4000 and sum(totals) == int(lengths.sum())
+    # spread longest-first over two, 5+3+3 would exceed 10: first-fit's 5+5 and 4+3+3 stay
+    plan = plan_micro_batches(torch.tensor([5, 5, 4, 3, 3]), max_tokens=10)
+    assert [g.tolist() for g in plan.groups] == [[0, 1], [2, 3, 4]]
+    # a row longer than the budget keeps a micro-batch of its own either way
+    plan = plan_micro_batches(torch.tensor([50, 3, 3, 3]), max_tokens=10)
+    assert [g.tolist() for g in plan.groups] == [[0], [1, 2, 3]]
 
 
 def test_fixed_row_count_plan_keeps_consecutive_rows():

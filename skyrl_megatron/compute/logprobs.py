@@ -64,6 +64,15 @@ class LogprobTargets:
 
     labels: torch.Tensor
     mask: torch.Tensor | None = None
+    # where `mask` holds in Megatron's [s, b] order, flattened: taken from the host's copy of the mask
+    # when the micro-batch is prepared, so the head needs no device-to-host read (None: found on the device)
+    kept: torch.Tensor | None = None
+
+    @classmethod
+    def on_device(cls, labels: torch.Tensor, mask: torch.Tensor, device) -> LogprobTargets:
+        """Host `labels` and `mask` [b, s] moved to `device`, with `kept` found on the host first."""
+        kept = mask.t().reshape(-1).nonzero().squeeze(1)
+        return cls(labels=labels.to(device), mask=mask.to(device), kept=kept.to(device))
 
 
 def chunk_tokens_for(vocab_local: int, logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> int:
@@ -77,6 +86,7 @@ def vocab_parallel_logprobs(
     labels: torch.Tensor,
     *,
     mask: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     tp_group: ProcessGroup | None = None,
@@ -91,8 +101,9 @@ def vocab_parallel_logprobs(
     `mask` have the shape of `hidden` without its last dimension, after the sequence-parallel
     gather when `sequence_parallel` is set (then `hidden` holds this rank's slice of the first
     dimension, as in a ColumnParallelLinear). Gradients flow to `hidden` and `weight` from both
-    outputs. `chunk_tokens` defaults to a 256 MiB fp32 logits chunk. `fused` runs each chunk's
-    elementwise work as generated kernels (torch.compile; meant for GPU).
+    outputs. `kept`, where given, lists `mask`'s true positions in its flattened order (the caller's
+    host copy spares the device read). `chunk_tokens` defaults to a 256 MiB fp32 logits chunk. `fused`
+    runs each chunk's elementwise work as generated kernels (torch.compile; meant for GPU).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -106,8 +117,9 @@ def vocab_parallel_logprobs(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     if mask is not None:
-        # Scoring only the kept tokens makes padding free; the index costs one host sync per call.
-        kept = mask.reshape(-1).nonzero().squeeze(1)
+        # Scoring only the kept tokens makes padding free; finding them here costs a host sync per call.
+        if kept is None:
+            kept = mask.reshape(-1).nonzero().squeeze(1)
         flat_hidden = flat_hidden.index_select(0, kept)
         flat_labels = flat_labels.index_select(0, kept)
 
@@ -158,6 +170,7 @@ class LogprobOutputProcessor:
             weight,
             context.labels.t(),  # [b, s] -> Megatron's [s, b]
             mask=mask,
+            kept=context.kept,
             temperature=self.temperature / logit_multiplier,
             with_entropy=self.with_entropy,
             tp_group=output_layer.tp_group,

@@ -20,7 +20,7 @@ from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
 
 def logprob_targets(inputs: ModelInputs, split: ContextParallelSplit | None, device) -> LogprobTargets:
     labels = shard(split, inputs.labels)
-    return LogprobTargets(labels=labels.clamp(min=0).to(device), mask=(labels != IGNORE_LABEL).to(device))
+    return LogprobTargets.on_device(labels.clamp(min=0), labels != IGNORE_LABEL, device)
 
 
 def real_tokens(inputs: ModelInputs, split: ContextParallelSplit | None, device) -> torch.Tensor:
