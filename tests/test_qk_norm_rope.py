@@ -82,6 +82,10 @@ def test_the_kernels_have_no_graph_breaks():
     out, inverse_rms = qk_norm_rope.norm_rope_forward(x, weight, cos, sin, 1e-6)
     explained = torch._dynamo.explain(qk_norm_rope.norm_rope_backward)(out, x, weight, cos, sin, inverse_rms)
     assert explained.graph_break_count == 0
+    # the kernel sums the weight-gradient terms over the heads: torch's reduction reads [tokens, dim] rows,
+    # a head count's fraction of the [tokens, heads, dim] products (95 ms of a 4B training call on an H200)
+    _, weight_terms = qk_norm_rope.norm_rope_backward(out, x, weight, cos, sin, inverse_rms)
+    assert weight_terms.shape == (7, 8) and weight_terms.dtype == torch.float32
 
 
 SEQ_LENGTHS = (7, 12, 3, 9)

@@ -8,10 +8,12 @@ block's own) took about 0.59 s of 4.75 s of kernels (session 21). Here the norm 
 direction, in fp32, rounded once, and the rotation's call is the only call per tensor and direction:
 session 7's generated norm was a loss because it added compiled calls, each with its host cost.
 
-The weight gradient is not reduced inside the generated kernel: with dynamic shapes a generated
-reduction keeps the launch shape of the first length it compiled (the compact master weights' split
-ran one program per run for that reason, session 21). The backward kernel writes each element's
-product and torch's own reduction sums it.
+The weight gradient is reduced in two steps. With dynamic shapes a generated reduction over the tokens
+would keep the launch shape of the first length it compiled (the compact master weights' split ran one
+program per run for that reason, session 21), so the backward kernel sums only over the heads, a few
+values per token and column, whose launch grows with the tokens; torch's own reduction then sums the
+[tokens, dim] rows. Summing the [tokens, heads, dim] products in torch instead took 95 ms of a 3.5 s 4B
+training call on an H200 (648 column reductions at about 0.9 TB/s; session 24's profile).
 
 `QKNormRopeSelfAttention` is Megatron's `SelfAttention` with the two steps joined where they can be:
 packed (THD) micro-batches, full-width rotate-half RoPE, no inference context. Anywhere else it runs
@@ -46,14 +48,14 @@ def norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: 
 
 def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
                        inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
-    """(the gradient of x in x's dtype, the fp32 terms [tokens, heads, dim] whose sum over tokens and
-    heads is the weight's gradient)."""
+    """(the gradient of x in x's dtype, the fp32 terms [tokens, dim] whose sum over tokens is the
+    weight's gradient: each element's product, summed over the heads)."""
     grad32 = grad.float()
     grad_normed = grad32 * cos.float() + _rotate_half_transposed(grad32 * sin.float())
     x_hat = x.float() * inverse_rms
     grad_x_hat = grad_normed * weight.float()
     grad_x = inverse_rms * (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True))
-    return grad_x.to(x.dtype), grad_normed * x_hat
+    return grad_x.to(x.dtype), (grad_normed * x_hat).sum(1)
 
 
 _GENERATED = (compile_kernel(norm_rope_forward), compile_kernel(norm_rope_backward))
@@ -77,7 +79,7 @@ class _NormRope(torch.autograd.Function):
         x, weight, cos, sin, inverse_rms = ctx.saved_tensors
         _, backward_kernel = _kernels(x.device)
         grad_x, weight_terms = backward_kernel(grad.contiguous(), x, weight, cos, sin, inverse_rms)
-        grad_weight = weight_terms.sum(dim=(0, 1)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_weight = weight_terms.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, None, None, None
 
 
