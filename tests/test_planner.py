@@ -26,6 +26,7 @@ from skyrl_megatron.planner import (
     stage_parameters,
     suggest_layouts,
 )
+from skyrl_megatron.compute.microbatch.plan import plan_micro_batches
 from skyrl_megatron.planner.cli import estimate_from_argv
 from skyrl_megatron.planner.cli import main as plan_main
 from skyrl_megatron.planner.memory import ADAM_STATE_BYTES, GIB, micro_batches_in_flight
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # the bench's layouts and the examples' planner flags (bench/*.py)
 from example_layouts import planner_layout_args  # noqa: E402
 from policy_bench import LAYOUTS as BENCH_LAYOUTS  # noqa: E402
+from policy_bench import BatchShape, rl_batch  # noqa: E402
 
 MODEL_CONFIGS = ROOT / "examples" / "megatron" / "model_configs"
 CLI = shutil.which("skyrl-megatron", path=str(Path(sys.executable).parent)) or "skyrl-megatron"
@@ -269,9 +271,11 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
 
 
 # the runs, with what the code they ran defaulted to: the logprob head's chunk (MiB; 256 until session 20, then
-# 1024) and whether master weights were compact without a variant saying so (`auto` from session 23's runs on)
-BENCH_RUN_DEFAULTS = {"s20_2026-11-27": ("256", False), "s22_2026-11-27": ("1024", False),
-                      "s23_2026-11-27": ("1024", True)}
+# 1024), whether master weights were compact without a variant saying so (`auto` from session 23's runs on), and
+# whether token-budget plans spread their rows evenly (session 24 on: the largest micro-batch then falls short of
+# the budget, and the plan is made for the largest one that ran; before, first-fit filled them to the budget)
+BENCH_RUN_DEFAULTS = {"s20_2026-11-27": ("256", False, False), "s22_2026-11-27": ("1024", False, False),
+                      "s23_2026-11-27": ("1024", True, False), "s24_2026-11-28": ("1024", True, True)}
 POLICY_BENCH_RUNS = [p for run in BENCH_RUN_DEFAULTS for p in sorted((ROOT / "docs" / "results" / run).glob("*.json"))
                      if any(c["backend"] == "megatron" for c in json.loads(p.read_text()).get("cases", []))]
 
@@ -284,6 +288,12 @@ def _bench_layout_args(layout: str) -> tuple[int, list[str]]:
     return gpus, planner_layout_args(settings.get, gpus)
 
 
+def _largest_micro_batch(batch_shape: dict, budget: int) -> int:
+    """Tokens in the largest training micro-batch of policy_bench's batch under today's plan."""
+    lengths = rl_batch(BatchShape(**batch_shape), vocab_size=1000, pad_token_id=0)["attention_mask"].sum(-1)
+    return max(int(lengths[rows].sum()) for rows in plan_micro_batches(lengths, max_tokens=budget).groups)
+
+
 def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, list[str], float]]:
     """(case, GPUs, planner argv, measured training peak GiB) of each of our cases in a policy_bench report."""
     report = json.loads(path.read_text())
@@ -294,16 +304,20 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
         shape["num_hidden_layers"] = report["layers"]
         config = tmp_path / f"{path.stem}.json"
         config.write_text(json.dumps(shape))
-    default_chunk, compact_by_default = BENCH_RUN_DEFAULTS[path.parent.name]
+    default_chunk, compact_by_default, spread = BENCH_RUN_DEFAULTS[path.parent.name]
     peaks = []
     for case in report["cases"]:
         if case["backend"] != "megatron":
             continue
         overrides = report["variants"].get(case["variant"], []) if case["variant"] else []
         chunk = next((o.split("=")[1] for o in overrides if "logits_chunk_mib=" in o), default_chunk)
+        budget = int(next((o.split("=")[1] for o in overrides if ".max_tokens_per_microbatch=" in o), report["token_budget"]))
         gpus, layout_flags = _bench_layout_args(case["layout"])
+        if spread:
+            assert gpus == 1, "the largest micro-batch is recomputed for one rank's rows only"
+            budget = _largest_micro_batch(report["batch"], budget)
         argv = ["--model", str(config), *layout_flags, "--gpu-memory-gib", "141",
-                "--micro-batch-tokens", str(report["token_budget"]), "--logits-chunk-mib", chunk]
+                "--micro-batch-tokens", str(budget), "--logits-chunk-mib", chunk]
         compact = compact_by_default or any(o.endswith("compact_master_weights=true") for o in overrides)
         argv += ["--compact-master-weights", "true" if compact else "false"]
         peaks.append((case["case"], gpus, argv, case["phases"]["train"]["peak_gib"]))
@@ -317,7 +331,8 @@ def test_plan_bounds_the_training_peak_of_the_policy_bench_within_ten_percent(pa
     and at most 10% above it; on two GPUs (session 23: DP2, TP2, EP2, TP2 x EP2) the plan without its fixed
     overhead is, as for the example runs above: their peaks are smaller, and the overhead covers NCCL's buffers,
     which the allocator does not count (the logits chunks of the code that ran; compact master weights where
-    that code or the case's variant made them)."""
+    that code or the case's variant made them; the token budget of the case, or from session 24 on the largest
+    micro-batch that ran)."""
     peaks = _bench_training_peaks(path, tmp_path)
     assert peaks
     for case, gpus, argv, measured_gib in peaks:
