@@ -4,7 +4,8 @@ The kernel against PyTorch's RMSNorm followed by Megatron's rotation (values and
 and weight; eager and compiled for CPU, which runs the same graph capture and dynamic shapes as the
 GPU); one compiled graph per direction for every token count; and a tiny Qwen3 built with it against
 the same checkpoint built without, on packed and padded micro-batches (padded ones take Megatron's own
-path), with the same parameter names and the same gradients, at world 1, TP2+SP and CP2 (and Qwen3-MoE).
+path), with the same parameter names and the same gradients, at world 1, TP2+SP and CP2 (and Qwen3-MoE), the
+kernels reading query and key inside the QKV projection's output.
 """
 
 from __future__ import annotations
@@ -57,23 +58,31 @@ def test_norm_rope_matches_torch_norm_then_megatrons_rotation(monkeypatch, kerne
                                    rtol=tolerance["rtol"])
 
 
-def test_each_direction_compiles_once_for_every_token_and_head_count():
-    """New micro-batch sizes reuse the compiled graphs, for query (4 heads) and key (2 heads) alike:
-    a recompile per micro-batch would cost seconds on a GPU, and past Dynamo's limit the kernel runs eagerly."""
+def test_each_direction_compiles_once_for_every_token_count_in_the_layouts_the_attention_passes():
+    """New micro-batch sizes reuse the compiled graphs, for query and key alike, read where the attention finds
+    them: views into the QKV projection's output [tokens, groups, (2 + 2) * dim] (query [tokens, groups, 2,
+    dim], key [tokens, groups, dim]). A recompile per micro-batch would cost seconds on a GPU, and past
+    Dynamo's limit the kernel runs eagerly."""
     torch._dynamo.reset()
     forward, backward = qk_norm_rope._GENERATED
+    groups, per_group, dim = 2, 2, 16
 
-    def both(tokens: int, heads: int):
-        x, weight, cos, sin = _inputs(tokens, heads, 16, torch.float32, seed=tokens)
-        out, inverse_rms = forward(x, weight, cos, sin, 1e-6)
-        backward(torch.randn_like(out), x, weight, cos, sin, inverse_rms)
+    def both(tokens: int):
+        generator = torch.Generator().manual_seed(tokens)
+        mixed = torch.randn(tokens, groups, (per_group + 2) * dim, generator=generator)
+        query, key, _ = torch.split(mixed, [per_group * dim, dim, dim], dim=-1)
+        weight = torch.rand(dim, generator=generator) + 0.5
+        angles = torch.rand(tokens, 1, dim // 2, generator=generator).repeat(1, 1, 2)
+        for x in (query.unflatten(-1, (per_group, dim)), key):
+            assert not x.is_contiguous()
+            tables = [t.reshape(tokens, *([1] * (x.dim() - 2)), dim) for t in (angles.cos(), angles.sin())]
+            out, inverse_rms = forward(x, weight, *tables, 1e-6)
+            backward(torch.randn_like(out), x, weight, *tables, inverse_rms)
 
-    for heads in (4, 2):
-        both(9, heads)
+    both(9)
     with torch.compiler.set_stance("fail_on_recompile"):
         for tokens in (21, 5, 130):
-            for heads in (4, 2):
-                both(tokens, heads)
+            both(tokens)
 
 
 def test_the_kernels_have_no_graph_breaks():
@@ -107,7 +116,8 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
     ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels
     calls = []
     real_norm_rope = qk_norm_rope.norm_rope
-    qk_norm_rope.norm_rope = lambda *args: calls.append(1) or real_norm_rope(*args)
+    # each call's input storage: query and key read in place share the QKV projection's output
+    qk_norm_rope.norm_rope = lambda *args: calls.append(args[0].untyped_storage().data_ptr()) or real_norm_rope(*args)
 
     generator = torch.Generator().manual_seed(5)
     batch, seq = len(SEQ_LENGTHS), max(SEQ_LENGTHS)
@@ -127,6 +137,7 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
         logits = model(split.local(packed.tokens), split.local(packed.position_ids), None,
                        packed_seq_params=packed.packed_seq_params)
         packed_calls = len(calls)
+        read_in_place = all(query == key for query, key in zip(calls[0::2], calls[1::2]))
         (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
         padded = None
         if parallel.context == 1:  # a padded batch under CP would need its own split
@@ -136,6 +147,7 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
             "kernels": built.fused_kernels,
             "attention": type(model.decoder.layers[0].self_attention).__name__,
             "norm_rope_calls": packed_calls,
+            "read_in_place": read_in_place,
             "padded_calls": len(calls) - packed_calls,
             "packed": logits.detach(),
             "padded": padded,
@@ -165,6 +177,7 @@ def _assert_equal_models(fused: dict, reference: dict) -> None:
     assert "qk_norm_rope" in fused["kernels"] and "qk_norm_rope" not in reference["kernels"]
     assert fused["attention"] == "QKNormRopeSelfAttention" and reference["attention"] == "SelfAttention"
     assert fused["norm_rope_calls"] == 2 * fused["layers"]  # query and key of every layer: the joined path ran
+    assert fused["read_in_place"]  # no copies of query or key out of the projection's output
     assert fused["padded_calls"] == 0  # unpacked micro-batches take Megatron's own path
     torch.testing.assert_close(fused["packed"], reference["packed"], atol=1e-5, rtol=1e-5)
     if reference["padded"] is not None:
