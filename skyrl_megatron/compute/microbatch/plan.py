@@ -130,9 +130,9 @@ def plan_micro_batches(
 
 def _balanced(lengths: torch.Tensor, longest_first: list[int], count: int, max_tokens: int) -> list[list[int]] | None:
     """The rows over `count` micro-batches, longest first into the emptiest (None where one would exceed
-    `max_tokens`). First-fit leaves its last micro-batch with the remainder: a 1.7B scoring pass of 32.7k +
-    32.6k + 3.8k tokens spent as long on the 3.8k (host-bound: the launches of every layer) as its kernels
-    took on 10k; three of 23k keep the GPU busy throughout."""
+    `max_tokens`). First-fit leaves its last micro-batch with the remainder, and a short one is host-bound:
+    in a 1.7B scoring pass of 32.7k + 32.6k + 3.8k tokens on an H200 the 3.8k took 48 ms against about 20 ms
+    of kernels (every layer's launches); three of 23k keep the GPU busy throughout."""
     bins: list[list[int]] = [[] for _ in range(count)]
     load = [0] * count
     for i in longest_first:
