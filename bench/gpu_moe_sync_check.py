@@ -88,19 +88,15 @@ def build(shape: dict, layers: int, dtype: str):
     from transformers import Qwen3MoeConfig
 
     from skyrl_megatron.model.bridge_import import import_bridge
-    from skyrl_megatron.model.build import ModelSpec, make_provider
+    from skyrl_megatron.model.build import ModelSpec, install_patches, make_provider
     from skyrl_megatron.parallel import ParallelConfig
+    from skyrl_megatron.runtime import current_runtime
 
     config = Qwen3MoeConfig(num_hidden_layers=layers, **shape)
     config.architectures = ["Qwen3MoeForCausalLM"]  # the bridge picks its converter by architecture
     spec = ModelSpec("<config only>", parallel=ParallelConfig(), dtype=dtype, wrap_with_ddp=True, load_weights=False,
                      ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": True})
-    from skyrl_megatron.model import rope, token_sort, wgrad
-    from skyrl_megatron.runtime import current_runtime
-
-    rope.install(fused=spec.fused("rope", current_runtime()))  # as build_model installs them
-    wgrad.install()
-    token_sort.install()
+    install_patches(spec, current_runtime())
     provider = make_provider(spec, import_bridge().AutoBridge.from_hf_config(config))
     return provider.provide_distributed_model(ddp_config=DistributedDataParallelConfig(**spec.ddp_config),
                                               wrap_with_ddp=True, bf16=dtype == "bf16")

@@ -77,15 +77,12 @@ def _hidden_only(*, hidden_states, **_unused):
 
 def build(config, dtype: str):
     """Config-only model (random weights) through our spec, as the policy builds it (no DDP: scoring only)."""
-    from skyrl_megatron.model import rope, token_sort, wgrad
     from skyrl_megatron.model.bridge_import import import_bridge
-    from skyrl_megatron.model.build import ModelSpec, make_provider
+    from skyrl_megatron.model.build import ModelSpec, install_patches, make_provider
     from skyrl_megatron.runtime import current_runtime
 
     spec = ModelSpec("<config only>", dtype=dtype, load_weights=False)
-    rope.install(fused=spec.fused("rope", current_runtime()))  # as build_model installs them
-    wgrad.install()
-    token_sort.install()
+    install_patches(spec, current_runtime())
     provider = make_provider(spec, import_bridge().AutoBridge.from_hf_config(config))
     (chunk,) = provider.provide_distributed_model(wrap_with_ddp=False, bf16=dtype == "bf16")
     return chunk.eval()

@@ -262,15 +262,21 @@ def _skeleton(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, load_weights=False, transformer_overrides=overrides)
 
 
+def install_patches(spec: ModelSpec, runtime: Runtime) -> None:
+    """What `build_model` puts into Megatron-Core before a provider exists; also for models made straight from
+    `make_provider` (the bench's config-only checks), so they run what the workers run."""
+    rope.install(fused=spec.fused("rope", runtime))
+    wgrad.install()  # before the bridge's provider reads whether wgrad fusion is available
+    token_sort.install()  # MoE token regrouping without host syncs (model/token_sort.py)
+
+
 def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     """Build (and load, unless `spec.load_weights` is false) the model for the current process groups.
 
     Collective over the default process group when `spec.cache` is set (rank 0 decides, all load or save).
     """
     runtime = runtime or current_runtime()
-    rope.install(fused=spec.fused("rope", runtime))
-    wgrad.install()  # before the bridge's provider reads whether wgrad fusion is available
-    token_sort.install()  # MoE token regrouping without host syncs (model/token_sort.py)
+    install_patches(spec, runtime)
     bridge = load_bridge(spec.hf_path)
     if spec.cache is not None and spec.load_weights:
         hf_dir = local_checkpoint_dir(spec.hf_path)
