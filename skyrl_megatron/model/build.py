@@ -28,7 +28,7 @@ from skyrl_megatron.model.bridge_import import have_transformer_engine, import_b
 from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
 from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.lora import LoraSpec, adapter_hook
-from skyrl_megatron.model import experts, hf_tensors, rope, token_sort, wgrad
+from skyrl_megatron.model import experts, hf_tensors, rope, swiglu, token_sort, wgrad
 from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
 from skyrl_megatron.model.moe_layer import use_device_all_to_all
 from skyrl_megatron.model.value_head import ValueHeadInit, value_head_hook
@@ -268,6 +268,7 @@ def install_patches(spec: ModelSpec, runtime: Runtime) -> None:
     rope.install(fused=spec.fused("rope", runtime))
     wgrad.install()  # before the bridge's provider reads whether wgrad fusion is available
     token_sort.install()  # MoE token regrouping without host syncs (model/token_sort.py)
+    swiglu.install()  # the dense MLP's fused SwiGLU as Triton kernels on GPU (model/swiglu.py)
 
 
 def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:

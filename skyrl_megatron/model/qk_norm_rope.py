@@ -4,16 +4,12 @@ Qwen3 normalises each attention head of the query and key (RMSNorm over 128-wide
 rotates them. Without Transformer Engine, Megatron-Core runs the two apart: PyTorch's fused RMSNorm,
 which launches a thread block per 128-wide row and reduces the weight gradient in two more kernels,
 then the rotation (`rope.py`). In a profiled Qwen3-4B step on an H200 the RMSNorms (these and the
-block's own) took about 0.59 s of 4.75 s of kernels (session 21). Here the norm and the rotation are one generated kernel per
-direction, in fp32, rounded once, and the rotation's call is the only call per tensor and direction:
-session 7's generated norm was a loss because it added compiled calls, each with its host cost.
+block's own) took about 0.59 s of 4.75 s of kernels (session 21). Here the norm and the rotation are one
+kernel per direction, in fp32, rounded once, and the rotation's call is the only call per tensor and
+direction: session 7's generated norm was a loss because it added compiled calls, each with its host cost.
 
-The weight gradient is reduced in two steps. With dynamic shapes a generated reduction over the tokens
-would keep the launch shape of the first length it compiled (the compact master weights' split ran one
-program per run for that reason, session 21), so the backward kernel sums only over the heads, a few
-values per token and column, whose launch grows with the tokens; torch's own reduction then sums the
-[tokens, dim] rows. Summing the [tokens, heads, dim] products in torch instead took 95 ms of a 3.5 s 4B
-training call on an H200 (648 column reductions at about 0.9 TB/s; session 24's profile).
+On GPU the kernels are Triton's (`norm_rope_kernels.py`: one read of the inputs per direction, the weight
+gradient summed per program); the functions below are their reference and run on CPU.
 
 `QKNormRopeSelfAttention` is Megatron's `SelfAttention` with the two steps joined where they can be:
 packed (THD) micro-batches, full-width rotate-half RoPE, no inference context. Anywhere else it runs
@@ -27,7 +23,6 @@ from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor
 
 from skyrl_megatron.model import rope
-from skyrl_megatron.model.fusions import compile_kernel
 from skyrl_megatron.model.norm import DeferrableRMSNorm, deferred
 
 
@@ -48,7 +43,7 @@ def norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: 
 
 def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
                        inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
-    """(the gradient of x in x's dtype, the fp32 terms [tokens, dim] whose sum over tokens is the
+    """(the gradient of x in x's dtype, fp32 terms [tokens, dim] whose sum over the first dimension is the
     weight's gradient: each element's product, summed over the head dimensions)."""
     grad32 = grad.float()
     grad_normed = grad32 * cos.float() + _rotate_half_transposed(grad32 * sin.float())
@@ -58,12 +53,13 @@ def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin
     return grad_x.to(x.dtype), (grad_normed * x_hat).sum(dim=tuple(range(1, x.dim() - 1)))
 
 
-_GENERATED = (compile_kernel(norm_rope_forward), compile_kernel(norm_rope_backward))
-
-
 def _kernels(device: torch.device):
-    """Generated kernels on GPU; eager on CPU (compiling costs more than a tiny model saves)."""
-    return _GENERATED if device.type == "cuda" else (norm_rope_forward, norm_rope_backward)
+    """Triton's kernels on GPU; the reference functions on CPU."""
+    if device.type == "cuda":
+        from skyrl_megatron.model import norm_rope_kernels
+
+        return norm_rope_kernels.norm_rope_forward, norm_rope_kernels.norm_rope_backward
+    return norm_rope_forward, norm_rope_backward
 
 
 class _NormRope(torch.autograd.Function):
@@ -78,8 +74,8 @@ class _NormRope(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight, cos, sin, inverse_rms = ctx.saved_tensors
         _, backward_kernel = _kernels(x.device)
-        grad_x, weight_terms = backward_kernel(grad.contiguous(), x, weight, cos, sin, inverse_rms)
-        grad_weight = weight_terms.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_x, weight_sums = backward_kernel(grad.contiguous(), x, weight, cos, sin, inverse_rms)
+        grad_weight = weight_sums.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, None, None, None
 
 
