@@ -65,7 +65,7 @@ def _kernels(device: torch.device):
 class _NormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> Tensor:
-        forward_kernel, _ = _kernels(x.device)
+        forward_kernel, ctx.backward_kernel = _kernels(x.device)  # a pair: they share 1/rms's layout
         out, inverse_rms = forward_kernel(x, weight, cos, sin, eps)
         ctx.save_for_backward(x, weight, cos, sin, inverse_rms)
         return out
@@ -73,8 +73,7 @@ class _NormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight, cos, sin, inverse_rms = ctx.saved_tensors
-        _, backward_kernel = _kernels(x.device)
-        grad_x, weight_sums = backward_kernel(grad.contiguous(), x, weight, cos, sin, inverse_rms)
+        grad_x, weight_sums = ctx.backward_kernel(grad.contiguous(), x, weight, cos, sin, inverse_rms)
         grad_weight = weight_sums.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, None, None, None
 
