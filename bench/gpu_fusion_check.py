@@ -128,8 +128,9 @@ def _cases(device):
         "swiglu [T, 2 x 9728]": (_swiglu_eager, _swiglu_fused, [randn(TOKENS, 2 * FFN, scale=2)], [],
                                  _swiglu_megatron),
         "qk_norm_rope query + key, read inside [T, 8, (4 + 2) x 128]": (
-            _qk_norm_rope_eager, _qk_norm_rope_fused, [randn(TOKENS, GROUPS, (HEADS // GROUPS + 2) * HEAD_DIM, scale=3)],
-            [head_weight, cos, sin], _qk_norm_rope_generated),
+            _qk_norm_rope_eager, _qk_norm_rope_fused,
+            [randn(TOKENS, GROUPS, (HEADS // GROUPS + 2) * HEAD_DIM, scale=3)], [head_weight, cos, sin],
+            _qk_norm_rope_generated),
     }
 
 

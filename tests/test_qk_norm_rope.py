@@ -81,7 +81,8 @@ for dtype in (torch.float32, torch.bfloat16):
         angles = (torch.rand(tokens, 1, dim // 2, generator=generator) * 10).repeat(1, 1, 2)
         # the views the attention passes: grouped query [tokens, groups, heads, dim], key [tokens, groups, dim],
         # both inside the projection's output; and a plain contiguous [tokens, heads, dim]
-        for x in (query.unflatten(-1, (per_group, dim)), key, query.reshape(tokens, groups * per_group, dim).contiguous()):
+        plain = query.reshape(tokens, groups * per_group, dim).contiguous()
+        for x in (query.unflatten(-1, (per_group, dim)), key, plain):
             tables = [t.reshape(tokens, *([1] * (x.dim() - 2)), dim).to(dtype) for t in (angles.cos(), angles.sin())]
             out, inverse_rms = triton_kernels.norm_rope_forward(x, weight, *tables, 1e-6)
             want, want_inverse_rms = reference.norm_rope_forward(x, weight, *tables, 1e-6)
@@ -96,7 +97,8 @@ for dtype in (torch.float32, torch.bfloat16):
             # one partial sum per program (32 rows at dim 128), not per token: what torch sums afterwards is small
             rows = x[..., 0].numel()
             assert weight_sums.dtype == torch.float32 and weight_sums.shape[1] == dim
-            assert weight_sums.shape[0] == max(1, -(-rows // max(1, 2048 // triton_kernels.triton.next_power_of_2(dim // 2))))
+            rows_per_program = max(1, 2048 // triton_kernels.triton.next_power_of_2(dim // 2))
+            assert weight_sums.shape[0] == max(1, -(-rows // rows_per_program))
             torch.testing.assert_close(weight_sums.sum(0), weight_terms.sum(0), atol=1e-4 * max(rows, 1), rtol=1e-4)
             cases += 1
 print("checked", cases)

@@ -34,9 +34,9 @@ def _row_offsets(rows, heads, heads_per_group, stride_token, stride_group, strid
 
 
 @triton.jit
-def _forward_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, inverse_rms_ptr,
-                    num_rows, heads, heads_per_group, stride_token, stride_group, stride_head, stride_table,
-                    eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def _norm_rope_forward_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, inverse_rms_ptr,
+                              num_rows, heads, heads_per_group, stride_token, stride_group, stride_head, stride_table,
+                              eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_HALF)
     present = rows < num_rows
@@ -63,9 +63,10 @@ def _forward_kernel(x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, inverse_rms_pt
 
 
 @triton.jit
-def _backward_kernel(grad_ptr, x_ptr, weight_ptr, cos_ptr, sin_ptr, inverse_rms_ptr, grad_x_ptr, partial_ptr,
-                     num_rows, heads, heads_per_group, stride_token, stride_group, stride_head, stride_table,
-                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def _norm_rope_backward_kernel(grad_ptr, x_ptr, weight_ptr, cos_ptr, sin_ptr, inverse_rms_ptr, grad_x_ptr,
+                               partial_ptr, num_rows, heads, heads_per_group, stride_token, stride_group,
+                               stride_head, stride_table,
+                               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     program = tl.program_id(0)
     rows = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_HALF)
@@ -108,7 +109,8 @@ def _layout(x: Tensor) -> tuple[int, int, int, int, int]:
         return x.shape[1], 1, x.stride(0), x.stride(1), 0
     if x.dim() == 4:
         return x.shape[1] * x.shape[2], x.shape[2], x.stride(0), x.stride(1), x.stride(2)
-    raise ValueError(f"norm_rope kernels take [tokens, heads, dim] or [tokens, groups, heads, dim], got {tuple(x.shape)}")
+    raise ValueError(f"norm_rope kernels take [tokens, heads, dim] or [tokens, groups, heads, dim], "
+                     f"got {tuple(x.shape)}")
 
 
 def _tables(cos: Tensor, sin: Tensor, tokens: int, dim: int) -> tuple[Tensor, Tensor]:
@@ -142,8 +144,8 @@ def norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: 
     rows = tokens * heads
     blocks = _blocks(rows, dim)
     if rows:
-        _forward_kernel[(_programs(rows, blocks),)](x, weight, cos, sin, out, inverse_rms, rows, heads,
-                                                    heads_per_group, *strides, cos.stride(0), eps, **blocks)
+        _norm_rope_forward_kernel[(_programs(rows, blocks),)](
+            x, weight, cos, sin, out, inverse_rms, rows, heads, heads_per_group, *strides, cos.stride(0), eps, **blocks)
     return out, inverse_rms
 
 
@@ -160,6 +162,7 @@ def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin
     programs = _programs(rows, blocks)
     partials = torch.zeros(max(programs, 1), dim, dtype=torch.float32, device=x.device)
     if rows:
-        _backward_kernel[(programs,)](grad, x, weight, cos, sin, inverse_rms, grad_x, partials, rows, heads,
-                                      heads_per_group, *strides, cos.stride(0), **blocks)
+        _norm_rope_backward_kernel[(programs,)](
+            grad, x, weight, cos, sin, inverse_rms, grad_x, partials, rows, heads, heads_per_group, *strides,
+            cos.stride(0), **blocks)
     return grad_x, partials

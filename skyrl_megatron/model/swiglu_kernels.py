@@ -18,7 +18,7 @@ _BLOCK = 1024  # columns per program: one row's stretch of both halves
 
 
 @triton.jit
-def _forward_kernel(y_ptr, out_ptr, width, BLOCK: tl.constexpr):
+def _swiglu_forward_kernel(y_ptr, out_ptr, width, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -30,7 +30,7 @@ def _forward_kernel(y_ptr, out_ptr, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _backward_kernel(grad_ptr, y_ptr, grad_y_ptr, width, BLOCK: tl.constexpr):
+def _swiglu_backward_kernel(grad_ptr, y_ptr, grad_y_ptr, width, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -55,7 +55,7 @@ def swiglu_forward(y: Tensor) -> Tensor:
     rows, width = y.shape[0], y.shape[1] // 2
     out = torch.empty(rows, width, dtype=y.dtype, device=y.device)
     if out.numel():
-        _forward_kernel[_grid(rows, width)](y, out, width, BLOCK=_BLOCK)
+        _swiglu_forward_kernel[_grid(rows, width)](y, out, width, BLOCK=_BLOCK)
     return out
 
 
@@ -64,5 +64,5 @@ def swiglu_backward(grad: Tensor, y: Tensor) -> Tensor:
     rows, width = y.shape[0], y.shape[1] // 2
     grad_y = torch.empty_like(y, memory_format=torch.contiguous_format)
     if grad_y.numel():
-        _backward_kernel[_grid(rows, width)](grad.contiguous(), y, grad_y, width, BLOCK=_BLOCK)
+        _swiglu_backward_kernel[_grid(rows, width)](grad.contiguous(), y, grad_y, width, BLOCK=_BLOCK)
     return grad_y
