@@ -5,7 +5,8 @@ and weight); the GPU's Triton kernels, run by Triton's interpreter on CPU, again
 views the attention passes; and a tiny Qwen3 built with it against
 the same checkpoint built without, on packed and padded micro-batches (padded ones take Megatron's own
 path), with the same parameter names and the same gradients, at world 1, TP2+SP and CP2 (and Qwen3-MoE), the
-kernels reading query and key inside the QKV projection's output.
+kernels reading query and key inside the QKV projection's output; and at world 1 once more with the GPU's Triton
+kernels (this one and the dense MLP's SwiGLU) under the interpreter.
 """
 
 from __future__ import annotations
@@ -130,10 +131,10 @@ def test_the_attention_runs_the_triton_kernels_on_gpu_and_the_reference_on_cpu()
 SEQ_LENGTHS = (7, 12, 3, 9)
 
 
-def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
-    """One tiny model built with the fused query/key norm and rotation and one without (same checkpoint,
-    fp32, same layout): this rank's logits on a packed and a padded micro-batch, and every parameter's
-    gradient of the packed one."""
+def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict, fused: tuple[str, ...] = ("qk_norm_rope",)):
+    """One tiny model built with the fused query/key norm and rotation (and any other `fused` kernels) and one
+    without (same checkpoint, fp32, same layout): this rank's logits on a packed and a padded micro-batch, and
+    every parameter's gradient of the packed one."""
     from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
@@ -160,7 +161,7 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict):
     # under CP each rank holds its share of every sequence (identity without CP)
     split = ContextParallelSplit.for_packed(packed.packed_seq_params, coords.cp, parallel.context)
     out = {}
-    for name, kernels in (("fused", ("qk_norm_rope",)), ("reference", ())):
+    for name, kernels in (("fused", fused), ("reference", ())):
         built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", fused_kernels=kernels))
         model = built.chunks[0]
         calls.clear()
@@ -201,6 +202,53 @@ def test_a_model_with_it_equals_the_model_without(tmp_path, family, world, layou
     make_tiny_hf_model(family, tmp_path, seed=4)
     for result in run_on_ranks(_logits_and_grads, world, str(tmp_path), layout, timeout=300):
         _assert_equal_models(result["fused"], result["reference"])
+
+
+# The GPU's Triton kernels in the whole model: query/key norm + rotation and the dense MLP's SwiGLU, run on CPU by
+# Triton's interpreter (a fresh process: TRITON_INTERPRET is read when triton is imported, and the rank server of
+# `run_on_ranks` has imported it already), routed as on a GPU.
+_TRITON_MODEL = """
+import os, sys
+import torch
+sys.path.insert(0, {tests!r})
+import test_qk_norm_rope as here
+from skyrl_megatron import runtime
+from skyrl_megatron.model import norm_rope_kernels, qk_norm_rope, swiglu
+
+cpu_overrides = runtime.Runtime.transformer_config_overrides  # these turn Megatron's CUDA-only fusions off on CPU
+runtime.Runtime.transformer_config_overrides = lambda self: {{
+    key: value for key, value in cpu_overrides(self).items() if key != "bias_activation_fusion"}}
+qk_norm_rope._kernels = lambda device: (norm_rope_kernels.norm_rope_forward, norm_rope_kernels.norm_rope_backward)
+swiglu._on_gpu = lambda t: True
+calls = []
+real_swiglu = swiglu._SwiGLU.apply
+swiglu._SwiGLU.apply = lambda *args: calls.append(1) or real_swiglu(*args)
+result = here._logits_and_grads(0, 1, {hf_dir!r}, {{}}, fused=("qk_norm_rope", "swiglu"))
+here._assert_equal_models(result["fused"], result["reference"])
+# every layer's MLP in the packed and the padded forward (SwiGLU has no packed/padded split)
+assert "swiglu" in result["fused"]["kernels"] and len(calls) == 2 * result["fused"]["layers"], calls
+print("equal")
+"""
+
+
+@pytest.mark.slow
+def test_a_model_with_the_triton_kernels_equals_the_model_without(tmp_path):
+    """World 1, Qwen3: the kernels' code as a GPU runs it, values and every parameter's gradient."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from skyrl_megatron.testing import make_tiny_hf_model
+    from skyrl_megatron.testing.distributed import free_port
+
+    make_tiny_hf_model("qwen3", tmp_path, seed=4)
+    script = _TRITON_MODEL.format(tests=str(Path(__file__).parent), hf_dir=str(tmp_path))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split()[-1] == "equal"
 
 
 def _assert_equal_models(fused: dict, reference: dict) -> None:
