@@ -14,6 +14,8 @@ weight gradient per program, which torch then sums ([programs, dim]: a small fra
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -121,7 +123,7 @@ def _tables(cos: Tensor, sin: Tensor, tokens: int, dim: int) -> tuple[Tensor, Te
     return cos, sin
 
 
-def _blocks(rows: int, dim: int) -> dict[str, int]:
+def _blocks(dim: int) -> dict[str, int]:
     """The kernels' block sizes: half a row (a power of two, masked past dim / 2) and rows per program."""
     if dim % 2:
         raise ValueError(f"rotate-half RoPE needs an even head dimension, got {dim}")
@@ -129,23 +131,39 @@ def _blocks(rows: int, dim: int) -> dict[str, int]:
     return dict(HALF=dim // 2, BLOCK_HALF=block_half, BLOCK_ROWS=max(1, _ELEMENTS_PER_PROGRAM // (2 * block_half)))
 
 
-def _programs(rows: int, blocks: dict[str, int]) -> int:
-    return triton.cdiv(rows, blocks["BLOCK_ROWS"])
+@dataclass(frozen=True)
+class _Launch:
+    """What both directions pass their kernel for one x: the tables, the rows' layout and the block sizes."""
+    cos: Tensor
+    sin: Tensor
+    layout: tuple[int, ...]  # rows, heads, heads per group, token / group / head strides, the tables' row stride
+    blocks: dict[str, int]
+
+    @classmethod
+    def of(cls, x: Tensor, cos: Tensor, sin: Tensor) -> "_Launch":
+        tokens, dim = x.shape[0], x.shape[-1]
+        heads, heads_per_group, *strides = _layout(x)
+        cos, sin = _tables(cos, sin, tokens, dim)
+        return cls(cos, sin, (tokens * heads, heads, heads_per_group, *strides, cos.stride(0)), _blocks(dim))
+
+    @property
+    def rows(self) -> int:
+        return self.layout[0]
+
+    @property
+    def programs(self) -> int:
+        return triton.cdiv(self.rows, self.blocks["BLOCK_ROWS"])
 
 
 def norm_rope_forward(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(RoPE(RMSNorm(x) * weight) as a new contiguous tensor of x's shape and dtype, 1/rms per row fp32
     [tokens, *heads]); the values of `qk_norm_rope.norm_rope_forward` up to rounding."""
-    tokens, dim = x.shape[0], x.shape[-1]
-    heads, heads_per_group, *strides = _layout(x)
-    cos, sin = _tables(cos, sin, tokens, dim)
+    launch = _Launch.of(x, cos, sin)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     inverse_rms = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    rows = tokens * heads
-    blocks = _blocks(rows, dim)
-    if rows:
-        _norm_rope_forward_kernel[(_programs(rows, blocks),)](
-            x, weight, cos, sin, out, inverse_rms, rows, heads, heads_per_group, *strides, cos.stride(0), eps, **blocks)
+    if launch.rows:
+        _norm_rope_forward_kernel[(launch.programs,)](
+            x, weight, launch.cos, launch.sin, out, inverse_rms, *launch.layout, eps, **launch.blocks)
     return out, inverse_rms
 
 
@@ -153,16 +171,10 @@ def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin
                        inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
     """(the gradient of x, contiguous, in x's dtype; fp32 [programs, dim] partial sums whose sum over the
     first dimension is the weight's gradient). `grad` contiguous, of x's shape."""
-    tokens, dim = x.shape[0], x.shape[-1]
-    heads, heads_per_group, *strides = _layout(x)
-    cos, sin = _tables(cos, sin, tokens, dim)
+    launch = _Launch.of(x, cos, sin)
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = tokens * heads
-    blocks = _blocks(rows, dim)
-    programs = _programs(rows, blocks)
-    partials = torch.zeros(max(programs, 1), dim, dtype=torch.float32, device=x.device)
-    if rows:
-        _norm_rope_backward_kernel[(programs,)](
-            grad, x, weight, cos, sin, inverse_rms, grad_x, partials, rows, heads, heads_per_group, *strides,
-            cos.stride(0), **blocks)
+    partials = torch.zeros(max(launch.programs, 1), x.shape[-1], dtype=torch.float32, device=x.device)
+    if launch.rows:
+        _norm_rope_backward_kernel[(launch.programs,)](
+            grad, x, weight, launch.cos, launch.sin, inverse_rms, grad_x, partials, *launch.layout, **launch.blocks)
     return grad_x, partials
