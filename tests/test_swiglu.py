@@ -7,13 +7,10 @@ calls the kernels do not take (a bias, CPU tensors) reach Megatron's own functio
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
 
 from skyrl_megatron.model import swiglu
+from skyrl_megatron.testing import run_under_triton_interpreter
 
 _TRITON_CHECK = """
 import torch
@@ -61,8 +58,7 @@ print("checked", cases + 1)
 
 
 def test_the_triton_kernels_equal_autograd_through_silu_times_up():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    done = run_under_triton_interpreter(_TRITON_CHECK, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split()[-1] == str(2 * 4 + 1)
 

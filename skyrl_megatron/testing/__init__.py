@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from skyrl_megatron.testing.rl_batches import make_rl_batch
     from skyrl_megatron.testing.tiny_models import FAMILIES, make_tiny_hf_model, tiny_config
     from skyrl_megatron.testing.tokenizer import make_tiny_tokenizer, save_tiny_tokenizer
+    from skyrl_megatron.testing.triton_interpreter import run_under_triton_interpreter
 
 _EXPORTS = {
     "DistributedTestError": "distributed",
@@ -25,6 +26,7 @@ _EXPORTS = {
     "tiny_config": "tiny_models",
     "make_tiny_tokenizer": "tokenizer",
     "save_tiny_tokenizer": "tokenizer",
+    "run_under_triton_interpreter": "triton_interpreter",
 }
 
 __all__ = sorted(_EXPORTS)
