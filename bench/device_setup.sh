@@ -27,8 +27,25 @@
 #        the megatron and fsdp2_sdpa cases. The fsdp2 case of bench/policy_bench.py assembles
 #        bench/flash_attn_standin (flash-attn's API on PyTorch's FlashAttention-2 kernels, plus these
 #        files) in its work directory and puts it first on that case's PYTHONPATH only.
+# vLLM 0.24.0 for the GPU demo and bench/rl_vllm.py (after calls 1 and 2, each call at once after the last):
+#   calls v1, v2, v3 (carry .whlv1 / .whlv2 / .whlv3):  bash bench/device_setup.sh v1 (v2, v3)
+#   call v4 (carry .whlv4):                             source bench/device_setup.sh v4 && python -m skyrl_megatron.demo --gpu ...
+# .whlv1-4 (`bash bench/fetch_wheels.sh vllm`): four parts of one tar, vLLM's wheel without its FlashAttention-2
+# library and the small wheels it imports. A later call on the same warm machine: source bench/device_setup.sh env.
+# With vLLM, bench/vllm_bridges/ comes first on PYTHONPATH: skyrl-train 0.3.1 imports vLLM 0.11's module names.
 set -e
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
+_device_env() {
+    # run from the source tree: the wheel would install config/ as the package skyrl_megatron.conf
+    ln -sfn ../config skyrl_megatron/conf
+    export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    if [ -d /tmp/site/vllm ]; then
+        export PYTHONPATH=$PWD/bench/vllm_bridges:$PYTHONPATH
+        # no flashinfer on the machines; a forked engine process can deadlock after torch's CPU work
+        export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
+    fi
+}
 case "$1" in
   1)
     mkdir -p /tmp/stage
@@ -44,11 +61,26 @@ case "$1" in
     # Its own __init__ loads the CUDA extension we do not carry; transformers imports the package
     # to probe it (no dist-info here), and the host needs only bert_padding and the Triton loss.
     echo '__version__ = "2.8.3"' > /tmp/site/flash_attn/__init__.py
-    # run from the source tree: the wheel would install config/ as the package skyrl_megatron.conf
-    ln -sfn ../config skyrl_megatron/conf
-    export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    _device_env
     echo "device_setup: part 2 done"
+    ;;
+  v1|v2|v3)
+    test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }
+    mkdir -p /tmp/stage/vllm
+    cp ".whl$1"/vllmpart_* /tmp/stage/vllm/
+    echo "device_setup: part $1 done"
+    ;;
+  v4)
+    test "$(ls /tmp/stage/vllm 2>/dev/null | wc -l)" = 3 || { echo "device_setup: run v1, v2 and v3 first, each within 30 s" >&2; return 1 2>/dev/null || exit 1; }
+    cat /tmp/stage/vllm/vllmpart_* .whlv4/vllmpart_* | tar xf - -C /tmp/stage/vllm
+    $PIP /tmp/stage/vllm/deps/*.whl >/dev/null 2>&1
+    python3 -m zipfile -e /tmp/stage/vllm/vllm-*-trimmed.zip /tmp/site
+    rm -rf /tmp/stage/vllm
+    _device_env
+    echo "device_setup: part v4 done (vllm $(python3 -c 'import importlib.metadata as m; print(m.version("vllm"))'))"
+    ;;
+  env)
+    _device_env
     ;;
   3)
     # flash-attn-4 and the CuTe DSL, for bench/gpu_cudnn_attention_check.py's fa4 only: into their own target, so
@@ -71,7 +103,7 @@ case "$1" in
     echo "device_setup: part 4 done"
     ;;
   *)
-    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2 | bash bench/device_setup.sh 3 | source bench/device_setup.sh 4" >&2
+    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2 | bash bench/device_setup.sh 3 | source bench/device_setup.sh 4 | bash bench/device_setup.sh v1|v2|v3 | source bench/device_setup.sh v4 | source bench/device_setup.sh env" >&2
     return 2 2>/dev/null || exit 2
     ;;
 esac

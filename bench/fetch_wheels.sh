@@ -4,6 +4,7 @@
 # checkout whose .git/info/exclude ignores `/.whl*/`:
 #
 #   bash bench/fetch_wheels.sh            # versions read from the venv ($VENV, default /work/main/.venv-skyrl-train)
+#   bash bench/fetch_wheels.sh vllm       # only the vLLM folders .whlv1 ... .whlv4
 #
 # Versions are those installed in $VENV, the skyrl-train 0.3.1 environment (`make setup-skyrl-train`):
 # the GPU machines run skyrl-train 0.3.1, as CI's second leg does here. Not carried:
@@ -37,6 +38,8 @@ download_in_halves() {  # SPEC WHEEL PART_SIZE PREFIX DIR_A DIR_B: a wheel too l
     rm -rf "$dir"
 }
 
+ONLY=${1:-all}
+if [[ $ONLY == all ]]; then
 rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8
 mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8
 
@@ -95,3 +98,39 @@ echo "  call 1 (.whl .whl3):             $(du -cm .whl .whl3 | tail -1 | cut -f1
 echo "  call 2 (.whl2 .whl4 .whl5 .whl6): $(du -cm .whl2 .whl4 .whl5 .whl6 | tail -1 | cut -f1)"
 echo "  call 3 (.whl7):                   $(du -cm .whl7 | tail -1 | cut -f1)"
 echo "  call 4 (.whl8):                   $(du -cm .whl8 | tail -1 | cut -f1)"
+fi
+
+# .whlv1 ... .whlv4 (calls v1-v4 of device_setup.sh): vLLM 0.24.0 (the release built for the machines' torch
+# 2.11) and the small packages it imports that the image lacks. vLLM's wheel (266 MiB) travels without its
+# FlashAttention-2 library and its Rust router binary (on Hopper vLLM's attention takes FlashAttention-3,
+# and FA2's import is optional; the router is a separate server): 178 MiB. The trimmed wheel and the small
+# wheels go in one tar, split into four parts that device_setup.sh v4 joins.
+VLLM_VERSION=0.24.0
+VENV_VLLM=${VENV_VLLM:-/work/main/.venv}  # the skyrl 0.4 environment, which installs vllm (requirements/host04.txt)
+vllm_dep() { "$VENV_VLLM/bin/python" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+# xgrammar 0.2.9 + apache-tvm-ffi 0.1.15.post2 (the venv resolves xgrammar 0.2.3, a 45 MB wheel): both import there
+VLLM_PINNED=(xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2)
+VLLM_DEPS=(pyzmq openai openai-harmony msgspec cachetools llguidance partial-json-parser cbor2
+           blake3 compressed-tensors depyf mistral_common pycountry pydantic-extra-types pybase64 setproctitle ijson
+           diskcache lark outlines_core lm-format-enforcer python-json-logger watchfiles jiter distro httpx2 httpcore2
+           interegular astor prometheus-fastapi-instrumentator)
+tmp=$(mktemp -d)
+mkdir -p "$tmp/bundle/deps" "$tmp/wheel"
+PLATFORMS+=(--platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64)
+download "$tmp/bundle/deps" "${VLLM_PINNED[@]}" $(for name in "${VLLM_DEPS[@]}"; do echo "$name==$(vllm_dep "$name")"; done)
+download "$tmp/wheel" "vllm==$VLLM_VERSION"
+"$PY" - "$tmp/wheel"/vllm-$VLLM_VERSION-*.whl "$tmp/bundle/vllm-$VLLM_VERSION-trimmed.zip" <<'PY'
+import sys, zipfile
+DROP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs")
+with zipfile.ZipFile(sys.argv[1]) as src, zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED) as dst:
+    for item in src.infolist():
+        if item.filename not in DROP:
+            dst.writestr(item, src.read(item.filename), compress_type=zipfile.ZIP_DEFLATED)
+PY
+rm -rf .whlv1 .whlv2 .whlv3 .whlv4
+mkdir -p .whlv1 .whlv2 .whlv3 .whlv4
+(cd "$tmp/bundle" && tar cf ../vllm_bundle.tar .)
+(cd "$tmp" && split -n 4 -d vllm_bundle.tar vllmpart_)
+for i in 1 2 3 4; do mv "$tmp/vllmpart_0$((i - 1))" ".whlv$i/"; done
+rm -rf "$tmp"
+echo "  calls v1-v4 (.whlv1 ... .whlv4):  $(du -cm .whlv1 .whlv2 .whlv3 .whlv4 | tail -1 | cut -f1) in all, four equal parts"

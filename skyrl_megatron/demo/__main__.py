@@ -13,8 +13,10 @@
 the policy's checkpoint with a fresh value head), the value loss column beside the policy's.
 
 ``--gpu`` runs the same GRPO on 1 GPU: a Qwen3-0.6B-shaped policy (random weights, bf16), its reference
-and our HF engine colocated, the weights sent by CUDA IPC after every step. ``--gpus 2`` spreads it over
-2 GPUs: the policy and the reference with tensor parallelism 2 (+ sequence parallel), one engine per GPU.
+and the inference engine colocated, the weights sent by CUDA IPC after every step. The engine is the
+host's vLLM where vLLM is installed (``--engine vllm``; one engine per GPU, tensor parallel size 1),
+else our HF engine (``--engine hf``). ``--gpus 2`` spreads it over 2 GPUs: the policy and the reference
+with tensor parallelism 2 (+ sequence parallel), one engine per GPU.
 ``--model DIR`` trains an existing HF checkpoint (its tokenizer included) instead of the generated one.
 
 Rerunning the same command continues from the last checkpoint (``--fresh`` starts over). Extra
@@ -118,6 +120,53 @@ def gpu_overrides(gpus: int = 1) -> list[str]:
     ]
 
 
+def vllm_overrides(gpus: int) -> list[str]:
+    """The host's vLLM engines in place of our HF engine: one per GPU (tensor parallel size 1, so each
+    holds whole tensors and its weights can be read back after a sync), the synchronous engine with its
+    core in the engine actor's process, sleeping while the trainers work (the host's default when
+    colocated)."""
+    return [
+        "generator.engine=auto",
+        "generator.backend=vllm",
+        f"generator.num_inference_engines={gpus}",
+        "generator.inference_engine_tensor_parallel_size=1",
+        "generator.async_engine=false",
+        "generator.vllm_v1_disable_multiproc=true",
+        "generator.gpu_memory_utilization=0.5",
+        "generator.enforce_eager=true",
+    ]
+
+
+def pick_engine(requested: str, gpus: int) -> str:
+    """hf (our engine) or vllm: `requested` (auto: vLLM where it is installed, on GPUs only)."""
+    if not gpus:
+        if requested == "vllm":
+            raise SystemExit("skyrl-megatron demo: --engine vllm needs --gpu (the CPU run uses our CPU engine)")
+        return "hf"
+    import importlib.metadata
+
+    from skyrl_megatron.hosts import detect
+
+    try:
+        vllm_version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        vllm_version = None
+    # skyrl 0.4's vLLM servers sync weights through vLLM 0.30's trainer-side transfer API
+    usable = vllm_version is not None and (detect().release.distribution != "skyrl" or _at_least(vllm_version, (0, 30)))
+    if requested == "vllm" and not usable:
+        found = f"vllm {vllm_version}" if vllm_version else "no vllm"
+        raise SystemExit(f"skyrl-megatron demo: --engine vllm: {found} with host {detect().release.distribution}; the host's "
+                         "vLLM engines need vllm installed (skyrl 0.4: vllm >= 0.30); use --engine hf")
+    if requested != "auto":
+        return requested
+    return "vllm" if usable else "hf"
+
+
+def _at_least(version: str, minimum: tuple[int, int]) -> bool:
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= minimum
+
+
 def merged(overrides: list[str], replacing: list[str]) -> list[str]:
     """`overrides` with each key that `replacing` sets taken from `replacing` (a key given twice is an error)."""
     new = dict(item.split("=", 1) for item in replacing)
@@ -133,9 +182,10 @@ def machine_sized(overrides: list[str]) -> list[str]:
     return overrides + current().machine_sized_overrides(os.cpu_count() or 1)
 
 
-def ppo_overrides(model_dir: Path) -> list[str]:
+def ppo_overrides(model_dir: Path, gpus: int = 0) -> list[str]:
     """PPO with GAE: a Megatron critic on 1 rank from the policy's checkpoint (value head drawn as the
-    host draws it), its own optimizer, one value-loss step per policy step's mini-batch."""
+    host draws it), its own optimizer, one value-loss step per policy step's mini-batch; on GPUs it
+    shares the first GPU with the policy, the reference and the engine."""
     return [
         "trainer.algorithm.advantage_estimator=gae",
         "trainer.algorithm.gamma=1.0",
@@ -143,7 +193,7 @@ def ppo_overrides(model_dir: Path) -> list[str]:
         "trainer.algorithm.value_clip=0.5",
         f"trainer.critic.model.path={model_dir.resolve()}",
         "trainer.placement.critic_num_gpus_per_node=1",
-        "trainer.critic.megatron_config.runtime=cpu",
+        f"trainer.critic.megatron_config.runtime={'cuda' if gpus else 'cpu'}",
         "trainer.critic.optimizer_config.lr=1e-3",
         "trainer.critic.optimizer_config.weight_decay=0.0",
         f"trainer.critic_mini_batch_size={PROMPTS_PER_STEP // 2}",
@@ -151,13 +201,16 @@ def ppo_overrides(model_dir: Path) -> list[str]:
 
 
 def run_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ckpt_interval: int, *, gpus: int = 0,
-                  ppo: bool = False, extra: list[str] = ()) -> list[str]:
-    """Everything the demo hands the host: its own settings, those of `gpus` GPUs (0: the CPU run), PPO's,
-    the machine's, and last the user's `extra` overrides, each replacing the value of its key."""
+                  ppo: bool = False, extra: list[str] = (), engine: str = "hf") -> list[str]:
+    """Everything the demo hands the host: its own settings, those of `gpus` GPUs (0: the CPU run) and of
+    the `engine` (hf | vllm), PPO's, the machine's, and last the user's `extra` overrides, each replacing
+    the value of its key."""
     overrides = demo_overrides(run_dir, model_dir, prompts, steps, ckpt_interval)
     if gpus:
         overrides = merged(overrides, gpu_overrides(gpus))
-    return merged(machine_sized(overrides + (ppo_overrides(model_dir) if ppo else [])), list(extra))
+        if engine == "vllm":
+            overrides = merged(overrides, vllm_overrides(gpus))
+    return merged(machine_sized(overrides + (ppo_overrides(model_dir, gpus) if ppo else [])), list(extra))
 
 
 def check_before_the_model_exists(overrides: list[str], model_dir: Path) -> None:
@@ -213,14 +266,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppo", action="store_true",
                         help="PPO with GAE and a Megatron critic instead of GRPO (use a run directory of its own)")
     parser.add_argument("--gpu", action="store_true",
-                        help="on 1 GPU: a Qwen3-0.6B-shaped policy (bf16), ref and our HF engine colocated")
+                        help="on 1 GPU: a Qwen3-0.6B-shaped policy (bf16), ref and the inference engine colocated")
     parser.add_argument("--gpus", type=int, choices=(1, 2), default=None,
                         help="--gpu on this many GPUs (2: policy and ref tensor parallel, one engine per GPU)")
+    parser.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                        help="the GPU run's inference engine: the host's vLLM or our HF engine "
+                             "(auto: vLLM where installed)")
     parser.add_argument("--model", type=Path, default=None,
                         help="an HF checkpoint directory to train instead of the generated random-weight model")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the host config")
     args = parser.parse_args(argv)
     gpus = args.gpus or (1 if args.gpu else 0)
+    engine = pick_engine(args.engine, gpus)
 
     from skyrl_megatron.cli import checked_config, report_config_error
     from skyrl_megatron.config import ConfigError
@@ -233,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         # the demo creates its model with torch: the rest of the config is checked before that
         prompts = run_dir / DEMO_PROMPTS
         planned = run_overrides(run_dir, model_dir, prompts, args.steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
-                                extra=args.overrides)
+                                extra=args.overrides, engine=engine)
         try:
             check_before_the_model_exists(planned, model_dir)
         except ConfigError as err:
@@ -242,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, prompts = prepare(run_dir, args.steps, gpu=bool(gpus), model=args.model)
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
     overrides = run_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
-                              extra=args.overrides)
+                              extra=args.overrides, engine=engine)
     # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its
     # first import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
     os.environ.setdefault("LOG_LEVEL", "WARNING")
@@ -257,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # the heavy imports (torch, Ray, the host trainer) only once the config is known to be good
     from skyrl_megatron.demo.experiment import (
-        REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
+        MEAN_GAP, REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
     )
     from skyrl_megatron.failures import ReportedFailure
     from skyrl_megatron.launch import run_experiment
@@ -267,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     on_gpus = f"{gpus} GPU{'s' if gpus > 1 else ''}"
     policy = f"Megatron policy ({on_gpus}, bf16) + ref" if gpus else "Megatron policy (TP=2+SP) + ref"
     algorithm = f"PPO (GAE), {policy} + critic" if args.ppo else f"GRPO, {policy}"
-    where = f"{on_gpus}, HF engine colocated (CUDA IPC)" if gpus else "CPU (gloo), CPU engine"
+    engine_name = "vLLM" if engine == "vllm" else "HF engine"
+    where = f"{on_gpus}, {engine_name} colocated (CUDA IPC)" if gpus else "CPU (gloo), CPU engine"
     print(f"skyrl-megatron demo: {algorithm} on {where}; {steps} steps")
     print(f"run directory: {run_dir.resolve()}" + (f" (resuming: {done_before} steps logged)" if done_before else ""))
     started = time.perf_counter()
@@ -283,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records = [r for r in read_metrics(metrics_file) if REWARD in r]
     by_step = {r["step"]: r for r in records}
-    subtitle = f"Megatron workers, HF engine on {on_gpus} (colocated)" if gpus else "Megatron workers, CPU engine"
+    subtitle = f"Megatron workers, {engine_name} on {on_gpus} (colocated)" if gpus else "Megatron workers, CPU engine"
     plot = plot_rewards(metrics_file, run_dir / "reward.png", subtitle)
     ordered = [by_step[s][REWARD] for s in sorted(by_step)]
     quarter = max(1, len(ordered) // 4)
@@ -293,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done in {time.perf_counter() - started:.0f} s: mean reward {first:.3f} (first {quarter} steps) -> "
           f"{last:.3f} (last {quarter} steps)")
     print(f"weight sync bitwise equal at every step: {all(r.get('sync/bitwise_equal') == 1.0 for r in records)}")
+    gaps = [r[MEAN_GAP] for r in records if MEAN_GAP in r]
+    if gaps:
+        print(f"train-inference gap, mean |engine logprob - trainer logprob| per step: {min(gaps):.4f} to "
+              f"{max(gaps):.4f} (mean {sum(gaps) / len(gaps):.4f})")
     if args.ppo:
         updates = [(r[VALUE_LOSS_BEFORE], r[VALUE_LOSS_AFTER]) for r in records if VALUE_LOSS_AFTER in r]
         if updates:

@@ -2,11 +2,14 @@
 
 Nothing here changes what the host trainer does; it observes:
 
-* before each step's scoring, the weights the engine sampled that step's rollouts with (those of the
-  last sync) are compared with a fresh export of the policy (SHA-256 per tensor, so "equal" means
-  bitwise), reported as ``sync/bitwise_equal``;
+* the weights the engine samples with are compared with a fresh export of the policy (SHA-256 per
+  tensor, so "equal" means bitwise), reported as ``sync/bitwise_equal``: our HF engine's before each
+  step's scoring (it still holds the last sync's weights), a vLLM engine's right after each sync (it
+  discards its weights when it sleeps), read back under HF names in its worker
+  (``engines.vllm_weights``); each sync's own time is ``sync/seconds``;
 * the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
-  same tokens, reported as ``sync/rollout_logprob_max_diff``;
+  same tokens (the train-inference gap), reported as ``sync/rollout_logprob_max_diff`` and
+  ``sync/rollout_logprob_mean_diff``;
 * in colocated runs, the host's offload/backload traffic of policy and ref (GiB, seconds) and the
   memory each still held after its last offload, reported as ``offload/<role>_*``; on GPUs, the
   device memory peak of each phase (scoring, training, optimizer step) over the ranks, as
@@ -20,10 +23,12 @@ Nothing here changes what the host trainer does; it observes:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,7 @@ CONSOLE_COLUMNS = (
     ("sync", "sync/bitwise_equal", "{:.0f}"),
     ("|lp diff|", "sync/rollout_logprob_max_diff", "{:.1e}"),
 )
+MEAN_GAP = "sync/rollout_logprob_mean_diff"
 
 
 class StepReporter:
@@ -149,17 +155,60 @@ def engine_actors(inference_engine_client) -> list:
     return [getattr(engine, "inference_engine_actor", engine) for engine in inference_engine_client.engines]
 
 
+def is_vllm_engine(actor) -> bool:
+    """A host's vLLM engine actor (ours answer ``weight_digests`` themselves)."""
+    return not hasattr(actor, "weight_digests")
+
+
+def _vllm_engine_digests(engine, names: list[str]) -> list[dict[str, str]]:
+    """Run in the host's vLLM engine actor (Ray's ``__ray_call__``): each worker's digests of the tensors
+    it holds, read back under HF names. The host's synchronous engine keeps a ``vllm.LLM`` as ``llm``;
+    with its engine core in the actor's process (``generator.vllm_v1_disable_multiproc``, the host's
+    default) the function is called, not serialised."""
+    from skyrl_megatron.engines.vllm_weights import engine_weight_digests
+
+    llm = getattr(engine, "llm", None)
+    if llm is None or not hasattr(llm, "collective_rpc") or asyncio.iscoroutinefunction(llm.collective_rpc):
+        raise RuntimeError("the demo reads a vLLM engine's weights through the host's synchronous engine: "
+                           "set generator.async_engine=false")
+    return llm.collective_rpc(engine_weight_digests, args=(names,))
+
+
+def engine_weight_digests(actors: list, names: list[str]) -> list[dict[str, str]]:
+    """The digests each engine (each vLLM worker) holds for `names`."""
+    if actors and is_vllm_engine(actors[0]):
+        per_engine = ray.get([actor.__ray_call__.remote(_vllm_engine_digests, names) for actor in actors])
+        return [digests for workers in per_engine for digests in workers]
+    return ray.get([actor.weight_digests.remote(names) for actor in actors])
+
+
 def _trainer_class():
     class CheckedTrainer(current().trainer_class()):
         """The host trainer plus the demo's observations (see the module docstring)."""
 
+        def _engines_are_vllm(self) -> bool:
+            actors = engine_actors(self.inference_engine_client)
+            return bool(actors) and is_vllm_engine(actors[0])
+
         def _check_engine_weights(self) -> None:
+            """Every tensor each engine holds equals the policy's export of it (a vLLM engine with tied
+            embeddings holds one tensor where the export names two)."""
             exported = ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
-            names = list(exported)
-            held = ray.get([actor.weight_digests.remote(names) for actor in engine_actors(self.inference_engine_client)])
-            equal = all(digests == exported for digests in held)
-            self.all_metrics["sync/bitwise_equal"] = float(equal)
-            self.all_metrics["sync/tensors"] = len(exported)
+            held = engine_weight_digests(engine_actors(self.inference_engine_client), list(exported))
+            equal = all(digests and all(exported.get(name) == digest for name, digest in digests.items())
+                        for digests in held)
+            # a step's record holds its last sync's check (and, at step 1, the first sync's too)
+            self.all_metrics["sync/bitwise_equal"] = min(float(equal), self.all_metrics.get("sync/bitwise_equal", 1.0))
+            self.all_metrics["sync/tensors"] = min(len(digests) for digests in held) if held else 0
+
+        def sync_policy_weights_to_inference_engines(self):
+            """The host's sync, timed on its own; a vLLM engine's weights are checked right after it."""
+            started = time.perf_counter()
+            ray.get(super().sync_policy_weights_to_inference_engines())
+            self.all_metrics["sync/seconds"] = time.perf_counter() - started
+            if self._engines_are_vllm():
+                self._check_engine_weights()
+            return []
 
         def _worker_groups(self):
             return [(role, group) for role in ("policy", "ref") if (group := getattr(self, f"{role}_model", None))]
@@ -208,7 +257,8 @@ def _trainer_class():
             return self.critic_model.run_method("mesh", "forward", inputs)["output"]
 
         def fwd_logprobs_values_reward(self, training_input):
-            self._check_engine_weights()  # the policy is still where the last sync left it
+            if not self._engines_are_vllm():
+                self._check_engine_weights()  # the policy is still where the last sync left it
             self._report_transfers()
             training_input = super().fwd_logprobs_values_reward(training_input)
             self.all_metrics["throughput/tokens"] = int(training_input["attention_mask"].sum())
@@ -217,6 +267,7 @@ def _trainer_class():
                 mask = training_input["loss_mask"].bool()
                 diff = (rollout - training_input["action_log_probs"]).abs()[mask]
                 self.all_metrics["sync/rollout_logprob_max_diff"] = float(diff.max()) if diff.numel() else 0.0
+                self.all_metrics[MEAN_GAP] = float(diff.mean()) if diff.numel() else 0.0
             return training_input
 
     return CheckedTrainer
