@@ -247,13 +247,24 @@ def prepare(run_dir: Path, steps: int, gpu: bool = False, model: Path | None = N
 def _quiet_console() -> None:
     """One line per step and nothing a user cannot act on; each setting is read where the noise starts,
     so it is set before those libraries load."""
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the host trainer's bar, datasets' and transformers' bars
+    _disable_progress_bars_here()
     # Ray reads its config flags when it loads: no metrics exporter in a local run (launch sets it too)
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
     # Ray's notice that it will stop clearing CUDA_VISIBLE_DEVICES for num_gpus=0 tasks: opt in (CPU run)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     # Megatron-Core's import-time notices that TE/Apex are absent: the TE-free path is ours on purpose
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*not installed")
+
+
+def _disable_progress_bars_here() -> None:
+    """tqdm's bars off in this process (the host trainer's, datasets' and transformers'), but not through
+    TQDM_DISABLE, which Ray's workers would inherit: vLLM's ``LLM.generate`` divides by its bar's elapsed
+    time, which a disabled bar leaves at 0."""
+    from functools import partialmethod
+
+    import tqdm.std
+
+    tqdm.std.tqdm.__init__ = partialmethod(tqdm.std.tqdm.__init__, disable=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,7 +245,12 @@ def _trainer_class():
             """The host's value loss on this step's batch with the critic's values before its update
             (those GAE used) and after it (scored again)."""
             inputs = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
+            colocated = self.cfg.trainer.placement.colocate_all  # the host offloaded the critic after training
+            if colocated:
+                self.critic_model.backload_to_gpu(backload_optimizer=False, backload_model=True)
             after = self._critic_values(inputs)
+            if colocated:
+                self.critic_model.offload_to_cpu(offload_optimizer=False, offload_model=True)
             before = data["values"]
             for name, values in ((VALUE_LOSS_BEFORE, before), (VALUE_LOSS_AFTER, after)):
                 self.all_metrics[name] = host_value_loss(values, before, data["returns"], data["loss_mask"],

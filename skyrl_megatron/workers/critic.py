@@ -140,5 +140,7 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
         """The host's critic layout: the trunk under its HF names and `<value_head_prefix>.weight`
-        (no LM head), which a later run's `trainer.critic.model.path` loads the head from."""
-        save_hf_model(export_dir, self.built, tokenizer, value_head_name=f"{self._value_head_prefix()}.weight")
+        (no LM head), which a later run's `trainer.critic.model.path` loads the head from. An offloaded
+        model (a colocated run's last save) is brought back for the export and parked again."""
+        with self.model_resident():
+            save_hf_model(export_dir, self.built, tokenizer, value_head_name=f"{self._value_head_prefix()}.weight")

@@ -310,4 +310,6 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
     # -- HF export --------------------------------------------------------------------------------
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
-        save_hf_model(export_dir, self.built, tokenizer)
+        """The HF checkpoint of the current weights (offloaded ones brought back for the export)."""
+        with self.model_resident():
+            save_hf_model(export_dir, self.built, tokenizer)

@@ -159,3 +159,28 @@ def test_offload_and_backload_keep_the_values_and_training_goes_on(run):
     # the optimizer state came back: the next step trains at the configured LR
     status = _critic_step(trainer, batch, before)
     assert math.isfinite(status["critic_loss"]) and status["critic_lr"] == pytest.approx(1e-3)
+
+
+def test_an_offloaded_critic_exports_the_weights_it_holds(run, tmp_path):
+    """A colocated run's last HF save finds the critic offloaded (the host backloads only the policy):
+    the export brings the weights back for itself, writes what a resident export writes, and parks
+    them again."""
+    import ray
+    from safetensors.torch import load_file
+
+    critic = run["trainer"].critic_model
+
+    def export(name: str) -> dict[str, torch.Tensor]:
+        ray.get(critic.async_run_ray_method("pass_through", "save_hf_model", str(tmp_path / name)))
+        return {k: v for path in sorted((tmp_path / name).glob("*.safetensors")) for k, v in load_file(path).items()}
+
+    resident = export("resident")
+    critic.offload_to_cpu()
+    try:
+        offloaded = export("offloaded")
+        # parked again: a second offload finds nothing of the model left to move
+        assert all("model" not in report["parts"] for report in critic.offload_to_cpu())
+    finally:
+        critic.backload_to_gpu()
+    assert resident.keys() == offloaded.keys() and len(resident) > 0
+    assert all(torch.equal(resident[name], offloaded[name]) for name in resident)
