@@ -122,7 +122,7 @@ def test_packed_boundaries_shared_by_query_and_key_stay_one_tensor_on_the_device
     session 23's profile). The meta device stands in for the GPU: `.to` makes a new tensor there as on CUDA."""
     from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
     from skyrl_megatron.compute.microbatch.pipeline import _params_on
-    from skyrl_megatron.model import rope
+    from skyrl_megatron.model.layers import rope
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     params = pack_padded_batch(torch.arange(8).reshape(2, 4), mask).packed_seq_params

@@ -198,7 +198,7 @@ class _ScoringFlip:
 
 
 def _flip_scoring(chunks) -> None:
-    from skyrl_megatron.model.moe import routers
+    from skyrl_megatron.model.moe.settings import routers
 
     for _, router in routers(chunks):
         router.router_replay = _ScoringFlip(router.router_replay)

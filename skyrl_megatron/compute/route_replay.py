@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.model.moe import routers
+from skyrl_megatron.model.moe.settings import routers
 
 NO_ROUTE = -1  # a real token without a route: routed as usual
 

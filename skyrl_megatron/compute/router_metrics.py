@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.model.moe import routers
+from skyrl_megatron.model.moe.settings import routers
 from skyrl_megatron.runtime import current_runtime
 
 

@@ -33,8 +33,8 @@ from skyrl_megatron.compute.microbatch.results import collect, recorded_host_rou
 from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
-from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
-from skyrl_megatron.model.value_head import ValueOutputProcessor
+from skyrl_megatron.model.adapters.value_head import ValueOutputProcessor
+from skyrl_megatron.model.moe.settings import dispatch_needs_equal_token_counts
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import current_runtime
 
@@ -150,7 +150,7 @@ class ModelRunner:
         return self._model_call(processor, per_token, record_routes)
 
     def _value_forward_fn(self) -> Callable:
-        """The critic's model call: per-token values [b, s] from the value head (model/value_head.py)."""
+        """The critic's model call: per-token values [b, s] from the value head (model/adapters/value_head.py)."""
         return self._model_call(ValueOutputProcessor(), lambda out: out.values)
 
     def _model_call(self, processor, per_token: Callable, record_routes: bool = False) -> Callable:

@@ -14,7 +14,7 @@
 model layout, the packed row's included); `results.py` is the way back (per-token outputs -> the host's
 columns), apart from the forward path. Each step owns its layout arithmetic (`plan.py` the packing
 alignment, `inputs.py` the THD packing); the context-parallel split is the model's layout
-(`model/context_parallel_layout.py`, also read by the core attention), below all of them.
+(`model/layers/context_parallel_layout.py`, also read by the core attention), below all of them.
 
 This package's `__init__` imports nothing, so importing one step does not import the others.
 """

@@ -1,6 +1,6 @@
 """Step 4, context-parallel shard: this CP rank's tokens of a micro-batch's model inputs.
 
-Megatron's load-balanced split (model/context_parallel_layout.py, the layout the core attention
+Megatron's load-balanced split (model/layers/context_parallel_layout.py, the layout the core attention
 reads): a padded batch [b, s] is one sequence of length s per row; a packed row [1, T] is split
 sequence by sequence at its padded boundaries.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from skyrl_megatron.compute.microbatch.model_inputs import ModelInputs
-from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
 
 
 def context_split(inputs: ModelInputs, cp_rank: int, cp_size: int) -> ContextParallelSplit | None:

@@ -23,7 +23,7 @@ Each sequence is padded at its end to the alignment the plan's `PackingSettings`
 changes them; it belongs to that sequence (its positions continue the sequence's). `PackedSeqParams`
 carries the padded boundaries (as `cu_seqlens_*` and `cu_seqlens_*_padded` alike): Megatron's RoPE and
 our core attention read the layout from them, and the context-parallel split cuts the row at them
-(`model/context_parallel_layout.py`).
+(`model/layers/context_parallel_layout.py`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from skyrl_megatron.compute.logprobs import LogprobTargets
 from skyrl_megatron.compute.microbatch.rows import RowSpans
 from skyrl_megatron.compute.route_replay import RouteTargets
-from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams

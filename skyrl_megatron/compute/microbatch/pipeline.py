@@ -94,7 +94,7 @@ def _params_on(params, device):
     """PackedSeqParams with its index tensors on `device` (attention kernels read them there).
 
     Fields that share one tensor (self-attention's query and key boundaries, padded or not) still share
-    one after the move: one copy each, and the rotation tables (`model/rope.py`), cached by the
+    one after the move: one copy each, and the rotation tables (`model/layers/rope.py`), cached by the
     boundaries' identity, are computed once per micro-batch instead of once per layer and direction."""
     moved_by_id: dict[int, torch.Tensor] = {}
     moved = {}

@@ -8,7 +8,7 @@ schedule call gets one shape.
 
 The shape follows the packing settings (`PackingSettings`): padded rows, or one packed (THD) row whose
 sequences are padded at their ends to a multiple of 2*CP under context parallelism (Megatron's
-load-balanced split, `model/context_parallel_layout.py`), the last one further so that every CP rank's
+load-balanced split, `model/layers/context_parallel_layout.py`), the last one further so that every CP rank's
 share of the row divides evenly among the TP ranks under sequence parallelism (`packed_lengths`).
 """
 

@@ -15,7 +15,7 @@ from skyrl_megatron.compute.microbatch.context_parallel import shard
 from skyrl_megatron.compute.microbatch.model_inputs import ModelInputs
 from skyrl_megatron.compute.microbatch.rows import IGNORE_LABEL
 from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteTargets
-from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
 
 
 def logprob_targets(inputs: ModelInputs, split: ContextParallelSplit | None, device) -> LogprobTargets:

@@ -22,8 +22,8 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor
 
-from skyrl_megatron.model import rope
-from skyrl_megatron.model.norm import DeferrableRMSNorm, deferred
+from skyrl_megatron.model.layers import rope
+from skyrl_megatron.model.layers.norm import DeferrableRMSNorm, deferred
 
 
 def _rotate_half_transposed(t: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin
 def _kernels(device: torch.device):
     """Triton's kernels on GPU; the reference functions on CPU."""
     if device.type == "cuda":
-        from skyrl_megatron.model import norm_rope_kernels
+        from skyrl_megatron.model.layers import norm_rope_kernels
 
         return norm_rope_kernels.norm_rope_forward, norm_rope_kernels.norm_rope_backward
     return norm_rope_forward, norm_rope_backward

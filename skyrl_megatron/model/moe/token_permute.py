@@ -17,7 +17,7 @@ The k rows of a token are summed in expert order in one reduction (fp32 accumula
 the same on every run and layout.
 
 The guarantee comes from the layer's config, not from the tensors, so it is granted per dispatcher:
-`route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe_layer.py`, for the alltoall
+`route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe/layer.py`, for the alltoall
 dispatcher without token dropping or router padding) makes the dispatcher's permutation steps run
 with it; every other call of `permute`/`unpermute` (other dispatchers, dropping, TE's fused kernels,
 probabilities merged in `unpermute`) is Megatron's own.
