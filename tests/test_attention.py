@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from skyrl_megatron.attention_kernels import SegmentKernel
-from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
-from skyrl_megatron.compute.microbatch.model_inputs import unpack_to_padded
+from skyrl_megatron.compute.microbatch.pack import pack_padded_batch, unpack_to_padded
 from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit, context_parallel_index
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.testing import run_on_ranks
@@ -210,7 +209,7 @@ def _module_values_and_grads(rank, world_size, seq_lengths, padded_batch):
     padded batch of `padded_batch` rows); returns global-order outputs and local input grads."""
     from megatron.core import parallel_state as ps
 
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
 
     attention = _attention_module(world_size)
     query, key, value = _qkv(sum(seq_lengths), seed=2)

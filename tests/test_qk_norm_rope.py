@@ -132,7 +132,7 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict, fused: tuple[
     """One tiny model built with the fused query/key norm and rotation (and any other `fused` kernels) and one
     without (same checkpoint, fp32, same layout): this rank's logits on a packed and a padded micro-batch, and
     every parameter's gradient of the packed one."""
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel

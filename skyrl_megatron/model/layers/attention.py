@@ -372,7 +372,7 @@ class CoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None or mask_type != AttnMaskType.causal:
             raise NotImplementedError(
                 "skyrl-megatron core attention computes causal attention only: pass attention_mask=None "
-                "and pack padded batches (skyrl_megatron.compute.microbatch.inputs) instead of masking them"
+                "and pack padded batches (skyrl_megatron.compute.microbatch.pack) instead of masking them"
             )
         if packed_seq_params is None:
             return self._padded(query, key, value)
