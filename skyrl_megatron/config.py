@@ -74,7 +74,7 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 
 # generated kernels for the TE-free layers and the logprob head (skyrl_megatron/model/layers/fusions.py),
 # and those on by default: the generated RMSNorm was slower than PyTorch's on an H200
-# (docs/perf_notes.md, session 7); qk_norm_rope took 3% off a Qwen3-4B training step (session 22)
+# (docs/perf_notes.md, measured 2026-11-22); qk_norm_rope took 3% off a Qwen3-4B training step (2026-11-27)
 FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs")
 AUTO = "auto"
@@ -185,7 +185,7 @@ def _positive(value) -> bool:
 
 
 # Scoring keeps no activations for backward, so by default it packs this many times the training budget:
-# on an H200 (session 20) 4 x 8192 tokens (with 1 GiB logits chunks) scored Qwen3-1.7B 1.55x and Qwen3-4B
+# on an H200 (measured 2026-11-27) 4 x 8192 tokens (with 1 GiB logits chunks) scored Qwen3-1.7B 1.55x and Qwen3-4B
 # 1.1x faster than 8192 tokens (256 MiB chunks), for 1.3-1.8 GiB more at the scoring peak (docs/benchmarks.md)
 SCORING_BUDGET_FACTOR = 4
 

@@ -1,4 +1,4 @@
-"""MoE routing replay (``moe_config.routing_replay``, issue 17 R2) on a tiny Qwen3-MoE (CPU, gloo, fp32).
+"""MoE routing replay (``moe_config.routing_replay: r2``) on a tiny Qwen3-MoE (CPU, gloo, fp32).
 
 In-process: routes kept per row survive re-padding and reordering, the host <-> model layout maps
 put a token's routes where the token goes, and the config rules. Spawned ranks: a constructed

@@ -1,4 +1,4 @@
-"""MoE token dispatch and combine between expert-parallel ranks with every size on the device (issue 17).
+"""MoE token dispatch and combine between expert-parallel ranks with every size on the device.
 
 Megatron's alltoall dispatcher at EP > 1 copies the all-to-all's split sizes to the host and waits,
 once per MoE layer and pass. Here the rows travel by `model/moe/row_exchange.py` (torch's NVSHMEM

@@ -1,4 +1,4 @@
-"""Megatron's alltoall token dispatcher at EP > 1 with every size on the device (issue 17; opt-in:
+"""Megatron's alltoall token dispatcher at EP > 1 with every size on the device (opt-in:
 ``megatron_config.moe_config.device_all_to_all``).
 
 Megatron's `MoEAlltoAllTokenDispatcher` computes its split sizes and counts on the device

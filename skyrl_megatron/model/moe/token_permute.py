@@ -3,7 +3,7 @@
 Megatron's non-fused `permute` copies each token once per chosen expert (`index_select`), so its
 backward is an `index_add_` of k rows into each token; its `unpermute` sums the k expert outputs
 back with `scatter_add_`. Both are atomic scatters on a GPU (about 0.9 and 0.45 ms per call at the
-Qwen3-30B-A3B shape on an H200, session 17's profile), and their summation order changes from run
+Qwen3-30B-A3B shape on an H200, profiled 2026-11-27), and their summation order changes from run
 to run.
 
 With dropless top-k routing every token appears exactly k times among the permuted rows, so the
