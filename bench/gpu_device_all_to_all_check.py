@@ -1,4 +1,4 @@
-"""The product's device-side MoE exchange (model/device_all_to_all.py over model/row_exchange.py's
+"""The product's device-side MoE exchange (model/moe/device_all_to_all.py over model/moe/row_exchange.py's
 `NvshmemExchange`) on 2 GPUs: parity with the host-split path, forward and backward, over several
 layers; no host sync; the symmetric buffers' reuse and growth (issue 17).
 
@@ -35,9 +35,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_gpu_launch, when imported by the tests
 
-from skyrl_megatron.model.device_all_to_all import ExchangePlan, combine, dispatch  # noqa: E402
-from skyrl_megatron.model.row_exchange import EmulatedExchange, NvshmemExchange  # noqa: E402
-from skyrl_megatron.model.token_sort import expert_major_order, source_major_order  # noqa: E402
+from skyrl_megatron.model.moe.device_all_to_all import ExchangePlan, combine, dispatch  # noqa: E402
+from skyrl_megatron.model.moe.row_exchange import EmulatedExchange, NvshmemExchange  # noqa: E402
+from skyrl_megatron.model.moe.token_sort import expert_major_order, source_major_order  # noqa: E402
 from skyrl_megatron.testing.reference_exchange import host_splits_all_to_all, split_and_concatenate  # noqa: E402
 from two_gpu_launch import WORLD, add_moe_shape_arguments, launch_ranks  # noqa: E402
 

@@ -2,7 +2,7 @@
 against `varlen` (torch's varlen_attn, FlashAttention-2) and an fp32 reference, on one Hopper or
 Blackwell GPU, through our own code (bench/gpu_cudnn_attention_check.py called the kernels directly):
 
-1. `CoreAttention` (model/attention.py) on packed THD micro-batches: 8,192 tokens of RL-like lengths
+1. `CoreAttention` (model/layers/attention.py) on packed THD micro-batches: 8,192 tokens of RL-like lengths
    (a ~256-token prompt plus a log-uniform response of 64-4096), Qwen3-4B heads (32 query heads,
    8 or 32 key/value heads, head dim 128), bf16; built with attention_kernel=flash4 and =varlen (and
    what `auto` picks here, recorded). Errors of the output and of the query/key/value gradients against
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from skyrl_megatron.model.attention import (
+from skyrl_megatron.attention_kernels import SegmentKernel
+from skyrl_megatron.model.layers.attention import (
     AttentionKernelError,
     CausalSegments,
     CoreAttention,
@@ -44,8 +45,7 @@ from skyrl_megatron.model.attention import (
     context_parallel_segments,
     select_segment_kernel,
 )
-from skyrl_megatron.model.attention_kernels import SegmentKernel
-from skyrl_megatron.model.context_parallel_layout import context_parallel_index
+from skyrl_megatron.model.layers.context_parallel_layout import context_parallel_index
 from skyrl_megatron.runtime import activate_runtime
 
 DEVICE = "cuda"

@@ -27,7 +27,7 @@ def _rms_norm_eager(x, weight):
 
 
 def _rms_norm_fused(x, weight):
-    from skyrl_megatron.model.norm import fused_rms_norm
+    from skyrl_megatron.model.layers.norm import fused_rms_norm
 
     return fused_rms_norm(x, weight, 1e-6)
 
@@ -40,7 +40,7 @@ def _rope_eager(t, cos, sin):
 
 
 def _rope_fused(t, cos, sin):
-    from skyrl_megatron.model.rope import fused_rotate_half_rope
+    from skyrl_megatron.model.layers.rope import fused_rotate_half_rope
 
     return fused_rotate_half_rope(t, cos, sin)
 
@@ -51,7 +51,7 @@ def _swiglu_eager(x):
 
 
 def _swiglu_fused(x):
-    from skyrl_megatron.model import swiglu
+    from skyrl_megatron.model.layers import swiglu
 
     swiglu.install()
     return swiglu.bias_swiglu_impl(x, None)
@@ -78,7 +78,7 @@ def _qk_norm_rope_eager(mixed, weight, cos, sin):
 
 def _qk_norm_rope_with(kernels):
     def run(mixed, weight, cos, sin):
-        from skyrl_megatron.model import qk_norm_rope
+        from skyrl_megatron.model.layers import qk_norm_rope
 
         chosen, qk_norm_rope._kernels = qk_norm_rope._kernels, kernels
         try:
@@ -91,7 +91,7 @@ def _qk_norm_rope_with(kernels):
 
 
 def _qk_norm_rope_fused(mixed, weight, cos, sin):
-    from skyrl_megatron.model import norm_rope_kernels
+    from skyrl_megatron.model.layers import norm_rope_kernels
 
     return _qk_norm_rope_with(lambda device: (norm_rope_kernels.norm_rope_forward,
                                               norm_rope_kernels.norm_rope_backward))(mixed, weight, cos, sin)
@@ -99,8 +99,8 @@ def _qk_norm_rope_fused(mixed, weight, cos, sin):
 
 @functools.cache
 def _generated_norm_rope():
-    from skyrl_megatron.model import qk_norm_rope
-    from skyrl_megatron.model.fusions import compile_kernel
+    from skyrl_megatron.model.layers import qk_norm_rope
+    from skyrl_megatron.model.layers.fusions import compile_kernel
 
     return compile_kernel(qk_norm_rope.norm_rope_forward), compile_kernel(qk_norm_rope.norm_rope_backward)
 

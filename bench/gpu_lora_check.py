@@ -145,7 +145,7 @@ def train_and_export(hf_dir: str, lora, work: str) -> dict:
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from skyrl_megatron.model.lora import LoraSpec
+    from skyrl_megatron.model.adapters.lora import LoraSpec
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
     parser = argparse.ArgumentParser()

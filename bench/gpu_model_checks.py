@@ -79,11 +79,11 @@ def train_flops_per_token(config, seq: int) -> float:
 def logprob_parity(workdir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.fusions import FUSED_KERNELS
+    from skyrl_megatron.model.layers.fusions import FUSED_KERNELS
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch
-    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
     torch.manual_seed(0)
     hf_dir = os.path.join(workdir, "qwen3-0.6b")
@@ -129,8 +129,8 @@ def logprob_parity(workdir: str) -> dict:
 def varlen_vs_sdpa() -> dict:
     import torch.nn.functional as F
 
-    from skyrl_megatron.model.attention import CausalSegments, attend_segments, context_parallel_segments
-    from skyrl_megatron.model.attention_kernels import SegmentKernel
+    from skyrl_megatron.attention_kernels import SegmentKernel
+    from skyrl_megatron.model.layers.attention import CausalSegments, attend_segments, context_parallel_segments
 
     torch.manual_seed(0)
     lengths = [17, 300, 1024, 64, 2000]
@@ -194,11 +194,11 @@ def _pg_objective(log_probs, entropy, batch, totals):
 
 
 def megatron_step(name: str, tokens: int) -> dict:
-    from skyrl_megatron.model.bridge_import import import_bridge
+    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
     from skyrl_megatron.model.build import ModelSpec, make_provider
+    from skyrl_megatron.model.conversion.bridge_import import import_bridge
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
-    from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
 
     torch.cuda.reset_peak_memory_stats()
     parallel = ParallelConfig()

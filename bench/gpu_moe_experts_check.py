@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from skyrl_megatron.model.experts import grouped_linear  # noqa: E402
+from skyrl_megatron.model.moe.experts import grouped_linear  # noqa: E402
 
 
 def routed_counts(tokens: int, experts: int, topk: int, skew: float, seed: int = 0) -> list[int]:

@@ -7,7 +7,7 @@ forward + backward through `ModelRunner.train_mini_batch`; no optimizer step):
 
 1. `layer_sync_check`: each MoE layer alone, forward and backward on the hidden states it saw in
    that step, under `torch.cuda.set_sync_debug_mode("error")`, once per path:
-   `new` (the counts stay on the device, `model/moe_layer.py`) must make no sync; `old` (the
+   `new` (the counts stay on the device, `model/moe/layer.py`) must make no sync; `old` (the
    dispatcher copies them to the host and waits, as before) shows the sync the check is for.
    The first sync of each layer is reported with its stack.
 2. `step_syncs`: every synchronising call of one whole training step (new path) under the
@@ -20,7 +20,7 @@ forward + backward through `ModelRunner.train_mini_batch`; no optimizer step):
 Prediction (to be measured, not a result): the old path waits once per MoE layer and forward
 (after the first permutation, with attention, router and permutation still queued), so the host
 idles until the GPU drains and the GPU then idles while the host launches the experts' kernels.
-Removing the token regrouping's syncs (eight per layer and forward, `model/token_sort.py`) saved
+Removing the token regrouping's syncs (eight per layer and forward, `model/moe/token_sort.py`) saved
 18% of a training step and 35% of a scoring pass (session 9, run C); the remaining wait is the first
 of each such group and carried most of the drain, so we expect about a third to a half of that
 again: scoring 10-25% faster, a training step 5-15% faster (its backward had no such wait), the
@@ -87,8 +87,8 @@ def build(shape: dict, layers: int, dtype: str):
     from megatron.core.distributed import DistributedDataParallelConfig
     from transformers import Qwen3MoeConfig
 
-    from skyrl_megatron.model.bridge_import import import_bridge
     from skyrl_megatron.model.build import ModelSpec, install_patches, make_provider
+    from skyrl_megatron.model.conversion.bridge_import import import_bridge
     from skyrl_megatron.parallel import ParallelConfig
     from skyrl_megatron.runtime import current_runtime
 
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
 
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
-    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class, set_counts_on_device
+    from skyrl_megatron.model.moe.layer import grouped_moe_layer_class, set_counts_on_device
     from skyrl_megatron.parallel import ParallelConfig
     from skyrl_megatron.testing.rl_batches import make_rl_batch
 

@@ -77,8 +77,8 @@ def _hidden_only(*, hidden_states, **_unused):
 
 def build(config, dtype: str):
     """Config-only model (random weights) through our spec, as the policy builds it (no DDP: scoring only)."""
-    from skyrl_megatron.model.bridge_import import import_bridge
     from skyrl_megatron.model.build import ModelSpec, install_patches, make_provider
+    from skyrl_megatron.model.conversion.bridge_import import import_bridge
     from skyrl_megatron.runtime import current_runtime
 
     spec = ModelSpec("<config only>", dtype=dtype, load_weights=False)
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
 
     from skyrl_megatron.compute.microbatch.pipeline import prepare_micro_batches
     from skyrl_megatron.compute.microbatch.plan import MicroBatching
-    from skyrl_megatron.model import rope
+    from skyrl_megatron.model.layers import rope
     from skyrl_megatron.parallel import ParallelConfig
 
     if on_gpu:

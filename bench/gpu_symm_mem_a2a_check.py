@@ -24,7 +24,7 @@ experts: 64 per rank, routing drawn with a fixed seed), this script reports:
 1. whether NVSHMEM is available (exit 2 if not) and the 2-D op's answer at this shape (one case);
 2. parity of the 1-D path, bitwise, against the reference (host split sizes, `all_to_all_single`,
    Megatron's non-fused split-and-concatenate regrouping): dispatch, combine (the way back), round trip;
-   the index math also against `skyrl_megatron.model.token_sort.chunk_order_rows`;
+   the index math also against `skyrl_megatron.model.moe.token_sort.chunk_order_rows`;
 3. whether the 1-D path makes a host sync: CUDA's sync debug mode set to 'error' around one round trip
    (the reference path is checked the same way, to show the check catches one), and whether the host
    runs ahead of a GPU kept busy (catches waits the debug mode cannot see, such as inside NVSHMEM);
@@ -60,8 +60,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_gpu_launch, when imported by the tests
 
-# the index math is the product's (model/token_sort.py), checked here against Megatron's path
-from skyrl_megatron.model.token_sort import chunk_gather_index, expert_major_order, source_major_order  # noqa: E402
+# the index math is the product's (model/moe/token_sort.py), checked here against Megatron's path
+from skyrl_megatron.model.moe.token_sort import chunk_gather_index, expert_major_order, source_major_order  # noqa: E402
 from skyrl_megatron.testing.reference_exchange import split_and_concatenate  # noqa: E402
 from two_gpu_launch import SAFE_ENV, WORLD, add_moe_shape_arguments, launch_ranks  # noqa: E402
 
@@ -336,7 +336,7 @@ def scatter_micro_times(shape: Shape, device, repeats: int, inner: int) -> dict:
 
 def parity(shape: Shape, path: DevicePath, tokens, sorted_indices, counts, device) -> dict:
     """Both paths once on the same inputs; every comparison bitwise."""
-    from skyrl_megatron.model.token_sort import chunk_order_rows
+    from skyrl_megatron.model.moe.token_sort import chunk_order_rows
 
     for buffer in (path.dispatch_buffers.out, path.combine_buffers.out):
         buffer.fill_(float("nan"))  # stale rows cannot pass

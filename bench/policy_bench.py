@@ -472,10 +472,10 @@ class _Measured:
         model = getattr(self, "model", None)
         threads = {"torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         if hasattr(self, "built"):  # ours
-            from skyrl_megatron.model.bridge_import import have_transformer_engine
+            from skyrl_megatron.model.conversion.bridge_import import have_transformer_engine
 
             te = have_transformer_engine() and torch.cuda.is_available()
-            # the packed kernel the model was built with (megatron_config.attention_kernel, model/attention.py)
+            # the packed kernel the model was built with (megatron_config.attention_kernel, model/layers/attention.py)
             packed = {"sdpa": "masked SDPA"}.get(self.built.segment_kernel, self.built.segment_kernel)
             attention = "TE" if te else f"ours (SDPA / {packed})"
             return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels),

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from skyrl_megatron.attention_kernels import ATTENTION_KERNELS, FLASH4_INSTALL_FIX, SegmentKernel, flash4_installed
+from skyrl_megatron.lora_spec import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
 from skyrl_megatron.megatron_fields import section_fields
-from skyrl_megatron.model.attention_kernels import ATTENTION_KERNELS, FLASH4_INSTALL_FIX, SegmentKernel, flash4_installed
-from skyrl_megatron.model.lora_spec import LORA_TYPES, WEIGHT_SYNC_MODES, LoraConfigError, LoraSpec
 
 if TYPE_CHECKING:
     from skyrl_megatron.parallel import ParallelConfig
@@ -72,9 +72,9 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # Typed config
 # ----------------------------------------------------------------------------------------------
 
-# generated kernels for the TE-free layers and the logprob head (skyrl_megatron/model/fusions.py),
+# generated kernels for the TE-free layers and the logprob head (skyrl_megatron/model/layers/fusions.py),
 # and those on by default: the generated RMSNorm was slower than PyTorch's on an H200
-# (docs/perf_notes.md, session 7); qk_norm_rope took 3% off a Qwen3-4B training step (session 22)
+# (docs/perf_notes.md, measured 2026-11-22); qk_norm_rope took 3% off a Qwen3-4B training step (2026-11-27)
 FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs")
 AUTO = "auto"
@@ -88,7 +88,7 @@ class LoraSettings:
     weight_sync: str = "merged"  # "merged": base + BA under HF names | "adapters": a PEFT adapter directory
 
 
-# moe_config values; skyrl_megatron/model/moe.py maps them onto Megatron's TransformerConfig
+# moe_config values; skyrl_megatron/model/moe/settings.py maps them onto Megatron's TransformerConfig
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -115,7 +115,7 @@ class MoeSettings:
     expert_bias: bool | None = None  # null: the checkpoint's; true/false must match it
     expert_bias_update_rate: float = 0.0
     routing_replay: str | None = None  # null | r2 | r3 (compute/route_replay.py); the policy's only
-    # EP > 1: all-to-alls with the split sizes on the device (torch's NVSHMEM op; model/exchange_dispatcher.py)
+    # EP > 1: all-to-alls with the split sizes on the device (torch's NVSHMEM op; model/moe/exchange_dispatcher.py)
     device_all_to_all: bool = False
 
     @classmethod
@@ -185,7 +185,7 @@ def _positive(value) -> bool:
 
 
 # Scoring keeps no activations for backward, so by default it packs this many times the training budget:
-# on an H200 (session 20) 4 x 8192 tokens (with 1 GiB logits chunks) scored Qwen3-1.7B 1.55x and Qwen3-4B
+# on an H200 (measured 2026-11-27) 4 x 8192 tokens (with 1 GiB logits chunks) scored Qwen3-1.7B 1.55x and Qwen3-4B
 # 1.1x faster than 8192 tokens (256 MiB chunks), for 1.3-1.8 GiB more at the scoring peak (docs/benchmarks.md)
 SCORING_BUDGET_FACTOR = 4
 
@@ -217,7 +217,7 @@ class MegatronWorkerConfig:
     # the logprob head's fp32 logits per chunk of tokens (compute/logprobs.py)
     logits_chunk_mib: int = 1024
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
-    attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (model/attention_kernels.py)
+    attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (attention_kernels.py)
     # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py);
     # auto: wherever the optimizer allows it (optim.OptimizerSettings.build_optimizer), true: there or an error
     compact_master_weights: bool | str = AUTO
@@ -601,7 +601,7 @@ def _routing_replay_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConf
 
 
 def _device_all_to_all_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
-    """Where `moe_config.device_all_to_all` can apply (model/exchange_dispatcher.exchange_can_apply at
+    """Where `moe_config.device_all_to_all` can apply (model/moe/exchange_dispatcher.exchange_can_apply at
     build time is the backstop): expert TP 1, dropless top-k routing, grouped experts."""
     key = f"{prefix}.moe_config.device_all_to_all"
     if mc.moe_config.device_all_to_all is not True:
@@ -665,7 +665,7 @@ def _fused_kernel_problems(key: str, names) -> list[Problem]:
 
 def _attention_kernel_problems(key: str, kernel, runtime: str) -> list[Problem]:
     """What can be told before any worker starts; the GPU's generation is checked at model build
-    (`model/attention.select_segment_kernel`)."""
+    (`model/layers/attention.select_segment_kernel`)."""
     if kernel not in ATTENTION_KERNELS:
         hint = _did_you_mean(str(kernel), ATTENTION_KERNELS)
         return [Problem(key, f"unknown kernel {kernel!r}", f"use one of {', '.join(ATTENTION_KERNELS)}"

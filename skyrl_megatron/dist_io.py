@@ -1,6 +1,6 @@
 """How Megatron writes sharded (distributed) checkpoints here: the lowest layer of our checkpoint I/O.
 
-Both the conversion cache (`model/cache.py`) and the training checkpoints (`checkpoint/`) write
+Both the conversion cache (`model/conversion/cache.py`) and the training checkpoints (`checkpoint/`) write
 Megatron distributed checkpoints; both take the write strategy and the writer workaround from this
 module, which imports nothing of ours.
 """

@@ -64,7 +64,7 @@ def _split_chunk(bits: torch.Tensor, upper: torch.Tensor) -> tuple[torch.Tensor,
     shape follows the length at every call. A reduction generated with the split (dynamic shapes) took
     its launch shape from the first length compiled: in a worker the first master split is a norm's
     (Megatron's buffer starts with the last parameters), and every run of about 10^8 elements then took
-    35 ms in one program (1.3 s per Qwen3-4B step on an H200, session 21)."""
+    35 ms in one program (1.3 s per Qwen3-4B step on an H200, measured 2026-11-27)."""
     diff = bits.to(torch.int64) - upper.to(torch.int64) * (1 << 16)
     tie = diff == _TIE
     remainder = torch.where(tie, -_TIE, diff).to(torch.int16)
@@ -104,7 +104,7 @@ _EAGER = _Kernels(_split_chunk, _tie_mask, _join_chunk, _CHUNK)
 def _generated() -> _Kernels:
     """The same functions as one generated kernel each (torch.compile, one compile for all lengths).
     Eager, every step of a chunk is its own kernel with int64 temporaries: at Qwen3-4B about 0.4 s per
-    optimizer step on an H200 (session 19); generated, the int64 values stay in registers, so a whole
+    optimizer step on an H200 (measured 2026-11-27); generated, the int64 values stay in registers, so a whole
     tensor or run of tensors is one call (no Python loop over chunks)."""
     compile_ = functools.partial(torch.compile, dynamic=True)
     return _Kernels(compile_(_split_chunk), compile_(_tie_mask), compile_(_join_chunk), chunk=1 << 62)

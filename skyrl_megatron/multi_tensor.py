@@ -7,7 +7,7 @@ the l2 norm takes one norm per tensor and reads every one of them on the host
 the fp32 main params into the bf16 model params after every step) launches two kernels per tensor. A
 MoE model has thousands of parameter tensors (Qwen3-30B-A3B's 8-layer bench model: about 2,100), so one
 optimizer step waited on the device about 2,100 times, twice (our step checks the norm before
-Megatron's `step()` computes it again); the H200 profile of session 17 shows the step 70% idle.
+Megatron's `step()` computes it again); an H200 profile of 2026-11-27 shows the step 70% idle.
 
 PyTorch's `_foreach_norm`, `_foreach_mul_` and `_foreach_copy_` do the same arithmetic in a few
 multi-tensor launches and read nothing on the host. `install()` puts them in place of Megatron's local

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from skyrl_megatron.model.lora import AdapterMerger, PeftAdapter
+from skyrl_megatron.model.adapters.lora import AdapterMerger, PeftAdapter
 
 if TYPE_CHECKING:
     from skyrl_megatron.model.build import BuiltModel
@@ -202,7 +202,7 @@ def _export(
                 return
             name, tensor = item
             if built.value_head and name == _LM_HEAD_NAME:
-                # a critic (model/value_head.py): its [1, hidden] head stands where the LM head was
+                # a critic (model/adapters/value_head.py): its [1, hidden] head stands where the LM head was
                 name, head_seen = value_head_name, True
             if merge is not None:
                 name, tensor = merge(name, tensor)

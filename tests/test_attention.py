@@ -14,10 +14,9 @@ import math
 import pytest
 import torch
 
-from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
-from skyrl_megatron.compute.microbatch.model_inputs import unpack_to_padded
-from skyrl_megatron.model.attention_kernels import SegmentKernel
-from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit, context_parallel_index
+from skyrl_megatron.attention_kernels import SegmentKernel
+from skyrl_megatron.compute.microbatch.pack import pack_padded_batch, unpack_to_padded
+from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit, context_parallel_index
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.testing import run_on_ranks
 
@@ -57,7 +56,7 @@ def _qkv(num_tokens: int, seed: int = 0):
 
 
 def test_causal_mask_is_bottom_right_aligned_per_segment():
-    from skyrl_megatron.model.attention import CausalSegments, segment_causal_mask
+    from skyrl_megatron.model.layers.attention import CausalSegments, segment_causal_mask
 
     # two segments: 2 queries against 3 keys, then 1 query against 1 key
     cu_q, cu_k = torch.tensor([0, 2, 3], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32)
@@ -67,7 +66,7 @@ def test_causal_mask_is_bottom_right_aligned_per_segment():
 
 
 def test_packed_segments_match_reference_with_gqa():
-    from skyrl_megatron.model.attention import CausalSegments, attend_segments
+    from skyrl_megatron.model.layers.attention import CausalSegments, attend_segments
 
     seq_lengths = [5, 1, 9, 3]
     query, key, value = _qkv(sum(seq_lengths))
@@ -86,7 +85,7 @@ def test_packed_segments_match_reference_with_gqa():
 def test_context_parallel_segments_reproduce_full_attention(cp_size):
     """Every simulated CP rank's local queries against the rank-major gathered K/V give the rows of
     the unsplit result."""
-    from skyrl_megatron.model.attention import attend_segments, context_parallel_segments
+    from skyrl_megatron.model.layers.attention import attend_segments, context_parallel_segments
 
     seq_lengths = (8 * cp_size, 2 * cp_size, 4 * cp_size)
     query, key, value = _qkv(sum(seq_lengths), seed=1)
@@ -182,7 +181,7 @@ def _attention_module(cp_size: int):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from skyrl_megatron.model.attention import CoreAttention
+    from skyrl_megatron.model.layers.attention import CoreAttention
     from skyrl_megatron.parallel import init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -210,7 +209,7 @@ def _module_values_and_grads(rank, world_size, seq_lengths, padded_batch):
     padded batch of `padded_batch` rows); returns global-order outputs and local input grads."""
     from megatron.core import parallel_state as ps
 
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
 
     attention = _attention_module(world_size)
     query, key, value = _qkv(sum(seq_lengths), seed=2)
@@ -271,8 +270,8 @@ MODEL_SEQ_LENGTHS = (7, 12, 3, 9)
 def _packed_and_padded_logits(rank, world_size, hf_dir: str):
     """Logits of the same sequences, once right-padded [B, S] and once packed from a skyrl-style
     left/right-padded batch. Returns both at the real tokens, sequence by sequence."""
-    from skyrl_megatron.model.attention import CoreAttention
     from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.model.layers.attention import CoreAttention
     from skyrl_megatron.parallel import init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -320,7 +319,7 @@ def test_packed_model_forward_matches_padded_per_sequence(tmp_path):
 def test_context_parallel_reads_sequence_lengths_back_once_per_micro_batch():
     """Under CP every layer needs the micro-batch's sequence lengths on the host; on a GPU reading them back
     waits for the device, so they are read once per boundary tensor (one per micro-batch), not per layer."""
-    from skyrl_megatron.model.attention import _SequenceLengthsOnHost
+    from skyrl_megatron.model.layers.attention import _SequenceLengthsOnHost
 
     lengths = _SequenceLengthsOnHost()
     boundaries = torch.tensor([0, 4, 12], dtype=torch.int32)

@@ -1,6 +1,6 @@
 """`megatron_config.attention_kernel`: which segment kernel our core attention runs, and the checks.
 
-The decision table of `model/attention.select_segment_kernel` is checked with the GPU's compute
+The decision table of `model/layers/attention.select_segment_kernel` is checked with the GPU's compute
 capability and flash-attn-4's presence faked (monkeypatch); no kernel runs here, so nothing here says
 flash-attn-4 computes the right thing: `bench/gpu_fa4_check.py` checks that on a GPU.
 """
@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
+from skyrl_megatron.attention_kernels import ATTENTION_KERNELS, SegmentKernel, flash4_installed
 from skyrl_megatron.config import ConfigError
-from skyrl_megatron.model import attention
-from skyrl_megatron.model.attention_kernels import ATTENTION_KERNELS, SegmentKernel, flash4_installed
+from skyrl_megatron.model.layers import attention
 from skyrl_megatron.runtime import Device, Runtime
 from skyrl_megatron.validation import validate_config
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyrl_megatron.model.cache import (
+from skyrl_megatron.model.conversion.cache import (
     CACHE_ROOT_ENV,
     CHECKPOINT_DIRNAME,
     DIGEST_MEMO_NAME,
@@ -254,9 +254,9 @@ def _start(rank, world_size, hf_dir, root, layout, force=False, ddp=False, rende
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from skyrl_megatron.compute.schedule import forward_only
-    from skyrl_megatron.model.bridge_import import import_bridge
     from skyrl_megatron.model.build import ModelSpec, build_model, load_bridge
-    from skyrl_megatron.model.cache import ConversionCacheSettings
+    from skyrl_megatron.model.conversion.bridge_import import import_bridge
+    from skyrl_megatron.model.conversion.cache import ConversionCacheSettings
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     import_bridge()
@@ -272,8 +272,8 @@ def _start(rank, world_size, hf_dir, root, layout, force=False, ddp=False, rende
 
     MegatronModelBridge.load_weights_hf_to_megatron = watched_convert
     records = _Records()
-    logging.getLogger("skyrl_megatron.model.cache").addHandler(records)
-    logging.getLogger("skyrl_megatron.model.cache").setLevel(logging.INFO)
+    logging.getLogger("skyrl_megatron.model.conversion.cache").addHandler(records)
+    logging.getLogger("skyrl_megatron.model.conversion.cache").setLevel(logging.INFO)
 
     init_distributed("cpu")
     parallel = ParallelConfig(**layout)

@@ -69,7 +69,7 @@ def _run(hf_dir: str, world: int, layout: dict, batching: dict, **kwargs) -> dic
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from skyrl_megatron.model.value_head import ValueHeadInit
+    from skyrl_megatron.model.adapters.value_head import ValueHeadInit
 
     hf_dir = str(make_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=11))
     head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir, seed=5).make_weight(torch.float32)

@@ -1,4 +1,4 @@
-"""The device-side MoE exchange (model/device_all_to_all.py, model/row_exchange.py) against Megatron's path.
+"""The device-side MoE exchange (model/moe/device_all_to_all.py, model/moe/row_exchange.py) against Megatron's path.
 
 On 2 gloo ranks with the NVSHMEM op's stand-in (`EmulatedExchange`): dispatch and combine, forward
 and gradients, bitwise equal to host split sizes + a differentiable `all_to_all_single` (as Megatron's) +
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.model.row_exchange import EmulatedExchange, NvshmemExchange
+from skyrl_megatron.model.moe.row_exchange import EmulatedExchange, NvshmemExchange
 from skyrl_megatron.testing import run_on_ranks
 from skyrl_megatron.testing.host_syncs import HostSyncProbe
 from skyrl_megatron.testing.reference_exchange import host_splits_all_to_all
@@ -39,8 +39,8 @@ def _counts(rank: int) -> torch.Tensor:
 def _plan(rank: int, counts: torch.Tensor):
     import torch.distributed as dist
 
-    from skyrl_megatron.model.device_all_to_all import ExchangePlan
-    from skyrl_megatron.model.row_exchange import EmulatedExchange
+    from skyrl_megatron.model.moe.device_all_to_all import ExchangePlan
+    from skyrl_megatron.model.moe.row_exchange import EmulatedExchange
 
     gathered = counts.new_empty(WORLD * counts.numel())
     dist.all_gather_into_tensor(gathered, counts)
@@ -60,7 +60,7 @@ def _reference_dispatch(rows, counts, received):
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
-    from skyrl_megatron.model.token_sort import expert_major_order
+    from skyrl_megatron.model.moe.token_sort import expert_major_order
 
     send = counts.view(WORLD, LOCAL_EXPERTS).sum(1).tolist()
     receive = received.sum(1).tolist()
@@ -73,7 +73,7 @@ def _reference_combine(expert_rows, counts, received):
     import torch.distributed as dist
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
-    from skyrl_megatron.model.token_sort import source_major_order
+    from skyrl_megatron.model.moe.token_sort import source_major_order
 
     send = counts.view(WORLD, LOCAL_EXPERTS).sum(1).tolist()
     receive = received.sum(1).tolist()
@@ -82,7 +82,7 @@ def _reference_combine(expert_rows, counts, received):
 
 
 def _exchange_on_rank(rank: int, world: int) -> dict:
-    from skyrl_megatron.model.device_all_to_all import combine, dispatch
+    from skyrl_megatron.model.moe.device_all_to_all import combine, dispatch
 
     counts = _counts(rank)
     plan, received = _plan(rank, counts)
@@ -149,7 +149,7 @@ class _LoopbackExchange:
 
 
 def test_the_layer_side_of_both_directions_makes_no_host_read():
-    from skyrl_megatron.model.device_all_to_all import ExchangePlan, combine, dispatch
+    from skyrl_megatron.model.moe.device_all_to_all import ExchangePlan, combine, dispatch
 
     counts = torch.tensor([5, 0, 3, 4])
     rows = int(counts.sum())
@@ -163,7 +163,7 @@ def test_the_layer_side_of_both_directions_makes_no_host_read():
 
 
 def test_narrow_rows_are_padded_to_the_nvshmem_ops_32_bytes():
-    from skyrl_megatron.model.row_exchange import padded_width
+    from skyrl_megatron.model.moe.row_exchange import padded_width
 
     assert padded_width(2048, 2) == 2048  # bf16 hidden: as is
     assert padded_width(1, 4) == 8  # one fp32 probability per row
@@ -203,7 +203,7 @@ class _NvshmemOnGloo(NvshmemExchange):
 
 
 def _transport_on_rank(rank: int, world: int) -> dict:
-    from skyrl_megatron.model.device_all_to_all import ExchangePlan, combine, dispatch
+    from skyrl_megatron.model.moe.device_all_to_all import ExchangePlan, combine, dispatch
 
     counts = _counts(rank)
     _, received = _plan(rank, counts)

@@ -47,7 +47,7 @@ def test_smoke_mode_on_two_gloo_ranks(tmp_path, bench_smoke):
 def test_smoke_mode_catches_a_wrong_regroup(tmp_path, bench_smoke):
     out = tmp_path / "dat.json"
     # rows left in the order they landed (source rank, then expert)
-    patch = ("import torch; from skyrl_megatron.model import device_all_to_all as d; "
+    patch = ("import torch; from skyrl_megatron.model.moe import device_all_to_all as d; "
              "d.chunk_gather_index = lambda sizes, order, capacity: torch.arange(capacity)")
     run = bench_smoke(SCRIPT, out, patch, timeout=180)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-5000:]

@@ -36,7 +36,7 @@ STEPS = 10
 CKPT_INTERVAL = 5
 # The rise differs a lot between machines (sampling differs): on skyrl-train 0.3.1 the dev box measured
 # rises of 0.72 (seed 42) and 0.66, 0.63, 0.79 (trainer.seed 1, 2, 3), the CI machine 0.29 (0.11 -> 0.40,
-# session 20). A policy that does not learn stays near its start: its first three steps spread by about 0.03.
+# 2026-11-27). A policy that does not learn stays near its start: its first three steps spread by about 0.03.
 REWARD_MARGIN = 0.15
 # Measured over 10-step runs: -35% on skyrl-train 0.3.1; on skyrl 0.4 -25% on the dev box and -17% on
 # the CI machine (sampling differs between machines); an update raised it on 1 step of 10. A critic that

@@ -170,7 +170,7 @@ def test_model_configs_carry_the_published_shape_and_load_in_transformers(name, 
 
 
 def test_the_full_size_one_node_30b_example_keeps_every_layer_and_its_layout(tmp_path):
-    """Issue 23's run (`bench/gpu_examples.py --full-size --gpus 8`): the 30B-A3B one-node script on the 8 GPUs
+    """The full-size run (`bench/gpu_examples.py --full-size --gpus 8`): the 30B-A3B one-node script on the 8 GPUs
     its header names keeps the published 48 layers, and the planner is asked about exactly its pasted plan."""
     script = EXAMPLES / "run_qwen3_30b_a3b_1node.sh"
     example = scale_example(script, tmp_path / "launch", gpus=8, full_size=True)
@@ -180,4 +180,4 @@ def test_the_full_size_one_node_30b_example_keeps_every_layer_and_its_layout(tmp
     for key in ("nodes", "gpus_per_node", "tp", "pp", "cp", "ep", "etp", "micro_batch_tokens", "recompute"):
         assert getattr(full, key) == getattr(pasted, key), key
     scaled = scale_example(script, tmp_path / "scaled", gpus=2)
-    assert scaled.model_config["num_hidden_layers"] == 4  # the 2-GPU runs of sessions 13-15 stay as they were
+    assert scaled.model_config["num_hidden_layers"] == 4  # the 2-GPU runs (docs/results/examples_s*) stay as they were

@@ -1,4 +1,4 @@
-"""Grouped-GEMM experts (model/experts.py): the grouped linear against per-expert matmuls, the
+"""Grouped-GEMM experts (model/moe/experts.py): the grouped linear against per-expert matmuls, the
 DDP gradient-accumulation contract, and a built MoE model with grouped experts against the same
 checkpoint built with Megatron's SequentialMLP, loaded from the conversion-cache entry the
 sequential build wrote. The layouts test (`test_model_layouts.py`) runs the grouped experts under
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.model.experts import back_to_back_runs, grouped_linear, stacked_weights
+from skyrl_megatron.model.moe.experts import back_to_back_runs, grouped_linear, stacked_weights
 from skyrl_megatron.testing import run_on_ranks
 
 TOKENS_PER_EXPERT = [3, 0, 5, 2]  # an expert with no tokens included
@@ -80,7 +80,7 @@ def test_stacked_weights_is_a_view_when_the_experts_lie_back_to_back():
 
 
 def test_layout_memo_recomputes_when_the_tensors_move():
-    from skyrl_megatron.model.experts import _LayoutMemo
+    from skyrl_megatron.model.moe.experts import _LayoutMemo
 
     buffer = torch.zeros(4 * 6)
     back_to_back = [buffer[i * 6 : (i + 1) * 6].view(2, 3) for i in range(4)]
@@ -95,7 +95,7 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
     """World-1 fp32 logits, one backward's expert gradients and the experts' module types, and how many
     times autograd accumulated a gradient into an expert weight (DDP's hooks run then)."""
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.cache import ConversionCacheSettings
+    from skyrl_megatron.model.conversion.cache import ConversionCacheSettings
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -114,7 +114,7 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
     )
     built = build_model(spec)
     model = built.chunks[0]
-    from skyrl_megatron.model.experts import ColumnGroupedLinear, RowGroupedLinear
+    from skyrl_megatron.model.moe.experts import ColumnGroupedLinear, RowGroupedLinear
 
     grouped_linears = [m for m in model.modules() if isinstance(m, (ColumnGroupedLinear, RowGroupedLinear))]
     # DDP's param and grad buffers hold each layer's experts back to back in expert order: the
@@ -139,7 +139,7 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
     kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
     from megatron.core.transformer.moe import token_dispatcher
 
-    from skyrl_megatron.model import token_sort
+    from skyrl_megatron.model.moe import token_sort
 
     assert token_dispatcher.sort_chunks_by_idxs is token_sort.sort_chunks_by_idxs  # installed by the build
     exported = {k: v.clone() for k, v in built.bridge.export_hf_weights(built.chunks, cpu=True)}
@@ -191,7 +191,7 @@ def test_token_sort_equals_megatrons_split_and_concatenate(ep_times_tp, local_ex
     """The dispatcher's two regroupings (by local expert, and back) against Megatron's own."""
     from megatron.core.transformer.moe import moe_utils
 
-    from skyrl_megatron.model.token_sort import sort_chunks_by_idxs
+    from skyrl_megatron.model.moe.token_sort import sort_chunks_by_idxs
 
     chunks = torch.arange(ep_times_tp * local_experts)
     by_expert = chunks.reshape(-1, local_experts).T.ravel()  # as the alltoall dispatcher builds them

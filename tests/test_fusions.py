@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from skyrl_megatron.config import ConfigError
+from skyrl_megatron.model.layers import rope
+from skyrl_megatron.model.layers.norm import FusedRMSNorm, fused_rms_norm, rms_norm
 from skyrl_megatron.validation import validate_config
-from skyrl_megatron.model import rope
-from skyrl_megatron.model.norm import FusedRMSNorm, fused_rms_norm, rms_norm
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -131,7 +131,7 @@ def test_gpu_provider_uses_the_fused_kernels_it_is_given(qwen3_dir, kernels, mon
     from megatron.core.transformer import transformer_block
 
     from skyrl_megatron.model.build import ModelSpec, load_bridge, make_provider
-    from skyrl_megatron.model.norm import FusedTorchNorm, TorchNorm
+    from skyrl_megatron.model.layers.norm import FusedTorchNorm, TorchNorm
     from skyrl_megatron.runtime import Device, Runtime
 
     hf_dir = qwen3_dir
@@ -150,7 +150,7 @@ def test_cpu_provider_keeps_eager_kernels(qwen3_dir, monkeypatch):
     from megatron.core.transformer import transformer_block
 
     from skyrl_megatron.model.build import ModelSpec, load_bridge, make_provider
-    from skyrl_megatron.model.norm import TorchNorm
+    from skyrl_megatron.model.layers.norm import TorchNorm
     from skyrl_megatron.runtime import Device, Runtime
 
     hf_dir = qwen3_dir
@@ -205,7 +205,7 @@ def test_fused_kernels_compile_once_per_call_site_not_per_micro_batch():
 
 @pytest.mark.parametrize("kernel", ["rms_norm", "rope"])
 def test_fused_kernels_have_no_graph_breaks(kernel):
-    from skyrl_megatron.model.norm import rms_norm as function
+    from skyrl_megatron.model.layers.norm import rms_norm as function
 
     if kernel == "rope":
         function, args = rope.rotate_half_rope, (torch.randn(7, 2, 8), torch.rand(7, 1, 8), torch.rand(7, 1, 8))

@@ -1,4 +1,4 @@
-"""model/hf_tensors.py: the HF tensors Megatron-Bridge converts, read from shards opened once, are
+"""model/conversion/hf_tensors.py: the HF tensors Megatron-Bridge converts, read from shards opened once, are
 bitwise the ones Bridge's own source reads, for a single-file and a sharded (indexed) checkpoint."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def checkpoints(tmp_path_factory):
 def test_tensors_equal_bridges_own_reads_with_each_shard_opened_once(checkpoints, layout, monkeypatch):
     import safetensors
 
-    from skyrl_megatron.model.bridge_import import import_bridge
-    from skyrl_megatron.model.hf_tensors import _source_class
+    from skyrl_megatron.model.conversion.bridge_import import import_bridge
+    from skyrl_megatron.model.conversion.hf_tensors import _source_class
 
     import_bridge()  # Megatron-Bridge without Transformer Engine
     from megatron.bridge.models.hf_pretrained.state import SafeTensorsStateSource
@@ -51,7 +51,7 @@ def test_tensors_equal_bridges_own_reads_with_each_shard_opened_once(checkpoints
 
 
 def test_a_missing_key_names_it(checkpoints):
-    from skyrl_megatron.model.hf_tensors import _source_class
+    from skyrl_megatron.model.conversion.hf_tensors import _source_class
 
     with pytest.raises(KeyError, match="model.layers.99.mlp"):
         _source_class()(checkpoints["sharded"]).load_tensors(["model.layers.99.mlp.gate.weight"])
@@ -59,7 +59,7 @@ def test_a_missing_key_names_it(checkpoints):
 
 def test_load_bridge_reads_through_it(checkpoints):
     from skyrl_megatron.model.build import load_bridge
-    from skyrl_megatron.model.hf_tensors import _source_class
+    from skyrl_megatron.model.conversion.hf_tensors import _source_class
 
     bridge = load_bridge(str(checkpoints["sharded"]))
     assert type(bridge.hf_pretrained.state.source).__name__ == _source_class().__name__

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyrl_megatron.model.lora import LoraConfigError, LoraSpec
+from skyrl_megatron.model.adapters.lora import LoraConfigError, LoraSpec
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks
 
 ROWS, PROMPT, RESPONSE = 8, 6, 6
@@ -63,9 +63,9 @@ class _Session:
         from skyrl_megatron.compute.runner import ModelRunner
         from skyrl_megatron.hosts import current
         from skyrl_megatron.model.build import ModelSpec, build_model
-        from skyrl_megatron.testing.policy_steps import max_seq_len_override
         from skyrl_megatron.optim import OptimizerSettings
         from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
+        from skyrl_megatron.testing.policy_steps import max_seq_len_override
 
         self.parallel = ParallelConfig(**layout)
         initialize_model_parallel(self.parallel, seed=5)
@@ -204,7 +204,7 @@ def _train_and_export(
 
 
 def _footprint(session: _Session):
-    from skyrl_megatron.model.lora import measure_footprint
+    from skyrl_megatron.model.adapters.lora import measure_footprint
 
     return measure_footprint(session.built.chunks, bf16=session.built.config.bf16, distributed_optimizer=True)
 
@@ -273,7 +273,7 @@ def _through_cache(hf_dir: str, cache_root: str) -> dict:
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.cache import CHECKPOINT_DIRNAME, ConversionCacheSettings
+    from skyrl_megatron.model.conversion.cache import CHECKPOINT_DIRNAME, ConversionCacheSettings
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
     initialize_model_parallel(ParallelConfig(), seed=5)

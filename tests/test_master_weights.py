@@ -77,7 +77,7 @@ def test_split_and_join_are_bitwise_exact_on_adversarial_values(monkeypatch, ker
 @pytest.mark.parametrize("kernels", ["eager", "generated"])
 def test_the_split_is_elementwise_and_its_statuses_mark_ties_and_foreign_weights(monkeypatch, kernels):
     """The kernel holds no reduction: a generated one takes its launch shape from the first length it
-    compiled, and a run of 10^8 elements then took 35 ms in one program at Qwen3-4B (session 21). Its
+    compiled, and a run of 10^8 elements then took 35 ms in one program at Qwen3-4B (H200, 2026-11-27). Its
     per-element statuses: 0 in range, 1 a tie rounded down, _OUT_OF_RANGE a weight not its master rounded."""
     _use_kernels(monkeypatch, kernels)
     split = master_weights._kernels(torch.device("cpu")).split

@@ -119,10 +119,10 @@ def test_packed_boundaries_shared_by_query_and_key_stay_one_tensor_on_the_device
     """Packing gives query and key (padded or not) one boundary tensor; moving the micro-batch to the GPU must
     keep them one: the rotation tables are cached by the boundaries' identity, and four copies made the cache
     miss at every layer and direction (168 cos and 168 sin kernels in a 1.7B scoring pass instead of 3 each,
-    session 23's profile). The meta device stands in for the GPU: `.to` makes a new tensor there as on CUDA."""
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
-    from skyrl_megatron.compute.microbatch.pipeline import _params_on
-    from skyrl_megatron.model import rope
+    profiled on an H200 2026-11-27). The meta device stands in for the GPU: `.to` makes a new tensor there as on CUDA."""
+    from skyrl_megatron.compute.microbatch.micro_batch import _params_on
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
+    from skyrl_megatron.model.layers import rope
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     params = pack_padded_batch(torch.arange(8).reshape(2, 4), mask).packed_seq_params
@@ -145,10 +145,9 @@ def test_packed_boundaries_shared_by_query_and_key_stay_one_tensor_on_the_device
 
 @pytest.mark.parametrize("parallel_kwargs, min_tokens", [({}, 0), ({"context": 2}, 0), ({"tensor": 2, "sequence_parallel": True}, 64)])
 def test_other_columns_are_laid_out_as_the_packed_tokens(parallel_kwargs, min_tokens):
-    """`pack_like` (the labels, since session 23) gives what packing those columns again gives, alignment
+    """`pack_like` (how the labels are packed) gives what packing those columns again gives, alignment
     padding and a pipeline's minimum length included."""
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
-    from skyrl_megatron.compute.microbatch.model_inputs import pack_like
+    from skyrl_megatron.compute.microbatch.pack import pack_like, pack_padded_batch
     from skyrl_megatron.parallel import ParallelConfig
 
     g = torch.Generator().manual_seed(3)

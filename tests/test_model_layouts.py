@@ -28,7 +28,7 @@ def _megatron_logits_and_export(rank: int, hf_dir: str, layout: dict):
 
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+    from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
     parallel = ParallelConfig(**layout)
@@ -163,11 +163,10 @@ def _megatron_packed_logits(rank: int, hf_dir: str, layout: dict):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
-    from skyrl_megatron.compute.microbatch.model_inputs import unpack_to_padded
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch, unpack_to_padded
     from skyrl_megatron.compute.schedule import forward_only
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+    from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
     from skyrl_megatron.parallel import ParallelConfig, initialize_model_parallel
 
     parallel = ParallelConfig(**layout)

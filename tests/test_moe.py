@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from skyrl_megatron.config import ConfigError, MegatronWorkerConfig, MoeSettings
-from skyrl_megatron.validation import validate_config
-from skyrl_megatron.model.moe import moe_transformer_settings
+from skyrl_megatron.model.moe.settings import moe_transformer_settings
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks
 from skyrl_megatron.testing.policy_steps import policy_steps
+from skyrl_megatron.validation import validate_config
 
 MC = "trainer.policy.megatron_config"
 ROWS, PROMPT, RESPONSE, SEED = 8, 6, 6, 5  # policy_steps' batch
@@ -158,7 +158,7 @@ def test_expert_bias_must_match_the_checkpoint(checkpoint_has_bias, asked):
 
 def _direct_expert_counts(chunks) -> torch.Tensor:
     """[layers, experts]: the router's top-k choices for the batch's real tokens, one unpadded row at a time."""
-    from skyrl_megatron.model.moe import routers
+    from skyrl_megatron.model.moe.settings import routers
 
     batch = make_rl_batch(ROWS, PROMPT, RESPONSE, seed=SEED)
     counts = torch.zeros(LAYERS, EXPERTS, dtype=torch.long)

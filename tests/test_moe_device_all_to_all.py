@@ -1,5 +1,5 @@
 """``moe_config.device_all_to_all``: MoE layers at EP2 whose all-to-alls take their sizes on the device
-(model/exchange_dispatcher.py), on CPU over gloo with the NVSHMEM op's stand-in.
+(model/moe/exchange_dispatcher.py), on CPU over gloo with the NVSHMEM op's stand-in.
 
 A tiny Qwen3-MoE at EP2 (2 ranks, each its own tokens) gives bitwise the same logits and gradients
 (expert weights included) with the key on as with Megatron's dispatcher, also under full-layer and
@@ -39,8 +39,8 @@ def _layer_run(layer, hidden, grad):
 def _both_dispatchers(rank, world_size, hf_dir: str) -> dict:
     from skyrl_megatron.config import ConfigError, MoeSettings
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
-    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class, use_device_all_to_all
+    from skyrl_megatron.model.moe.layer import grouped_moe_layer_class, use_device_all_to_all
+    from skyrl_megatron.model.moe.settings import dispatch_needs_equal_token_counts
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")

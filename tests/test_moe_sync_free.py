@@ -1,4 +1,4 @@
-"""MoE layers at EP1 without device-to-host syncs (model/moe_layer.py, model/experts.py).
+"""MoE layers at EP1 without device-to-host syncs (model/moe/layer.py, model/moe/experts.py).
 
 The counts-on-device path against the previous one (the dispatcher copies the counts to the host
 and waits) on the same model: bitwise the same logits, gradients, permutation order, tokens per
@@ -82,7 +82,7 @@ def test_megatron_dropless_permute_is_the_masked_select_order_without_syncs(toke
 
 
 def test_expert_offsets_from_a_device_tensor_equal_those_from_the_host_list():
-    from skyrl_megatron.model.experts import expert_offsets
+    from skyrl_megatron.model.moe.experts import expert_offsets
 
     counts = [3, 0, 5, 0, 2]
     from_list = expert_offsets(counts, torch.device("cpu"))
@@ -112,7 +112,7 @@ def _layer_records(layers):
 
 def _both_paths(rank, world_size, hf_dir: str) -> dict:
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class, set_counts_on_device
+    from skyrl_megatron.model.moe.layer import grouped_moe_layer_class, set_counts_on_device
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -129,7 +129,7 @@ def _both_paths(rank, world_size, hf_dir: str) -> dict:
     model = build_model(spec).chunks[0]
     layers = [m for m in model.modules() if isinstance(m, grouped_moe_layer_class())]
     out = {"dispatchers": sorted({type(layer.token_dispatcher).__name__ for layer in layers}), "layers": len(layers)}
-    # dropless top-k: permuted and unpermuted by gathers (model/token_permute.py)
+    # dropless top-k: permuted and unpermuted by gathers (model/moe/token_permute.py)
     out["by_gathers"] = [hasattr(layer.token_dispatcher.dispatch_preprocess, "__wrapped__")
                          and hasattr(layer.token_dispatcher.combine_postprocess, "__wrapped__") for layer in layers]
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -213,7 +213,7 @@ def test_an_moe_layer_at_ep1_reads_nothing_on_the_host(paths):
 def test_grouped_linear_on_tensor_counts_reads_nothing_on_the_host_for_any_token_count():
     """Counts as a tensor: offsets summed where they lie, and the weight gradient's transposed operand
     (its last dimension the routed token count, here 9) still goes to the kernel, not the host loop."""
-    from skyrl_megatron.model.experts import grouped_linear
+    from skyrl_megatron.model.moe.experts import grouped_linear
 
     counts = [3, 0, 5, 1]
     g = torch.Generator().manual_seed(1)
@@ -234,7 +234,7 @@ def test_grouped_linear_on_tensor_counts_reads_nothing_on_the_host_for_any_token
 
 def _dispatchers(rank, world_size, hf_dir: str, expert: int, overrides: dict) -> list[str]:
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class
+    from skyrl_megatron.model.moe.layer import grouped_moe_layer_class
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")

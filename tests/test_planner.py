@@ -255,11 +255,11 @@ SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("examples_s*/run_q
 
 @pytest.mark.parametrize("directory", SCALED_EXAMPLE_RUNS, ids=lambda d: f"{d.parent.name}/{d.name}")
 def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directory):
-    """The example layouts scaled to 2 x H200 ran 2 GRPO steps (sessions 14 and 15, bench/gpu_examples.py): the
-    plan without its fixed overhead (which covers what the allocator does not count) is at least the policy's
-    peak allocated memory in every phase, and at most 10% above it. Planned as those runs were: torch's
-    foreach AdamW (fused Adam came in session 17), 256 MiB logits chunks (the default until session 20) and fp32
-    masters (compact ones became the default in session 22)."""
+    """The example layouts scaled to 2 x H200 ran 2 GRPO steps (2026-11-26, bench/gpu_examples.py): the plan
+    without its fixed overhead (which covers what the allocator does not count) is at least the policy's peak
+    allocated memory in every phase, and at most 10% above it. Planned as those runs were: torch's foreach
+    AdamW (fused Adam came later), 256 MiB logits chunks (the default then) and fp32 masters (compact ones
+    became the default later)."""
     results = json.loads((directory.parent / "results.json").read_text())
     planner_args = {r["script"]: r["planner_args"] for r in results}
     argv = ["--model", str(directory / "scaled_config.json"), *planner_args[f"{directory.name}.sh"], "--logits-chunk-mib", "256"]
@@ -270,13 +270,14 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
     assert measured <= planned.total - planned.overhead <= 1.10 * measured
 
 
-# the runs, with what the code they ran defaulted to: the logprob head's chunk (MiB; 256 until session 20, then
-# 1024), whether master weights were compact without a variant saying so (`auto` from session 23's runs on), and
-# whether token-budget plans spread their rows evenly (session 24 on: the largest micro-batch then falls short of
-# the budget, and the plan is made for the largest one that ran; before, first-fit filled them to the budget)
+# the runs (a results directory each), with what the code they ran defaulted to: the logprob head's chunk (MiB;
+# 256 in the first, 1024 from the second on), whether master weights were compact without a variant saying so
+# (`auto` from the third on), and whether token-budget plans spread their rows evenly (the 2026-11-28 runs: the
+# largest micro-batch then falls short of the budget, and the plan is made for the largest one that ran; before,
+# first-fit filled them to the budget)
 BENCH_RUN_DEFAULTS = {"s20_2026-11-27": ("256", False, False), "s22_2026-11-27": ("1024", False, False),
                       "s23_2026-11-27": ("1024", True, False), "s24_2026-11-28": ("1024", True, True)}
-# Not here: session 25's runs (docs/results/s25_2026-11-28/). With query and key read in place (no contiguous copies
+# Not here: the later runs of 2026-11-28 (docs/results/s25_2026-11-28/). With query and key read in place (no contiguous copies
 # saved for the norm's backward) the measured training peaks fell (1.7B 44.0 -> 42.8 GiB, 4B 94.4 -> 91.7) and
 # the 1.7B plan, 48.2 GiB, is 12.6% above its run: the plan's logprob-head term (three chunk buffers plus the
 # weight gradient's accumulator and its cast, all live at once) fits the eager head, not the fused one, whose
@@ -332,12 +333,12 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
 
 @pytest.mark.parametrize("path", POLICY_BENCH_RUNS, ids=lambda p: f"{p.parent.name[:3]}_{p.stem}")
 def test_plan_bounds_the_training_peak_of_the_policy_bench_within_ten_percent(path, tmp_path):
-    """bench/policy_bench.py on H200s (session 20 on: the first runs whose training peak includes the passes,
+    """bench/policy_bench.py on H200s (from 2026-11-27: the first runs whose training peak includes the passes,
     fused Adam): on one GPU the plan, overhead included, is at least the training phase's peak allocated memory
-    and at most 10% above it; on two GPUs (session 23: DP2, TP2, EP2, TP2 x EP2) the plan without its fixed
+    and at most 10% above it; on two GPUs (DP2, TP2, EP2, TP2 x EP2) the plan without its fixed
     overhead is, as for the example runs above: their peaks are smaller, and the overhead covers NCCL's buffers,
     which the allocator does not count (the logits chunks of the code that ran; compact master weights where
-    that code or the case's variant made them; the token budget of the case, or from session 24 on the largest
+    that code or the case's variant made them; the token budget of the case, or from 2026-11-28 on the largest
     micro-batch that ran)."""
     peaks = _bench_training_peaks(path, tmp_path)
     assert peaks

@@ -1,4 +1,4 @@
-"""`fused_kernels: [qk_norm_rope]`: the query/key RMSNorm inside the rotation (model/qk_norm_rope.py).
+"""`fused_kernels: [qk_norm_rope]`: the query/key RMSNorm inside the rotation (model/layers/qk_norm_rope.py).
 
 The kernel against PyTorch's RMSNorm followed by Megatron's rotation (values and the gradients of input
 and weight); the GPU's Triton kernels, run by Triton's interpreter on CPU, against those functions on the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.model import qk_norm_rope
+from skyrl_megatron.model.layers import qk_norm_rope
 from skyrl_megatron.testing import run_on_ranks
 
 
@@ -67,7 +67,7 @@ def test_the_reference_sums_the_weight_terms_over_the_heads():
 # kernels' own code on CPU tensors, against the reference functions, on the inputs the attention passes.
 _TRITON_CHECK = """
 import torch
-from skyrl_megatron.model import norm_rope_kernels as triton_kernels, qk_norm_rope as reference
+from skyrl_megatron.model.layers import norm_rope_kernels as triton_kernels, qk_norm_rope as reference
 
 cases = 0
 for dtype in (torch.float32, torch.bfloat16):
@@ -117,7 +117,7 @@ def test_the_triton_kernels_equal_the_reference_on_the_views_the_attention_passe
 
 
 def test_the_attention_runs_the_triton_kernels_on_gpu_and_the_reference_on_cpu():
-    from skyrl_megatron.model import norm_rope_kernels
+    from skyrl_megatron.model.layers import norm_rope_kernels
 
     assert qk_norm_rope._kernels(torch.device("cuda")) == (norm_rope_kernels.norm_rope_forward,
                                                           norm_rope_kernels.norm_rope_backward)
@@ -132,9 +132,9 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict, fused: tuple[
     """One tiny model built with the fused query/key norm and rotation (and any other `fused` kernels) and one
     without (same checkpoint, fp32, same layout): this rank's logits on a packed and a padded micro-batch, and
     every parameter's gradient of the packed one."""
-    from skyrl_megatron.compute.microbatch.inputs import pack_padded_batch
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.context_parallel_layout import ContextParallelSplit
+    from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
@@ -210,7 +210,7 @@ import torch
 sys.path.insert(0, {tests!r})
 import test_qk_norm_rope as here
 from skyrl_megatron import runtime
-from skyrl_megatron.model import norm_rope_kernels, qk_norm_rope, swiglu
+from skyrl_megatron.model.layers import norm_rope_kernels, qk_norm_rope, swiglu
 
 cpu_overrides = runtime.Runtime.transformer_config_overrides  # these turn Megatron's CUDA-only fusions off on CPU
 runtime.Runtime.transformer_config_overrides = lambda self: {{

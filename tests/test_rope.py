@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from skyrl_megatron.model import rope
+from skyrl_megatron.model.layers import rope
 
 
 class _Group:

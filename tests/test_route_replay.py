@@ -1,4 +1,4 @@
-"""MoE routing replay (``moe_config.routing_replay``, issue 17 R2) on a tiny Qwen3-MoE (CPU, gloo, fp32).
+"""MoE routing replay (``moe_config.routing_replay: r2``) on a tiny Qwen3-MoE (CPU, gloo, fp32).
 
 In-process: routes kept per row survive re-padding and reordering, the host <-> model layout maps
 put a token's routes where the token goes, and the config rules. Spawned ranks: a constructed
@@ -24,8 +24,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.compute.microbatch.inputs import build_model_inputs
-from skyrl_megatron.compute.microbatch.plan import PackingSettings
+from skyrl_megatron.compute.microbatch.pack import pack
+from skyrl_megatron.compute.microbatch.plan import PackingSettings, layout_micro_batch
+from skyrl_megatron.compute.microbatch.rows import HostRows
 from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteStore, host_columns
 from skyrl_megatron.config import ConfigError, MoeSettings
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks
@@ -84,11 +85,14 @@ def test_identical_rows_get_their_routes_in_order_and_an_unscored_row_is_named()
 def test_model_layout_puts_routes_where_their_tokens_go(packed):
     batch = make_rl_batch(4, 5, 5, seed=4)
     settings = PackingSettings(packed=packed, tensor=2, sequence_parallel=True, context=2)  # alignment padding
-    inputs = build_model_inputs(batch["sequences"], batch["attention_mask"], settings)
+    rows = HostRows.from_batch(batch["sequences"], batch["attention_mask"])
+    layout = layout_micro_batch(torch.arange(4), rows.spans.length.tolist(), settings)
     # a "route" equal to the token id lands exactly on the token
     as_routes = batch["sequences"].unsqueeze(-1).unsqueeze(-1).expand(-1, -1, 3, 2)
-    model = inputs.from_host_layout(as_routes, NO_ROUTE)
+    laid_out = pack(rows, layout, routes=as_routes, with_routes=True)
+    inputs, model = laid_out.inputs, laid_out.routes
     real = model[..., 0, 0] != NO_ROUTE
+    assert torch.equal(laid_out.padding, ~real)  # what is not a real token is padding, and routed fixedly
     assert int(real.sum()) == int(batch["attention_mask"].sum())
     assert torch.equal(model[..., 0, 0][real], inputs.input_ids[real])
     back = inputs.to_host_layout(model, NO_ROUTE)
@@ -198,7 +202,7 @@ class _ScoringFlip:
 
 
 def _flip_scoring(chunks) -> None:
-    from skyrl_megatron.model.moe import routers
+    from skyrl_megatron.model.moe.settings import routers
 
     for _, router in routers(chunks):
         router.router_replay = _ScoringFlip(router.router_replay)

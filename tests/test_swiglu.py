@@ -1,4 +1,4 @@
-"""`fused_kernels: [swiglu]` on GPU: the dense MLP's SwiGLU as Triton kernels (model/swiglu.py).
+"""`fused_kernels: [swiglu]` on GPU: the dense MLP's SwiGLU as Triton kernels (model/layers/swiglu.py).
 
 The kernels run under Triton's interpreter on CPU (a fresh process: TRITON_INTERPRET is read when triton is
 imported) against autograd through `silu(y1) * y2`, and through Megatron's MLP entry point once installed;
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_megatron.model import swiglu
+from skyrl_megatron.model.layers import swiglu
 from skyrl_megatron.testing import run_under_triton_interpreter
 
 _TRITON_CHECK = """
 import torch
 from megatron.core.transformer import mlp
-from skyrl_megatron.model import swiglu, swiglu_kernels
+from skyrl_megatron.model.layers import swiglu, swiglu_kernels
 
 def reference(y):
     gate, up = torch.chunk(y.float(), 2, dim=-1)

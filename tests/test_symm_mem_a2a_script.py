@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyrl_megatron.model.token_sort import chunk_order_rows
+from skyrl_megatron.model.moe.token_sort import chunk_order_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_symm_mem_a2a_check.py"

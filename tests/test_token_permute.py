@@ -1,11 +1,11 @@
-"""`model/token_permute.py`: MoE permutation by gathers for dropless top-k routing, against Megatron's own."""
+"""`model/moe/token_permute.py`: MoE permutation by gathers for dropless top-k routing, against Megatron's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from skyrl_megatron.model import token_permute
+from skyrl_megatron.model.moe import token_permute
 from skyrl_megatron.testing.host_syncs import HostSyncProbe
 
 

@@ -1,4 +1,4 @@
-"""Gradient-accumulation fusion through our PyTorch weight-gradient GEMMs (`model/wgrad.py`).
+"""Gradient-accumulation fusion through our PyTorch weight-gradient GEMMs (`model/layers/wgrad.py`).
 
 On GPU this is a speed setting (no separate bf16 weight gradient, no per-micro-batch add into the
 fp32 buffer); here it must not change the training step: the same loss and main gradients as
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.model import wgrad
+from skyrl_megatron.model.layers import wgrad
 from skyrl_megatron.testing import make_tiny_hf_model, run_on_ranks
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from skyrl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, check_replaceable, commit, sibling
-from skyrl_megatron.model.lora import PeftAdapter
+from skyrl_megatron.model.adapters.lora import PeftAdapter
 from skyrl_megatron.peft_support import PEFT_CONFIG_FILE
 from skyrl_megatron.weights import iter_hf_weights
 

@@ -77,7 +77,7 @@ class ModelIdentity:
         # GPTModel keeps the (possibly padded) vocabulary size on the module, not on its config
         fields["vocab_size"] = getattr(model, "vocab_size", fields["vocab_size"])
         value_head = bool(getattr(model, "ends_in_value_head", False))  # set on every stage's chunks
-        if value_head:  # a critic (model/value_head.py): never interchangeable with an LM's checkpoint
+        if value_head:  # a critic (model/adapters/value_head.py): never interchangeable with an LM's checkpoint
             fields["value_head"] = True
         canonical = json.dumps(fields, sort_keys=True)
         shape = [

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_ADAPTERS, MODEL_STATE_FULL, unwrap
 from skyrl_megatron.dist_io import replica_group
-from skyrl_megatron.model.lora import is_adapter_name
+from skyrl_megatron.model.adapters.lora import is_adapter_name
 from skyrl_megatron.optim import torch_optimizers, use_fused_torch_adam
 
 # The distributed optimizer's one format in Megatron 0.19.2 that reshards across TP and PP

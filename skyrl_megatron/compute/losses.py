@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from skyrl_megatron import host_api
 
@@ -168,3 +169,28 @@ class ValueObjective:
         if clipfrac is not None:  # value_clip: null turns clipping off
             metrics["values_clipfrac"] = torch.as_tensor(clipfrac, dtype=torch.float64, device=loss_mask.device) * token_share
         return loss, {k: v.to(torch.float64).reshape(()) for k, v in metrics.items()}
+
+
+def mini_batch_metrics(per_micro_batch: list[dict], dp_group, device) -> dict[str, float]:
+    """A mini-batch's metrics: its micro-batches' (each already their share of the mini-batch) summed, then
+    over DP ranks; broadcast from the last pipeline stage, where the loss ran, so every rank returns them."""
+    from megatron.core import parallel_state as ps
+
+    names = sorted({k for m in per_micro_batch for k in m})
+    # every rank must agree on the metric names for the collectives below: take them from the
+    # last stage, where the loss function ran
+    names_list = [names]
+    last = ps.get_pipeline_model_parallel_last_rank()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(names_list, src=last, group=ps.get_pipeline_model_parallel_group())
+    names = names_list[0]
+    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
+    for m in per_micro_batch:
+        for i, name in enumerate(names):
+            if name in m:
+                totals[i] += m[name].to(torch.float64)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(totals, src=last, group=ps.get_pipeline_model_parallel_group())
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(totals, group=dp_group)
+    return {name: float(value) for name, value in zip(names, totals)}

@@ -36,7 +36,7 @@ Routes are data that travel with the batch. Recorded routes are mapped back to t
 columns (through the same CP gather and packing maps as the log-probs) and kept per row, keyed by
 the row's real tokens (:class:`RouteStore`), since the training micro-batch plan, packing and CP
 shards need not be the scoring ones; the trainer looks them up for its rows and they go through the
-same row slicing, packing and CP/SP split as the tokens (``compute/microbatch/targets.py``).
+same row slicing, packing and CP/SP split as the tokens (``compute/microbatch/``).
 
 Activation recompute runs a router again in the backward pass; micro-batches are recomputed in the
 order they ran forward (per model chunk), so each router keeps the routes it replayed in a queue
@@ -51,9 +51,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from skyrl_megatron.model.moe import routers
+from skyrl_megatron.model.moe.settings import routers
 
 NO_ROUTE = -1  # a real token without a route: routed as usual
 
@@ -208,32 +207,6 @@ class RouteReplay:
             taken[layer.layer] = layer.recorded
             layer.recorded = None
         return taken
-
-    # -- token orders -----------------------------------------------------------------------------
-
-    def router_order(self, per_token: torch.Tensor) -> torch.Tensor:
-        """[b, s, ...] in the model layout (this CP rank's share) -> [tokens, ...] as routers see them:
-        [s, b] flattened, and under sequence parallelism only this TP rank's slice of s."""
-        order = per_token.transpose(0, 1)
-        if self.config.sequence_parallel:
-            from megatron.core import parallel_state as ps
-
-            order = order.chunk(ps.get_tensor_model_parallel_world_size(), dim=0)[ps.get_tensor_model_parallel_rank()]
-        return order.reshape(-1, *per_token.shape[2:])
-
-    def model_order(self, recorded: dict[int, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
-        """Recorded routes {layer: [tokens, k]} -> [b, s, L, k] in the model layout (this CP rank's
-        share of `shape` = (b, s)); under sequence parallelism gathered over the TP ranks."""
-        b, s = shape
-        stacked = torch.stack([recorded[i] for i in range(self.num_layers)], dim=1).long()  # [tokens, L, k]
-        if self.config.sequence_parallel:
-            from megatron.core import parallel_state as ps
-
-            group = ps.get_tensor_model_parallel_group()
-            parts = [torch.empty_like(stacked) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, stacked.contiguous(), group=group)
-            stacked = torch.cat(parts, dim=0)
-        return stacked.reshape(s, b, self.num_layers, -1).transpose(0, 1)
 
 
 def _moe_layer_numbers(config) -> list[int]:

@@ -13,7 +13,7 @@ tallies, per MoE layer, how many real tokens each expert receives. Over a mini-b
 
 An expert's load is the number of real tokens routed to it after capacity dropping (what the
 dispatcher delivers). Only real tokens count: the runner announces each micro-batch's real-token
-mask (prepared with it, compute/microbatch/targets.py) through :meth:`RouterMetrics.start_forward`
+mask (prepared with it, in the routers' order: compute/microbatch/shard.py) through :meth:`RouterMetrics.start_forward`
 right before the model call. Megatron's own ``padding_mask`` argument is not used for this, because
 0.19.2 mishandles it (the expert-bias update broadcasts a [tokens] mask against the [tokens, experts]
 routing map, and pipeline stages after the first do not split it for sequence parallelism).
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.model.moe import routers
+from skyrl_megatron.model.moe.settings import routers
 from skyrl_megatron.runtime import current_runtime
 
 
@@ -107,20 +107,14 @@ class RouterMetrics:
             tally.real_tokens.zero_()
 
     def start_forward(self, chunk: torch.nn.Module, real_tokens: torch.Tensor) -> None:
-        """Announce the next forward pass of `chunk`; `real_tokens` [b, s] marks its real tokens in
-        the layout the chunk is called with (this CP rank's share)."""
+        """Announce the next forward pass of `chunk`; `real_tokens` [tokens] marks its real tokens in the
+        order its routers see them ([s, b] flattened, this TP rank's slice of s under sequence
+        parallelism: `compute/microbatch/shard.py`)."""
         forward = self._forwards[self._chunk_index[id(chunk)]]
         forward.number += 1
         if not self.is_moe:
             return
-        # routers see [s, b] flattened, and under sequence parallelism only this TP rank's slice of s
-        order = real_tokens.transpose(0, 1)
-        if self.config.sequence_parallel:
-            from megatron.core import parallel_state as ps
-
-            shares = order.chunk(ps.get_tensor_model_parallel_world_size(), dim=0)
-            order = shares[ps.get_tensor_model_parallel_rank()]
-        forward.real_tokens = order.reshape(-1)
+        forward.real_tokens = real_tokens
 
     def _hook(self, tally: _LayerTally):
         pad_to_capacity = bool(self.config.moe_pad_expert_input_to_capacity)

@@ -21,20 +21,19 @@ import contextlib
 from typing import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from skyrl_megatron.compute.gradient_buffers import GradientBuffers
 from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_CHUNK_BYTES, LogprobOutputProcessor
-from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective, ValueObjective
-from skyrl_megatron.compute.microbatch.model_inputs import MicroBatch
+from skyrl_megatron.compute.losses import MiniBatchTotals, PolicyObjective, ValueObjective, mini_batch_metrics
+from skyrl_megatron.compute.microbatch.micro_batch import MicroBatch
 from skyrl_megatron.compute.microbatch.pipeline import MicroBatches, prepare_micro_batches
 from skyrl_megatron.compute.microbatch.plan import MicroBatching
 from skyrl_megatron.compute.microbatch.results import collect, recorded_host_routes, response_columns
 from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
-from skyrl_megatron.model.moe import dispatch_needs_equal_token_counts
-from skyrl_megatron.model.value_head import ValueOutputProcessor
+from skyrl_megatron.model.adapters.value_head import ValueOutputProcessor
+from skyrl_megatron.model.moe.settings import dispatch_needs_equal_token_counts
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import current_runtime
 
@@ -128,7 +127,7 @@ class ModelRunner:
             equal_token_counts=self.equal_token_counts,
             response=response,
             routes=routes,
-            router_order=self.route_replay.router_order if with_routes else None,
+            with_routes=with_routes,
             with_real_tokens=self.router_metrics is not None,
         )
 
@@ -150,7 +149,7 @@ class ModelRunner:
         return self._model_call(processor, per_token, record_routes)
 
     def _value_forward_fn(self) -> Callable:
-        """The critic's model call: per-token values [b, s] from the value head (model/value_head.py)."""
+        """The critic's model call: per-token values [b, s] from the value head (model/adapters/value_head.py)."""
         return self._model_call(ValueOutputProcessor(), lambda out: out.values)
 
     def _model_call(self, processor, per_token: Callable, record_routes: bool = False) -> Callable:
@@ -329,7 +328,7 @@ class ModelRunner:
                 micro_batch_size=shape[0],
             )
         with _mark("skyrl_megatron.metrics"):
-            return _sum_metrics(per_micro_batch, dp_group, self.device)
+            return mini_batch_metrics(per_micro_batch, dp_group, self.device)
 
     # -- routing replay ---------------------------------------------------------------------------
 
@@ -349,26 +348,3 @@ class ModelRunner:
             yield
         finally:
             self.route_replay.activate(False)
-
-def _sum_metrics(per_micro_batch: list[dict], dp_group, device) -> dict[str, float]:
-    """Sum micro-batch metrics, then over DP ranks; broadcast from the last pipeline stage."""
-    from megatron.core import parallel_state as ps
-
-    names = sorted({k for m in per_micro_batch for k in m})
-    # every rank must agree on the metric names for the collectives below: take them from the
-    # last stage, where the loss function ran
-    names_list = [names]
-    last = ps.get_pipeline_model_parallel_last_rank()
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast_object_list(names_list, src=last, group=ps.get_pipeline_model_parallel_group())
-    names = names_list[0]
-    totals = torch.zeros(len(names), dtype=torch.float64, device=device)
-    for m in per_micro_batch:
-        for i, name in enumerate(names):
-            if name in m:
-                totals[i] += m[name].to(torch.float64)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(totals, src=last, group=ps.get_pipeline_model_parallel_group())
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(totals, group=dp_group)
-    return {name: float(value) for name, value in zip(names, totals)}

@@ -3,9 +3,9 @@
 One function, :func:`build_model`, turns a :class:`ModelSpec` into model chunks (one per virtual
 pipeline stage) for the process groups that :mod:`skyrl_megatron.parallel` created. The layer spec is
 chosen in :mod:`skyrl_megatron.model.layer_spec`; device-specific flags come from the runtime. With
-`ModelSpec.cache` set, the weights come from the conversion cache (:mod:`skyrl_megatron.model.cache`)
+`ModelSpec.cache` set, the weights come from the conversion cache (:mod:`skyrl_megatron.model.conversion.cache`)
 when it holds this checkpoint, and the bridge converts (and fills the cache) only when it does not.
-With `ModelSpec.lora` set, LoRA adapters (:mod:`skyrl_megatron.model.lora`) are added to the frozen base
+With `ModelSpec.lora` set, LoRA adapters (:mod:`skyrl_megatron.model.adapters.lora`) are added to the frozen base
 once its weights are in place and before DDP wraps the chunks; the cache only ever holds the base.
 """
 
@@ -22,16 +22,18 @@ from typing import Any
 
 import torch
 
+from skyrl_megatron.attention_kernels import AUTO
 from skyrl_megatron.config import MoeSettings
-from skyrl_megatron.model.attention_kernels import AUTO
-from skyrl_megatron.model.bridge_import import have_transformer_engine, import_bridge
-from skyrl_megatron.model.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
-from skyrl_megatron.model.fusions import DEFAULT_FUSED_KERNELS
-from skyrl_megatron.model.lora import LoraSpec, adapter_hook
-from skyrl_megatron.model import experts, hf_tensors, rope, swiglu, token_sort, wgrad
-from skyrl_megatron.model.moe import freeze_routers, moe_transformer_settings
-from skyrl_megatron.model.moe_layer import use_device_all_to_all
-from skyrl_megatron.model.value_head import ValueHeadInit, value_head_hook
+from skyrl_megatron.model.adapters.lora import LoraSpec, adapter_hook
+from skyrl_megatron.model.adapters.value_head import ValueHeadInit, value_head_hook
+from skyrl_megatron.model.conversion import hf_tensors
+from skyrl_megatron.model.conversion.bridge_import import have_transformer_engine, import_bridge
+from skyrl_megatron.model.conversion.cache import ConversionCacheSettings, LoadReport, claim_entry, local_checkpoint_dir
+from skyrl_megatron.model.layers import rope, swiglu, wgrad
+from skyrl_megatron.model.layers.fusions import DEFAULT_FUSED_KERNELS
+from skyrl_megatron.model.moe import experts, token_sort
+from skyrl_megatron.model.moe.layer import use_device_all_to_all
+from skyrl_megatron.model.moe.settings import freeze_routers, moe_transformer_settings
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
 
@@ -58,11 +60,11 @@ class ModelSpec:
     cache: ConversionCacheSettings | None = None  # None: convert through the bridge on every build
     lora: LoraSpec | None = None  # None: every parameter trains; else only LoRA adapters on a frozen base
     moe: MoeSettings = field(default_factory=MoeSettings)  # routing/dispatch of MoE models; ignored for dense
-    # generated kernels for the TE-free layers on GPU (model/fusions.py); ignored on CPU
+    # generated kernels for the TE-free layers on GPU (model/layers/fusions.py); ignored on CPU
     fused_kernels: tuple[str, ...] = DEFAULT_FUSED_KERNELS
-    # the packed segment kernel of our core attention (model/attention.py): auto | flash4 | varlen | sdpa
+    # the packed segment kernel of our core attention (model/layers/attention.py): auto | flash4 | varlen | sdpa
     attention_kernel: str = AUTO
-    # None: the LM head (logprobs); else the critic's scalar value head (model/value_head.py)
+    # None: the LM head (logprobs); else the critic's scalar value head (model/adapters/value_head.py)
     value_head: ValueHeadInit | None = None
 
     def fused(self, kernel: str, runtime: Runtime) -> bool:
@@ -101,9 +103,9 @@ class BuiltModel:
 
     @property
     def fused_kernels(self) -> tuple[str, ...]:
-        """The generated kernels this model runs with (`model/fusions.py`), as built."""
-        from skyrl_megatron.model.norm import FusedRMSNorm
-        from skyrl_megatron.model.qk_norm_rope import QKNormRopeSelfAttention
+        """The generated kernels this model runs with (`model/layers/fusions.py`), as built."""
+        from skyrl_megatron.model.layers.norm import FusedRMSNorm
+        from skyrl_megatron.model.layers.qk_norm_rope import QKNormRopeSelfAttention
 
         modules = [module for chunk in self.chunks for module in chunk.modules()]
         present = {
@@ -119,7 +121,7 @@ class BuiltModel:
     def segment_kernel(self) -> str | None:
         """The packed-attention kernel our core attention runs in the model's dtype (`attention_kernel`'s
         value: flash4, varlen, sdpa); None where Transformer Engine's attention runs."""
-        from skyrl_megatron.model.attention import CoreAttention
+        from skyrl_megatron.model.layers.attention import CoreAttention
 
         for chunk in self.chunks:
             for module in chunk.modules():
@@ -178,14 +180,14 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     if _is_swiglu(provider):
         # Megatron's own SwiGLU fusion (torch.compile'd, TE or not); transformer_config_kwargs win
         settings["bias_activation_fusion"] = spec.fused("swiglu", runtime)
-    # MoE routing and dispatch (model/moe.py; {} for a dense model). The load-balancing loss is off
+    # MoE routing and dispatch (model/moe/settings.py; {} for a dense model). The load-balancing loss is off
     # by default: in RL it pulls the router away from the policy and makes the update depend on
     # padding and micro-batch composition. transformer_config_kwargs, applied below, still win.
     settings.update(moe_transformer_settings(provider, spec.moe, spec.transformer_overrides))
     if spec.moe.freeze_router and getattr(provider, "num_moe_experts", None):
         provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
     if spec.moe.device_all_to_all and getattr(provider, "num_moe_experts", None):
-        provider.register_pre_wrap_hook(use_device_all_to_all)  # EP > 1: model/exchange_dispatcher.py
+        provider.register_pre_wrap_hook(use_device_all_to_all)  # EP > 1: model/moe/exchange_dispatcher.py
     settings.update(runtime.transformer_config_overrides())
     if not have_transformer_engine():
         # Bridge providers turn on fused MoE token permutation (Qwen3-MoE does), which Megatron-Core
@@ -267,8 +269,8 @@ def install_patches(spec: ModelSpec, runtime: Runtime) -> None:
     `make_provider` (the bench's config-only checks), so they run what the workers run."""
     rope.install(fused=spec.fused("rope", runtime))
     wgrad.install()  # before the bridge's provider reads whether wgrad fusion is available
-    token_sort.install()  # MoE token regrouping without host syncs (model/token_sort.py)
-    swiglu.install()  # the dense MLP's fused SwiGLU as Triton kernels on GPU (model/swiglu.py)
+    token_sort.install()  # MoE token regrouping without host syncs (model/moe/token_sort.py)
+    swiglu.install()  # the dense MLP's fused SwiGLU as Triton kernels on GPU (model/layers/swiglu.py)
 
 
 def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:

@@ -13,9 +13,9 @@ import dataclasses
 import functools
 import logging
 
-from skyrl_megatron.model.attention_kernels import AUTO, KEY
-from skyrl_megatron.model.bridge_import import have_transformer_engine
-from skyrl_megatron.model.norm import FusedTorchNorm, TorchNorm
+from skyrl_megatron.attention_kernels import AUTO, KEY
+from skyrl_megatron.model.conversion.bridge_import import have_transformer_engine
+from skyrl_megatron.model.layers.norm import FusedTorchNorm, TorchNorm
 from skyrl_megatron.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,12 @@ def _with_core_attention(layer, core_attention):
 
 
 def _with_grouped_experts(layer):
-    """A copy of an MoE TransformerLayer spec whose experts run as grouped GEMMs (model/experts.py), in
-    an MoE layer that keeps the experts' token counts on the device where it can (model/moe_layer.py)."""
+    """A copy of an MoE TransformerLayer spec whose experts run as grouped GEMMs (model/moe/experts.py), in
+    an MoE layer that keeps the experts' token counts on the device where it can (model/moe/layer.py)."""
     import functools
 
-    from skyrl_megatron.model.experts import grouped_experts_builder
-    from skyrl_megatron.model.moe_layer import grouped_moe_layer_class
+    from skyrl_megatron.model.moe.experts import grouped_experts_builder
+    from skyrl_megatron.model.moe.layer import grouped_moe_layer_class
 
     moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
     submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_experts_builder())
@@ -71,11 +71,11 @@ def _with_grouped_experts(layer):
 
 def _with_qk_norm_rope(layer):
     """A copy of a TransformerLayer spec whose self-attention applies its query/key norms inside the
-    rotation (model/qk_norm_rope.py); other attention modules (e.g. MLA) are left as they are."""
+    rotation (model/layers/qk_norm_rope.py); other attention modules (e.g. MLA) are left as they are."""
     from megatron.core.transformer.attention import SelfAttention
 
-    from skyrl_megatron.model.norm import DeferrableNorm
-    from skyrl_megatron.model.qk_norm_rope import QKNormRopeSelfAttention
+    from skyrl_megatron.model.layers.norm import DeferrableNorm
+    from skyrl_megatron.model.layers.qk_norm_rope import QKNormRopeSelfAttention
 
     attention = layer.submodules.self_attention
     if attention.module is not SelfAttention:
@@ -101,7 +101,7 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
         get_num_layers_to_build,
     )
 
-    from skyrl_megatron.model.attention import CoreAttention
+    from skyrl_megatron.model.layers.attention import CoreAttention
 
     layer = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
@@ -137,7 +137,7 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attent
             logger.warning("%s=%s is ignored: Transformer Engine's attention runs", KEY, attention_kernel)
         _report("transformer_engine")
         return transformer_engine_layer_spec
-    from skyrl_megatron.model.attention import describe_core_attention
+    from skyrl_megatron.model.layers.attention import describe_core_attention
 
     experts = ""
     if getattr(provider, "num_moe_experts", None):

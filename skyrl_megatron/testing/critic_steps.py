@@ -50,8 +50,8 @@ def critic_steps(
     from skyrl_megatron.compute.losses import ValueObjective
     from skyrl_megatron.compute.runner import MicroBatching, ModelRunner
     from skyrl_megatron.hosts import current
+    from skyrl_megatron.model.adapters.value_head import ValueHeadInit
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.model.value_head import ValueHeadInit
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
     from skyrl_megatron.testing.rl_batches import make_rl_batch, perturb_logprobs

@@ -23,7 +23,7 @@ def _preload() -> None:
         except Exception:  # noqa: BLE001 - the rank imports it itself, and reports its error there
             return
     try:
-        from skyrl_megatron.model.bridge_import import import_bridge
+        from skyrl_megatron.model.conversion.bridge_import import import_bridge
 
         import_bridge()
     except Exception:  # noqa: BLE001 - as above

@@ -1,5 +1,5 @@
 """Megatron's way of moving MoE rows between EP ranks, as the reference for parity checks of the
-device-side exchange (`model/device_all_to_all.py`): host split sizes, `all_to_all_single`, and the
+device-side exchange (`model/moe/device_all_to_all.py`): host split sizes, `all_to_all_single`, and the
 non-fused split-and-concatenate regrouping. Used by tests/test_device_all_to_all.py and
 bench/gpu_device_all_to_all_check.py.
 """

@@ -19,9 +19,9 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.config import SCORING_BUDGET_FACTOR, MegatronWorkerConfig
 from skyrl_megatron.failures import register_current_worker
+from skyrl_megatron.model.adapters.lora import LoraSpec
 from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
-from skyrl_megatron.model.cache import ConversionCacheSettings
-from skyrl_megatron.model.lora import LoraSpec
+from skyrl_megatron.model.conversion.cache import ConversionCacheSettings
 from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
 from skyrl_megatron.workers.memory_peaks import PhasePeaks
 from skyrl_megatron.workers.offload import ModelOffloader, TransferLog

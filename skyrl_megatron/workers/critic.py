@@ -1,7 +1,7 @@
 """The critic worker on Megatron-Core: values for GAE, value-loss training, checkpoints, HF export.
 
 The model is the critic checkpoint's GPT trunk with a scalar value head on the last pipeline stage
-(`model/value_head.py`), under the critic's own layout (`trainer.critic.megatron_config`) and its
+(`model/adapters/value_head.py`), under the critic's own layout (`trainer.critic.megatron_config`) and its
 own optimizer and schedule (`trainer.critic.optimizer_config`). The host's trainer drives it through
 its `CriticWorkerBase` contract: `forward` returns values [B, A] for the response tokens; training is
 skyrl-train 0.3.1's `ppo_train` (epochs x mini-batches in one call) or skyrl 0.4's `forward_backward`
@@ -19,8 +19,8 @@ from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import save_hf_model
 from skyrl_megatron.compute.losses import ValueObjective
 from skyrl_megatron.compute.runner import VALUE_KEYS
+from skyrl_megatron.model.adapters.value_head import DEFAULT_VALUE_HEAD_PREFIX, ValueHeadInit
 from skyrl_megatron.model.build import ModelSpec
-from skyrl_megatron.model.value_head import DEFAULT_VALUE_HEAD_PREFIX, ValueHeadInit
 from skyrl_megatron.workers.training import TrainedRoleMixin
 
 logger = logging.getLogger(__name__)

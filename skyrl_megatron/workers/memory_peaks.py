@@ -4,7 +4,7 @@ Each scoring or training call is measured from a reset of the allocator's peak c
 keeps the largest peak of each phase since it was last drained (the demo drains it once per step).
 The reset is process-wide: whoever reads `torch.cuda.max_memory_allocated()` across several of a
 worker's phases sees the last phase's peak only, so read this summary instead (`bench/policy_bench.py`
-does; from session 13 to 19 it read the counter and reported the optimizer step's peak as training's).
+does; until 2026-11-27 it read the counter and reported the optimizer step's peak as training's).
 On CPU there is no device allocator to read, and the summary stays empty.
 """
 

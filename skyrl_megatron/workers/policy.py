@@ -14,7 +14,7 @@ from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStor
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.engines.weight_updates import torch_dtype
-from skyrl_megatron.model.lora import measure_footprint
+from skyrl_megatron.model.adapters.lora import measure_footprint
 from skyrl_megatron.digests import tensor_sha256
 from skyrl_megatron.weights import iter_hf_weights, iter_weight_buckets
 from skyrl_megatron.workers.engine_sync import BUCKET_BYTES as ENGINE_SYNC_BUCKET_BYTES

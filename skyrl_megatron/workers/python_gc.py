@@ -5,7 +5,7 @@ Megatron-Core, Megatron-Bridge, transformers, Ray: 553k, measured on CPU), more 
 built, and CPython's full (generation 2) collection walks all of them: 276 ms on the CI machine's CPU.
 A pass allocates tens of thousands of tracked objects (tensors, autograd nodes), so full collections
 start at moments that differ from pass to pass. Identical scoring passes of Qwen3-1.7B took 0.70 to
-1.05 s on an H200 (session 19; the host's FSDP2 workers 1.02-1.06 s in the same run).
+1.05 s on an H200 (measured 2026-11-27; the host's FSDP2 workers 1.02-1.06 s in the same run).
 
 Two measures, in the spirit of Megatron-LM's manual GC:
 - before the first pass (and the first after a checkpoint load), one full collection and then

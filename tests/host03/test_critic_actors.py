@@ -72,7 +72,7 @@ def _hf_values(hf_dir: str, batch) -> torch.Tensor:
     """The host's critic forward on the HF trunk with the head our worker draws (see test_critic)."""
     from transformers import AutoModel
 
-    from skyrl_megatron.model.value_head import ValueHeadInit
+    from skyrl_megatron.model.adapters.value_head import ValueHeadInit
 
     head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir, seed=SEED).make_weight(torch.float32)
     trunk = AutoModel.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()

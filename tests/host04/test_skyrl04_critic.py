@@ -121,7 +121,7 @@ def _host_critic(hf_dir: str):
     activate()  # the host imports flash_attn's padding helpers (flash-attn without its CUDA build here)
     from skyrl.backends.skyrl_train.workers.model_wrapper import get_llm_for_sequence_regression
 
-    from skyrl_megatron.model.value_head import ValueHeadInit
+    from skyrl_megatron.model.adapters.value_head import ValueHeadInit
 
     model = get_llm_for_sequence_regression(hf_dir, "critic", bf16=False, init_value_head=True)
     head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir, seed=SEED).make_weight(torch.float32)

@@ -1,20 +1,21 @@
 """From the host's padded RL rows to Megatron micro-batches, one way, one file per step.
 
-`pipeline.prepare_micro_batches` calls the steps in this order; none calls back into an earlier one::
+`pipeline.prepare_micro_batches` calls the steps in this order, each once per micro-batch; a step
+imports only the ones before it and never calls back into them::
 
-    rows.py              the host's [B, S] rows: where each row's real tokens are (RowSpans), next-token labels
-    plan.py              which rows go together (row count or token budget), how many micro-batches every
-                         rank runs (PP/EP agreement, VPP rounding, empty padding ones) and their shape
-    inputs.py            model inputs of one micro-batch: padded rows or one packed (THD) row
-    context_parallel.py  this CP rank's shard of the model inputs (Megatron's load-balanced split)
-    targets.py           what the model call scores and follows: logprob targets, real-token mask, MoE routes
-    pipeline.py          the steps in order -> a `MicroBatch` per micro-batch, which `ModelRunner` consumes
+    rows.py         the host's [B, S] rows: where each row's real tokens are (RowSpans), next-token labels
+    plan.py         which rows go together (row count or token budget), how many micro-batches every
+                    rank runs (PP/EP agreement, VPP rounding, empty padding ones), and each one's
+                    layout: its shape, a packed row's sequence lengths (all the layout arithmetic)
+    pack.py         every per-token tensor in the model layout: padded rows from column 0, or one
+                    packed (THD) row; `ModelInputs` keeps the maps back to the host's columns
+    shard.py        this rank's share: the CP rank's tokens (Megatron's load-balanced split), and the
+                    routers' data in their order (the TP rank's slice under sequence parallelism)
+    micro_batch.py  model inputs and targets on the device: the `MicroBatch` that `ModelRunner` runs
 
-`model_inputs.py` is the type the steps pass on (with its maps between the host's columns and the
-model layout, the packed row's included); `results.py` is the way back (per-token outputs -> the host's
-columns), apart from the forward path. Each step owns its layout arithmetic (`plan.py` the packing
-alignment, `inputs.py` the THD packing); the context-parallel split is the model's layout
-(`model/context_parallel_layout.py`, also read by the core attention), below all of them.
+`results.py` is the way back (per-token outputs and recorded routes -> the host's columns), apart
+from the forward path. The context-parallel split itself is the model's layout
+(`model/layers/context_parallel_layout.py`, also read by the core attention), below all of them.
 
 This package's `__init__` imports nothing, so importing one step does not import the others.
 """

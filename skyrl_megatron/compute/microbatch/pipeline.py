@@ -1,20 +1,19 @@
-"""rows -> plan -> model inputs -> context-parallel shard -> targets: a rank's rows as the micro-batches
-`ModelRunner` hands to Megatron's schedules, prepared in one pass, in that order."""
+"""rows -> plan -> pack -> shard -> model inputs and targets: a rank's rows as the micro-batches
+`ModelRunner` hands to Megatron's schedules, prepared in one pass, each step called once per micro-batch
+and in that order."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from skyrl_megatron.compute.microbatch.context_parallel import context_split, shard
-from skyrl_megatron.compute.microbatch.inputs import build_model_inputs
-from skyrl_megatron.compute.microbatch.model_inputs import MicroBatch
+from skyrl_megatron.compute.microbatch.micro_batch import MicroBatch, micro_batch
+from skyrl_megatron.compute.microbatch.pack import pack
 from skyrl_megatron.compute.microbatch.plan import MicroBatching, plan_schedule
-from skyrl_megatron.compute.microbatch.rows import RowSpans
-from skyrl_megatron.compute.microbatch.targets import logprob_targets, real_tokens, route_targets
+from skyrl_megatron.compute.microbatch.rows import HostRows
+from skyrl_megatron.compute.microbatch.shard import shard
 from skyrl_megatron.parallel import ParallelConfig
 
 
@@ -37,71 +36,28 @@ def prepare_micro_batches(
     equal_token_counts: bool = False,
     response: Mapping[str, torch.Tensor] | None = None,
     routes: torch.Tensor | None = None,
-    router_order: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    with_routes: bool = False,
     with_real_tokens: bool = False,
 ) -> MicroBatches:
     """This rank's rows `sequences` [B, S] as micro-batches (collective: ranks agree on the count).
 
     `response` [B, A] tensors are sliced per micro-batch; `with_real_tokens` adds the real-token mask
-    (MoE router metrics). With a `router_order` (routing replay), each micro-batch carries `routes`
+    (MoE router metrics). With `with_routes` (routing replay), each micro-batch carries `routes`
     [B, S, L, k] (host columns; None: record only) in the order the routers see its tokens.
     """
-    # 1. rows
-    spans = RowSpans.from_attention_mask(attention_mask)
-    # 2. plan
-    schedule = plan_schedule(
-        spans.length, batching, parallel, equal_token_counts=equal_token_counts, device=device
-    )
-    cp_rank = 0
-    if parallel.context > 1:
-        from megatron.core import parallel_state as ps
-
-        cp_rank = ps.get_context_parallel_rank()
+    # 1. rows: where each row's real tokens are, and their labels
+    rows = HostRows.from_batch(sequences, attention_mask)
+    # 2. plan: which rows go together, how many micro-batches, where each one's tokens go
+    schedule = plan_schedule(rows.spans.length, batching, parallel, equal_token_counts=equal_token_counts, device=device)
     micro_batches = []
-    for rows in schedule.plan.groups:
-        # 3. model inputs
-        inputs = build_model_inputs(
-            sequences[rows], attention_mask[rows], schedule.settings, pad_token_id=pad_token_id,
-            padded_shape=schedule.padded_shape(rows), spans=RowSpans(spans.start[rows], spans.length[rows]),
+    for layout in schedule.micro_batches:
+        # 3. pack: the model layout of every per-token tensor
+        packed = pack(
+            rows, layout, pad_token_id=pad_token_id, routes=routes, with_routes=with_routes,
+            with_real_tokens=with_real_tokens,
         )
-        # 4. context-parallel shard
-        split = context_split(inputs, cp_rank, parallel.context)
-        # 5. targets (and routes)
-        targets = logprob_targets(inputs, split, device)
-        sliced = {k: v[rows].to(device) for k, v in (response or {}).items() if v is not None}
-        if inputs.packed_seq_params is not None:
-            inputs.packed_seq_params = _params_on(inputs.packed_seq_params, device)
-        mb_routes = None
-        if router_order is not None:
-            mb_routes = route_targets(inputs, split, None if routes is None else routes[rows], router_order, device)
-        micro_batches.append(
-            MicroBatch(
-                inputs=inputs,
-                model_input_ids=shard(split, inputs.input_ids).to(device),
-                model_position_ids=shard(split, inputs.position_ids).to(device),
-                targets=targets,
-                rows=rows,
-                response=sliced,
-                cp_split=split,
-                real_tokens=real_tokens(inputs, split, device) if with_real_tokens else None,
-                routes=mb_routes,
-            )
-        )
+        # 4. shard: this rank's share under CP (and the routers' under SP)
+        share = shard(packed, parallel)
+        # 5. model inputs and targets, on the device
+        micro_batches.append(micro_batch(packed.inputs, share, layout.rows, response, device))
     return MicroBatches(micro_batches, schedule.shape)
-
-
-def _params_on(params, device):
-    """PackedSeqParams with its index tensors on `device` (attention kernels read them there).
-
-    Fields that share one tensor (self-attention's query and key boundaries, padded or not) still share
-    one after the move: one copy each, and the rotation tables (`model/rope.py`), cached by the
-    boundaries' identity, are computed once per micro-batch instead of once per layer and direction."""
-    moved_by_id: dict[int, torch.Tensor] = {}
-    moved = {}
-    for f in dataclasses.fields(params):
-        value = getattr(params, f.name)
-        if isinstance(value, torch.Tensor):
-            if id(value) not in moved_by_id:
-                moved_by_id[id(value)] = value.to(device)
-            moved[f.name] = moved_by_id[id(value)]
-    return dataclasses.replace(params, **moved)

@@ -1,4 +1,5 @@
-"""Step 2, plan: which rows form each micro-batch, how many micro-batches every rank runs, and their shape.
+"""Step 2, plan: which rows form each micro-batch, how many micro-batches every rank runs, and where
+each micro-batch's tokens go in the model layout.
 
 Rows go together by a fixed row count, or by a token budget (then packed). Ranks that share expert
 or pipeline collectives run the same number of micro-batches (empty ones pad the count; the
@@ -8,8 +9,11 @@ schedule call gets one shape.
 
 The shape follows the packing settings (`PackingSettings`): padded rows, or one packed (THD) row whose
 sequences are padded at their ends to a multiple of 2*CP under context parallelism (Megatron's
-load-balanced split, `model/context_parallel_layout.py`), the last one further so that every CP rank's
-share of the row divides evenly among the TP ranks under sequence parallelism (`packed_lengths`).
+load-balanced split, `model/layers/context_parallel_layout.py`), the last one further so that every CP
+rank's share of the row divides evenly among the TP ranks under sequence parallelism (`packed_lengths`).
+All of that arithmetic is done here, from the rows' lengths: each micro-batch leaves the plan as a
+`MicroBatchLayout` (its rows, its shape, a packed row's sequence lengths), and the pack step lays the
+tokens out as it says.
 """
 
 from __future__ import annotations
@@ -164,20 +168,46 @@ def model_shape(group_lengths: list[list[int]], settings: PackingSettings) -> tu
 
 
 @dataclass(frozen=True)
+class MicroBatchLayout:
+    """Where one micro-batch's tokens go in the model layout, decided before any tensor is built."""
+
+    rows: torch.Tensor  # indices into the rank's batch (none: a micro-batch that pads the count)
+    shape: tuple[int, int]  # (rows, columns) of its model inputs: padded [b', s'], or one packed row [1, T]
+    # packed: each sequence's length in the row, alignment padding included (they sum to T); None: padded rows
+    packed_lengths: tuple[int, ...] | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_lengths is not None
+
+
+def layout_micro_batch(
+    rows: torch.Tensor, lengths: list[int], settings: PackingSettings, shape: tuple[int, int] | None = None
+) -> MicroBatchLayout:
+    """The layout of micro-batch `rows`, whose rows have `lengths` real tokens each; `shape` is the
+    schedule's shared shape (pipeline stages exchange fixed-shape activations), None for its own smallest."""
+    if settings.packed:
+        min_tokens = shape[1] if shape is not None else 0
+        if not lengths:  # an empty micro-batch (padding the count across ranks): one ignored sequence
+            total = max(min_tokens, settings.row_align)
+            return MicroBatchLayout(rows, (1, total), (total,))
+        padded = packed_lengths(lengths, settings.parallel, min_tokens)
+        return MicroBatchLayout(rows, (1, sum(padded)), tuple(padded))
+    smallest = (len(lengths), round_up(max([*lengths, 1]), settings.row_align))
+    if shape is None:
+        return MicroBatchLayout(rows, smallest if lengths else (1, settings.row_align))  # empty: one pad row
+    if shape[0] < smallest[0] or shape[1] < smallest[1]:
+        raise ValueError(f"the schedule's shape {shape} is smaller than the micro-batch {smallest}")
+    return MicroBatchLayout(rows, shape)
+
+
+@dataclass(frozen=True)
 class SchedulePlan:
-    """The micro-batches of one schedule call on this rank: rows per micro-batch (empty ones pad the
-    count), the packing, and the model-side shape they share (or each keeps its own)."""
+    """The micro-batches of one schedule call on this rank (empty ones pad the count) and the shape the
+    schedule is told (every micro-batch's where they share one)."""
 
-    plan: MicroBatchPlan
-    settings: PackingSettings
-    shape: tuple[int, int]  # (rows, columns) for the schedule; every micro-batch's when `fixed_shape`
-    fixed_shape: bool
-
-    def padded_shape(self, rows: torch.Tensor) -> tuple[int, int] | None:
-        """The model-side shape micro-batch `rows` is built with (None: its own smallest)."""
-        if self.fixed_shape:
-            return self.shape
-        return None if self.settings.packed or rows.numel() else (1, self.settings.row_align)  # empty: one pad row
+    micro_batches: list[MicroBatchLayout]
+    shape: tuple[int, int]  # (rows, columns)
 
 
 def plan_schedule(
@@ -195,7 +225,8 @@ def plan_schedule(
     settings = PackingSettings(
         packed=packed, tensor=parallel.tensor, sequence_parallel=parallel.sequence_parallel, context=parallel.context
     )
-    shape = model_shape([lengths[rows].tolist() for rows in plan.groups], settings)
+    group_lengths = [lengths[rows].tolist() for rows in plan.groups]
+    shape = model_shape(group_lengths, settings)
     if not packed:
         shape = (max(shape[0], batching.micro_batch_size), shape[1])
     # Pipeline stages exchange fixed-shape activations, and the allgather MoE dispatcher needs as
@@ -215,4 +246,8 @@ def plan_schedule(
     if parallel.virtual_pipeline:
         # the interleaved schedule walks micro-batches in groups of PP size
         count = -(-count // parallel.pipeline) * parallel.pipeline
-    return SchedulePlan(pad_plan(plan, count), settings, shape, fixed_shape)
+    groups = pad_plan(plan, count).groups
+    group_lengths += [[]] * (count - len(plan))
+    shared = shape if fixed_shape else None
+    layouts = [layout_micro_batch(rows, n, settings, shared) for rows, n in zip(groups, group_lengths)]
+    return SchedulePlan(layouts, shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_megatron.compute.microbatch.model_inputs import MicroBatch
+from skyrl_megatron.compute.microbatch.micro_batch import MicroBatch
 from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, route_dtype
 
 
@@ -63,7 +63,8 @@ def recorded_host_routes(replay: RouteReplay, micro_batches: list[MicroBatch], b
     out = torch.full((*batch_shape, replay.num_layers, replay.topk), NO_ROUTE, dtype=dtype)
     for mb in micro_batches:  # the same order on every rank: the gathers below pair up
         local_shape = mb.model_input_ids.shape
-        routes = replay.model_order(mb.recorded, (local_shape[0], local_shape[1]))
+        recorded = torch.stack([mb.recorded[i] for i in range(replay.num_layers)], dim=1).long()  # [tokens, L, k]
+        routes = mb.sp_slice.model_order(recorded, (local_shape[0], local_shape[1]), ps.get_tensor_model_parallel_group())
         if mb.cp_split is not None:
             routes = mb.cp_split.gather(routes, ps.get_context_parallel_group(), dim=1)
         if mb.rows.numel():

@@ -1,15 +1,15 @@
-"""Megatron's alltoall token dispatcher at EP > 1 with every size on the device (issue 17; opt-in:
+"""Megatron's alltoall token dispatcher at EP > 1 with every size on the device (opt-in:
 ``megatron_config.moe_config.device_all_to_all``).
 
 Megatron's `MoEAlltoAllTokenDispatcher` computes its split sizes and counts on the device
 (`preprocess`: an all-gather of the counts over the EP group), then copies them to the host and
 waits (`_maybe_dtoh_and_synchronize`) because `all_to_all_single` and its chunk regrouping take host
 sizes. `DeviceAllToAllDispatcher` keeps Megatron's preprocessing and its permutation (our gathers,
-`model/token_permute.py`), skips the copy, and moves tokens and probabilities with
-`model/device_all_to_all.py`: the experts' input is then sized for the worst case (every EP rank
+`model/moe/token_permute.py`), skips the copy, and moves tokens and probabilities with
+`model/moe/device_all_to_all.py`: the experts' input is then sized for the worst case (every EP rank
 sends all its rows here), its first `sum(tokens_per_expert)` rows grouped by local expert, then
 source rank, as Megatron's. The rows past them are padding: the grouped GEMMs' offsets end at the
-real total (`model/experts.py`), everything between them is row-wise, and `combine` sends only the
+real total (`model/moe/experts.py`), everything between them is row-wise, and `combine` sends only the
 real rows back, so no padding row reaches the layer's output or a weight gradient.
 
 Overridden: `_maybe_dtoh_and_synchronize` (no copy), `token_dispatch` / `token_combine` (the device
@@ -27,8 +27,8 @@ rank's rows): `needs_equal_token_counts` makes the micro-batch planner give them
 
 from __future__ import annotations
 
-from skyrl_megatron.model.device_all_to_all import ExchangePlan, combine, dispatch
-from skyrl_megatron.model.row_exchange import exchange_unavailable, row_exchange_for
+from skyrl_megatron.model.moe.device_all_to_all import ExchangePlan, combine, dispatch
+from skyrl_megatron.model.moe.row_exchange import exchange_unavailable, row_exchange_for
 
 _classes: dict[str, type] = {}
 
@@ -44,7 +44,7 @@ def device_all_to_all_dispatcher_class() -> type:
             _plan: ExchangePlan | None = None
             # the worst case is EP x this rank's rows, and the symmetric buffers are allocated by
             # shape on every rank together: micro-batches share one shape across the EP group
-            # (read by model/moe.py dispatch_needs_equal_token_counts)
+            # (read by model/moe/settings.py dispatch_needs_equal_token_counts)
             needs_equal_token_counts = True
 
             def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
@@ -91,7 +91,7 @@ def exchange_can_apply(config, dispatcher, experts) -> str | None:
     """Why `DeviceAllToAllDispatcher` cannot replace this layer's dispatcher, or None if it can."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from skyrl_megatron.model.experts import grouped_experts_class
+    from skyrl_megatron.model.moe.experts import grouped_experts_class
 
     if not isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
         return f"it needs the alltoall token dispatcher, not {type(dispatcher).__name__}"

@@ -9,7 +9,7 @@ sequence of 8 tokens::
 
 A packed (THD) row is split sequence by sequence at its padded boundaries (each rank's pieces in
 sequence order; `PackedSeqParams` stay global on every rank); a padded batch [B, S] is split along S,
-each row being one sequence of length S. The core attention (`model/attention.py`) reads this layout;
+each row being one sequence of length S. The core attention (`model/layers/attention.py`) reads this layout;
 the micro-batch steps (`compute/microbatch/`) slice inputs with :class:`ContextParallelSplit` and
 gather per-token outputs back into global order with it.
 """

@@ -1,7 +1,7 @@
-"""MoE token dispatch and combine between expert-parallel ranks with every size on the device (issue 17).
+"""MoE token dispatch and combine between expert-parallel ranks with every size on the device.
 
 Megatron's alltoall dispatcher at EP > 1 copies the all-to-all's split sizes to the host and waits,
-once per MoE layer and pass. Here the rows travel by `model/row_exchange.py` (torch's NVSHMEM
+once per MoE layer and pass. Here the rows travel by `model/moe/row_exchange.py` (torch's NVSHMEM
 all-to-all on GPUs, split sizes on the device) into an output sized for the worst case (every rank
 sends all its rows here), and are regrouped from [source rank, local expert] chunks to [local
 expert, source rank] by one gather whose index is computed on the device
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.token_sort import chunk_gather_index, expert_major_order, source_major_order
+from skyrl_megatron.model.moe.token_sort import chunk_gather_index, expert_major_order, source_major_order
 
 
 @dataclass
@@ -38,7 +38,7 @@ class ExchangePlan:
     (static: tokens x top-k); `capacity`: the rows the expert side is sized for (the worst case).
     """
 
-    exchange: object  # model/row_exchange.py: NvshmemExchange or EmulatedExchange
+    exchange: object  # model/moe/row_exchange.py: NvshmemExchange or EmulatedExchange
     send_splits: Tensor
     received_counts: Tensor
     rows: int

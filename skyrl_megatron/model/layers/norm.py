@@ -6,9 +6,9 @@ Tagging the parameters with `sequence_parallel` makes Megatron's `finalize_model
 them over the TP group, as it does for TE's norms.
 
 `FusedTorchNorm` builds the same norms with RMSNorm as one generated kernel per direction
-(`model/fusions.py`). PyTorch's own fused RMSNorm launches one thread block per row, which leaves
+(`model/layers/fusions.py`). PyTorch's own fused RMSNorm launches one thread block per row, which leaves
 most of the GPU idle on the 128-wide rows of Qwen3's per-head query/key norms. `DeferrableNorm` builds
-the query/key norms whose attention applies them inside its rotation (`model/qk_norm_rope.py`).
+the query/key norms whose attention applies them inside its rotation (`model/layers/qk_norm_rope.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.fusions import compile_kernel
+from skyrl_megatron.model.layers.fusions import compile_kernel
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -34,18 +34,36 @@ from typing import Any
 
 import torch
 
-from skyrl_megatron.model.lora_spec import LoraConfigError, LoraSpec
+from skyrl_megatron.lora_spec import LoraConfigError, LoraSpec
+from skyrl_megatron.model.conversion.bridge_import import import_bridge
 from skyrl_megatron.peft_support import PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE
 
 _ADAM_MOMENT_BYTES = 8
 _FP32_MAIN_PARAM_BYTES = 4
 
 
+def make_peft(spec: LoraSpec):
+    """The bridge's PEFT object (LoRA or CanonicalLoRA) for `spec`."""
+    import_bridge()
+    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+    from megatron.bridge.peft.lora import LoRA
+
+    peft_cls = LoRA if spec.lora_type == "lora" else CanonicalLoRA
+    return peft_cls(
+        target_modules=spec.megatron_targets(),
+        dim=spec.rank,
+        alpha=spec.alpha,
+        dropout=spec.dropout,
+        lora_A_init_method=spec.init_method,
+        lora_B_init_method="zero",
+    )
+
+
 def adapter_hook(spec: LoraSpec) -> Callable[[list], list]:
     """A provider pre-wrap hook: freeze the chunks, add adapters, initialise them layout-independently."""
 
     def add_adapters(chunks: list) -> list:
-        chunks = spec.make_peft()(chunks, training=True)
+        chunks = make_peft(spec)(chunks, training=True)
         _require_whole_expert_adapters(chunks)
         initialise_adapters(chunks, spec)
         return chunks
@@ -358,7 +376,7 @@ class PeftAdapter:
         weights = [HFWeightTuple(name, tensor) for name, tensor in gather_hf_adapter_weights(built).items()]
         state, module_names, target_parameters = convert_adapter_weights_to_peft_state(weights)
         config = build_adapter_config_dict(
-            spec.make_peft(),
+            make_peft(spec),
             target_modules=infer_target_modules_from_adapter_weights(module_names),
             target_parameters=target_parameters,
             base_model_name_or_path=str(built.bridge.hf_pretrained.model_name_or_path or ""),

@@ -1,6 +1,6 @@
 """The segment kernels of our core attention and `megatron_config.attention_kernel`, without torch.
 
-Which kernel a model runs is decided in one place, `model/attention.select_segment_kernel`; this
+Which kernel a model runs is decided in one place, `model/layers/attention.select_segment_kernel`; this
 module holds only what the up-front config check (`config.py`, no torch, no Megatron) needs too: the
 kernels' names and whether flash-attn-4 is installed, found without importing it.
 """
@@ -17,7 +17,7 @@ AUTO = "auto"
 
 
 class SegmentKernel(enum.Enum):
-    """Causal attention over packed segments (`model/attention.attend_segments`); values are the key's."""
+    """Causal attention over packed segments (`model/layers/attention.attend_segments`); values are the key's."""
 
     FLASH4 = "flash4"  # flash-attn-4's CuTe kernels (`flash_attn.cute`): Hopper and Blackwell, bf16/fp16
     VARLEN = "varlen"  # torch's `varlen_attn` (FlashAttention-2 kernels): CUDA, bf16/fp16

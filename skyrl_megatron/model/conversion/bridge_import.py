@@ -31,7 +31,7 @@ def _te_stand_in() -> dict[str, types.ModuleType]:
         return type(name, (), {"__init__": __init__, "__module__": "transformer_engine.pytorch"})
 
     pytorch = types.ModuleType("transformer_engine.pytorch")
-    pytorch.__doc__ = "stand-in for Megatron-Bridge's lora_layers import (skyrl_megatron.model.bridge_import)"
+    pytorch.__doc__ = "stand-in for Megatron-Bridge's lora_layers import (skyrl_megatron.model.conversion.bridge_import)"
     for name in ("Linear", "LayerNormLinear"):
         setattr(pytorch, name, unavailable(name))
     ops = types.SimpleNamespace()

@@ -1,5 +1,5 @@
 """Moving rows between the ranks of a group with the split sizes on the device: the all-to-all under
-the device-side MoE dispatch (`model/device_all_to_all.py`).
+the device-side MoE dispatch (`model/moe/device_all_to_all.py`).
 
 One call: each rank sends its first `sum(send_splits)` rows, `send_splits[r]` of them (in rank
 order) to rank r, and receives into an output of a fixed `out_rows` (the caller's worst case) whose

@@ -14,13 +14,13 @@ of its keys (a bottom-right aligned causal mask, flash attention's convention wh
 shorter than its keys):
 
 * packed sequences: one segment per sequence, queries and keys alike;
-* context parallelism (the layout of :mod:`skyrl_megatron.model.context_parallel_layout`: each
+* context parallelism (the layout of :mod:`skyrl_megatron.model.layers.context_parallel_layout`: each
   sequence in 2*CP chunks, rank r holding chunks r and 2*CP-1-r): K and V are all-gathered over the CP
   group, and each of this rank's query chunks is a segment whose keys are its sequence's prefix up to
   the chunk's end.
   A padded batch under CP is the packed case with B sequences of length s * CP.
 
-The segment kernel (:class:`~skyrl_megatron.model.attention_kernels.SegmentKernel`) is picked in one
+The segment kernel (:class:`~skyrl_megatron.attention_kernels.SegmentKernel`) is picked in one
 place, :func:`select_segment_kernel`, from `megatron_config.attention_kernel` (default `auto`), the
 runtime, the dtype, the GPU and what is installed:
 
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyrl_megatron.model.attention_kernels import (
+from skyrl_megatron.attention_kernels import (
     ATTENTION_KERNELS,
     AUTO,
     FLASH4_COMPUTE_MAJORS,
@@ -54,7 +54,7 @@ from skyrl_megatron.model.attention_kernels import (
     SegmentKernel,
     flash4_installed,
 )
-from skyrl_megatron.model.context_parallel_layout import context_parallel_chunks, gathered_to_global_index
+from skyrl_megatron.model.layers.context_parallel_layout import context_parallel_chunks, gathered_to_global_index
 from skyrl_megatron.runtime import Runtime, current_runtime, quiet_megatron_import
 
 with quiet_megatron_import():
@@ -372,7 +372,7 @@ class CoreAttention(MegatronModule):
         if attention_mask is not None or attention_bias is not None or mask_type != AttnMaskType.causal:
             raise NotImplementedError(
                 "skyrl-megatron core attention computes causal attention only: pass attention_mask=None "
-                "and pack padded batches (skyrl_megatron.compute.microbatch.inputs) instead of masking them"
+                "and pack padded batches (skyrl_megatron.compute.microbatch.pack) instead of masking them"
             )
         if packed_seq_params is None:
             return self._padded(query, key, value)

@@ -10,7 +10,7 @@ call, twice per MoE layer and pass, even with one EP rank, where the order does 
 `sort_chunks_by_idxs` below computes the same reordering as one on-device gather (no host sync)
 and returns its input untouched when the chunk order is the identity. `chunk_gather_index` is the
 same index for a buffer sized for the worst case, whose real total only the device knows (the
-device-side all-to-all, `model/device_all_to_all.py`). `install()` puts it in the
+device-side all-to-all, `model/moe/device_all_to_all.py`). `install()` puts it in the
 dispatcher's namespace in place of Megatron's non-fused version; TE's fused kernel, where TE is
 installed, is left to Megatron.
 """

@@ -385,7 +385,7 @@ def grouped_experts_class():
 
     A subclass rather than a patch of `TEGroupedMLP.forward`: its forward runs Megatron's unchanged
     (activation, probabilities, recompute, offloading), the counts passed as they came. Where the
-    dispatcher kept them on the device (`model/moe_layer.py`, EP1), the grouped GEMMs' offsets are
+    dispatcher kept them on the device (`model/moe/layer.py`, EP1), the grouped GEMMs' offsets are
     summed there, and no step of the experts waits for the device. Counts the dispatcher copied to
     the host (EP > 1) are summed on the host and copied over, as before. Megatron-Bridge's
     per-expert LoRA adapters take either form (they read a tensor with `.tolist()`: with LoRA on the

@@ -122,7 +122,7 @@ def dispatch_needs_equal_token_counts(chunks: list[torch.nn.Module]) -> bool:
     one shape. The alltoall and flex dispatchers exchange split sizes and need no such agreement,
     except the alltoall dispatcher with its sizes on the device (``moe_config.device_all_to_all``):
     its receive buffers are sized EP x this rank's rows, and its symmetric buffers are allocated
-    collectively by shape (`model/exchange_dispatcher.py`).
+    collectively by shape (`model/moe/exchange_dispatcher.py`).
     """
     from megatron.core.utils import get_model_config
 

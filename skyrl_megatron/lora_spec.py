@@ -1,6 +1,6 @@
 """What LoRA to apply, from the host's keys: `LoraSpec` and its checks (pure Python, no torch).
 
-Config validation reads it before anything heavy loads; `model/lora.py` applies it to Megatron chunks.
+Config validation reads it before anything heavy loads; `model/adapters/lora.py` applies it to Megatron chunks.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ _HF_TO_MEGATRON = {
 }
 # A fused module takes one adapter for all its parts: naming only some of them would adapt the others too.
 _FUSED_PARTS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_fc1": ("gate_proj", "up_proj")}
-
-# Adam keeps two fp32 moments per trained element; with bf16 parameters Megatron adds an fp32 main copy.
 
 
 class LoraConfigError(ValueError):
@@ -139,24 +137,6 @@ class LoraSpec:
             raise LoraConfigError(f"no module is left to adapt: targets {requested} minus {self.exclude_modules}")
         return targets
 
-    def make_peft(self):
-        """The bridge's PEFT object (LoRA or CanonicalLoRA) for these settings."""
-        from skyrl_megatron.model.bridge_import import import_bridge
-
-        import_bridge()
-        from megatron.bridge.peft.canonical_lora import CanonicalLoRA
-        from megatron.bridge.peft.lora import LoRA
-
-        peft_cls = LoRA if self.lora_type == "lora" else CanonicalLoRA
-        return peft_cls(
-            target_modules=self.megatron_targets(),
-            dim=self.rank,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            lora_A_init_method=self.init_method,
-            lora_B_init_method="zero",
-        )
-
 
 def _check_fused_parts(requested: Sequence[str]) -> None:
     named = set(requested)
@@ -169,7 +149,3 @@ def _check_fused_parts(requested: Sequence[str]) -> None:
                 f"targets name {present} but not {missing}: add them, or use lora_type=canonical_lora"
             )
 
-
-# ----------------------------------------------------------------------------------------------
-# Applying adapters (a pre-wrap hook)
-# ----------------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Qwen3 normalises each attention head of the query and key (RMSNorm over 128-wide
 rotates them. Without Transformer Engine, Megatron-Core runs the two apart: PyTorch's fused RMSNorm,
 which launches a thread block per 128-wide row and reduces the weight gradient in two more kernels,
 then the rotation (`rope.py`). In a profiled Qwen3-4B step on an H200 the RMSNorms (these and the
-block's own) took about 0.59 s of 4.75 s of kernels (session 21). Here the norm and the rotation are one
-kernel per direction, in fp32, rounded once, and the rotation's call is the only call per tensor and
-direction: session 7's generated norm was a loss because it added compiled calls, each with its host cost.
+block's own) took about 0.59 s of 4.75 s of kernels (profiled 2026-11-27). Here the norm and the rotation
+are one kernel per direction, in fp32, rounded once, and the rotation's call is the only call per tensor
+and direction: the generated RMSNorm (`fused_kernels: [rms_norm]`) was a loss because it added compiled
+calls, each with its host cost (`docs/perf_notes.md`).
 
 On GPU the kernels are Triton's (`norm_rope_kernels.py`: one read of the inputs per direction, the weight
 gradient summed per program); the functions below are their reference and run on CPU.
@@ -22,8 +23,8 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor
 
-from skyrl_megatron.model import rope
-from skyrl_megatron.model.norm import DeferrableRMSNorm, deferred
+from skyrl_megatron.model.layers import rope
+from skyrl_megatron.model.layers.norm import DeferrableRMSNorm, deferred
 
 
 def _rotate_half_transposed(t: Tensor) -> Tensor:
@@ -56,7 +57,7 @@ def norm_rope_backward(grad: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin
 def _kernels(device: torch.device):
     """Triton's kernels on GPU; the reference functions on CPU."""
     if device.type == "cuda":
-        from skyrl_megatron.model import norm_rope_kernels
+        from skyrl_megatron.model.layers import norm_rope_kernels
 
         return norm_rope_kernels.norm_rope_forward, norm_rope_kernels.norm_rope_backward
     return norm_rope_forward, norm_rope_backward
@@ -131,7 +132,7 @@ class QKNormRopeSelfAttention(SelfAttention):
             return (query, key, *rest)
         # The kernels read query and key inside the projection's output [sq, b, groups, (q + 2) * dim]:
         # Megatron's reshape of query to [sq, b, heads, dim] copies it, and key's view would be copied to be
-        # contiguous; together 648 copies and 34 ms of a Qwen3-4B training call on an H200 (session 24).
+        # contiguous; together 648 copies and 34 ms of a Qwen3-4B training call on an H200 (profiled 2026-11-28).
         mixed_qkv, sizes = super().get_query_key_value_tensors(hidden_states, key_value_states, split_qkv=False)
         query, key, value = torch.split(mixed_qkv, sizes, dim=3)  # one cat in backward, as Megatron's
         dim = self.hidden_size_per_attention_head

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from skyrl_megatron.model.bridge_import import import_bridge
+from skyrl_megatron.model.conversion.bridge_import import import_bridge
 
 
 def _source_class() -> type:

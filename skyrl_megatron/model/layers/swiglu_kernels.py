@@ -4,7 +4,7 @@ Both directions read each input once and compute in fp32, rounding once. The bac
 gradients of both halves from one program: Megatron's backward (`swiglu_back`, torch.compile'd) builds
 them as one concatenation, which Inductor turns into a kernel over the [rows, 2 * width] output that loads
 its inputs per half under masks: 330 us per call at Qwen3-4B's 8k-token micro-batches on an H200 (about
-2.4 TB/s of useful traffic; 107 ms of a training call, session 24's profile).
+2.4 TB/s of useful traffic; 107 ms of a training call, profiled 2026-11-28).
 """
 
 from __future__ import annotations

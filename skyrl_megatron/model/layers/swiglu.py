@@ -17,14 +17,14 @@ _MEGATRON_IMPL = None  # Megatron's bias_swiglu_impl, kept by `install`
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: Tensor) -> Tensor:
-        from skyrl_megatron.model import swiglu_kernels
+        from skyrl_megatron.model.layers import swiglu_kernels
 
         ctx.save_for_backward(y)
         return swiglu_kernels.swiglu_forward(y)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        from skyrl_megatron.model import swiglu_kernels
+        from skyrl_megatron.model.layers import swiglu_kernels
 
         (y,) = ctx.saved_tensors
         return swiglu_kernels.swiglu_backward(grad, y)

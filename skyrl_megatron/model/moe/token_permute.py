@@ -3,7 +3,7 @@
 Megatron's non-fused `permute` copies each token once per chosen expert (`index_select`), so its
 backward is an `index_add_` of k rows into each token; its `unpermute` sums the k expert outputs
 back with `scatter_add_`. Both are atomic scatters on a GPU (about 0.9 and 0.45 ms per call at the
-Qwen3-30B-A3B shape on an H200, session 17's profile), and their summation order changes from run
+Qwen3-30B-A3B shape on an H200, profiled 2026-11-27), and their summation order changes from run
 to run.
 
 With dropless top-k routing every token appears exactly k times among the permuted rows, so the
@@ -17,7 +17,7 @@ The k rows of a token are summed in expert order in one reduction (fp32 accumula
 the same on every run and layout.
 
 The guarantee comes from the layer's config, not from the tensors, so it is granted per dispatcher:
-`route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe_layer.py`, for the alltoall
+`route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe/layer.py`, for the alltoall
 dispatcher without token dropping or router padding) makes the dispatcher's permutation steps run
 with it; every other call of `permute`/`unpermute` (other dispatchers, dropping, TE's fused kernels,
 probabilities merged in `unpermute`) is Megatron's own.

@@ -5,8 +5,8 @@ sizes) to the host on a side stream and waits for that copy in every MoE layer a
 (`_maybe_dtoh_and_synchronize`): the all-to-all needs host split sizes, and TE's grouped linears
 and `SequentialMLP` need host counts. With one expert-parallel rank and no expert tensor
 parallelism there is no all-to-all or all-gather, and in the dropless case every size is static
-(tokens x top-k); our grouped experts (`model/experts.py`) take the counts as a device tensor, and
-the chunk regrouping between dispatch and experts is the identity (`model/token_sort.py` returns
+(tokens x top-k); our grouped experts (`model/moe/experts.py`) take the counts as a device tensor, and
+the chunk regrouping between dispatch and experts is the identity (`model/moe/token_sort.py` returns
 its input). The wait is then only a stall: the host cannot queue the next layers' kernels until
 the device has caught up.
 
@@ -21,11 +21,11 @@ its `unpermute` is a scatter-add: neither reads the host (their scatters are rep
 comparisons and benchmarks.
 
 Where routing is dropless top-k with the alltoall dispatcher (any EP size), the layer also permutes
-and unpermutes its tokens by gathers (`model/token_permute.py`) instead of Megatron's scatter-adds.
+and unpermutes its tokens by gathers (`model/moe/token_permute.py`) instead of Megatron's scatter-adds.
 
 At EP > 1, `use_device_all_to_all(chunks)` (a pre-wrap hook, on with
 ``moe_config.device_all_to_all``) gives every such layer `DeviceAllToAllDispatcher`
-(`model/exchange_dispatcher.py`): the all-to-alls take their sizes on the device as well.
+(`model/moe/exchange_dispatcher.py`): the all-to-alls take their sizes on the device as well.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from __future__ import annotations
 from torch import nn
 
 from skyrl_megatron.config import ConfigError, Problem
-from skyrl_megatron.model import token_permute, token_sort
-from skyrl_megatron.model.exchange_dispatcher import device_all_to_all_dispatcher_class, exchange_can_apply
+from skyrl_megatron.model.moe import token_permute, token_sort
+from skyrl_megatron.model.moe.exchange_dispatcher import device_all_to_all_dispatcher_class, exchange_can_apply
 
 _classes: dict[str, type] = {}
 
@@ -69,7 +69,7 @@ def counts_can_stay_on_device(config, dispatcher, experts) -> bool:
     """Whether no step of this MoE layer needs the token counts on the host (see the module docstring)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from skyrl_megatron.model.experts import grouped_experts_class
+    from skyrl_megatron.model.moe.experts import grouped_experts_class
 
     return (
         type(dispatcher) is MoEAlltoAllTokenDispatcher
@@ -85,7 +85,7 @@ def counts_can_stay_on_device(config, dispatcher, experts) -> bool:
 
 
 def routing_is_regular(config, dispatcher) -> bool:
-    """Whether every token reaches exactly top-k experts' rows (`model/token_permute.py` relies on it):
+    """Whether every token reaches exactly top-k experts' rows (`model/moe/token_permute.py` relies on it):
     the alltoall dispatcher, dropless, no padding of any kind."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -161,7 +161,7 @@ def set_counts_on_device(model: nn.Module | list, on: bool) -> int:
 
 def use_device_all_to_all(chunks: list) -> list:
     """Pre-wrap hook of ``moe_config.device_all_to_all``: every MoE layer at EP > 1 exchanges its tokens
-    with the sizes on the device (`model/exchange_dispatcher.py`). At EP1 there is no all-to-all
+    with the sizes on the device (`model/moe/exchange_dispatcher.py`). At EP1 there is no all-to-all
     (`DeviceCountsDispatcher` already reads nothing on the host). A layer it cannot apply to is a
     configuration error naming the key (the config checks catch these cases before any worker starts)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.fusions import compile_kernel
+from skyrl_megatron.model.layers.fusions import compile_kernel
 
 _MEGATRON_THD = None  # Megatron's own function, kept for comparison in tests
 _FUSED = False  # rotate with the generated kernel (`install(fused=True)`)
@@ -101,7 +101,7 @@ def rotate_half_rope(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (t32 * cos.float() + rotated * sin.float()).to(t.dtype)
 
 
-# one generated kernel per direction (`model/fusions.py`), compiled at its first call
+# one generated kernel per direction (`model/layers/fusions.py`), compiled at its first call
 fused_rotate_half_rope = compile_kernel(rotate_half_rope)
 
 
