@@ -106,7 +106,7 @@ def _scaled_sizes(overrides: list[str], role: str, gpus: int) -> dict[str, int]:
 
 def scale_example(script: Path, workdir: Path, gpus: int = 2, full_size: bool = False) -> ScaledExample:
     """`script`'s layout on `gpus` GPUs of one node with its model cut to `SCALED_LAYERS` layers, or with
-    all of the published model's layers (`full_size`: issue 23, the 30B-A3B script on one 8-GPU node)."""
+    all of the published model's layers (`full_size`: e.g. the 30B-A3B script on one 8-GPU node)."""
     overrides = launch_overrides(script, workdir)
     model_json = model_config_of(script)
     name = model_json.stem

@@ -1,9 +1,9 @@
 """The product's device-side MoE exchange (model/moe/device_all_to_all.py over model/moe/row_exchange.py's
 `NvshmemExchange`) on 2 GPUs: parity with the host-split path, forward and backward, over several
-layers; no host sync; the symmetric buffers' reuse and growth (issue 17).
+layers; no host sync; the symmetric buffers' reuse and growth.
 
-bench/gpu_symm_mem_a2a_check.py validated the composition (torch's 1-D NVSHMEM all-to-all, then one
-on-device gather) on one forward exchange each way. This runs what the MoE layer runs
+The composition (torch's 1-D NVSHMEM all-to-all, then one on-device gather) was first validated on one forward
+exchange each way (docs/benchmarks.md, "MoE checks"). This runs what the MoE layer runs
 (`moe_config.device_all_to_all`): `dispatch` / `combine` as autograd functions, for tokens (bf16)
 and routing probabilities (fp32, moved as bf16 words padded to the op's 32-byte rows inside the transport), for
 --layers layers forward and then backward, so each symmetric buffer set is reused in the order a

@@ -1,4 +1,4 @@
-"""Each example script's layout, scaled down to 2 GPUs, through 2 GRPO steps of the demo (issue 20).
+"""Each example script's layout, scaled down to 2 GPUs, through 2 GRPO steps of the demo.
 
 For every planned example (examples/megatron/run_qwen3_*.sh): its Megatron settings at sizes that fit
 2 GPUs and its model cut to a few layers of the published widths (``bench/example_layouts.py``); a
@@ -150,7 +150,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run the scripts whose name contains one of these (comma-separated)")
     parser.add_argument("--timeout", type=int, default=400, help="seconds per example run")
     parser.add_argument("--full-size", action="store_true",
-                        help="every layer of the published model (issue 23: run_qwen3_30b_a3b_1node.sh on 8 GPUs)")
+                        help="every layer of the published model (e.g. run_qwen3_30b_a3b_1node.sh on 8 GPUs)")
     parser.add_argument("--generate-length", type=int, default=0,
                         help=f"tokens per reply (0: {LONG_REPLIES} without recompute, {SHORT_REPLIES} with full recompute)")
     args = parser.parse_args()

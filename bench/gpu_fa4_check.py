@@ -1,6 +1,6 @@
 """flash-attn-4 as our core attention's segment kernel (`megatron_config.attention_kernel=flash4`)
 against `varlen` (torch's varlen_attn, FlashAttention-2) and an fp32 reference, on one Hopper or
-Blackwell GPU, through our own code (bench/gpu_cudnn_attention_check.py called the kernels directly):
+Blackwell GPU, through our own code:
 
 1. `CoreAttention` (model/layers/attention.py) on packed THD micro-batches: 8,192 tokens of RL-like lengths
    (a ~256-token prompt plus a log-uniform response of 64-4096), Qwen3-4B heads (32 query heads,

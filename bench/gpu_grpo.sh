@@ -1,5 +1,5 @@
 #!/bin/bash
-# GRPO through the host trainer on 1 GPU with our workers and our HF engine (issue 20), killed once
+# GRPO through the host trainer on 1 GPU with our workers and our HF engine, killed once
 # and resumed: `python -m skyrl_megatron.demo --gpu` (a Qwen3-0.6B-shaped policy, ref and the HF engine
 # colocated, CUDA IPC weight sync after every step). Run after `source bench/device_setup.sh 2`.
 #   GRPO_STEPS (20), GRPO_KILL_AFTER (8): the step after which the policy workers are SIGKILLed;

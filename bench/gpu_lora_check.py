@@ -1,4 +1,4 @@
-"""GPU check of LoRA (issue 7), one command on one GPU, bf16, Qwen3-1.7B shape (random weights).
+"""GPU check of LoRA, one command on one GPU, bf16, Qwen3-1.7B shape (random weights).
 
 1. Memory and speed: one training step of 1 x 4096 tokens, full fine-tune vs LoRA (rank 16, all
    linear layers), each in its own model build: peak memory, tokens/s, trainable parameters.

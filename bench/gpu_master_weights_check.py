@@ -2,8 +2,8 @@
 eager kernels against the generated ones, timed and checked bit for bit.
 
 `megatron_config.compact_master_weights` rebuilds every fp32 master before the optimizer step and
-releases it after, so both run once per training step over all parameters. Session 19 measured the
-eager kernels at Qwen3-4B at about 0.44 s per step on an H200 (15.3k against 17.0k training tokens/s);
+releases it after, so both run once per training step over all parameters. The eager kernels took
+about 0.44 s per step at Qwen3-4B on an H200 (2026-11-27: 15.3k against 17.0k training tokens/s);
 this script times both kernel sets on masters shaped like a model's parameters (no Megatron, no
 checkpoint: random fp32 masters and their bf16 rounding), and checks that each rebuild equals the
 masters it started from. As in Megatron, the masters are separate tensors and the bf16 model shards

@@ -1,4 +1,4 @@
-"""GPU checks of the model path (issue 3), one command on one GPU:
+"""GPU checks of the model path, one command on one GPU:
 
 1. bf16 logprob parity: a Qwen3 model of the 0.6B shape (random weights, saved as an HF checkpoint)
    scored by our Megatron path (bridge conversion, our core attention, chunked vocab-parallel

@@ -1,4 +1,4 @@
-"""Multi-GPU MoE proof (issue 8), 4 GPUs, bf16: a Qwen3-30B-A3B-shaped model with 4 layers.
+"""Multi-GPU MoE proof, 4 GPUs, bf16: a Qwen3-30B-A3B-shaped model with 4 layers.
 
 Same HF weights (random, saved once) under three layouts: EP1 on one GPU, EP4 (DP4) and TP2 x EP2
 (SP, DP2) on four. Every rank scores the same RL-shaped batch and trains on it, so all layouts do the

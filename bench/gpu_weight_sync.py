@@ -1,4 +1,4 @@
-"""GPU check of weight sync (issue 5) and of the memory planner (issue 8), on a 2-GPU machine.
+"""GPU check of weight sync and of the memory planner, on a 2-GPU machine.
 
 Trainer: our Megatron policy model of the Qwen3-1.7B shape (random weights, saved once as an HF
 checkpoint, loaded through the bridge), TP=2 + SP on GPUs 0 and 1, bf16. Receiver: a separate process

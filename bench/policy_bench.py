@@ -1,4 +1,4 @@
-"""Policy forward and training: our Megatron workers against the host's FSDP2 workers (issue 6).
+"""Policy forward and training: our Megatron workers against the host's FSDP2 workers.
 
 Both sides run what the host trainer runs between two generation steps, through its own code: the
 host's `RayPPOTrainer.build_models` creates the policy actor group for the strategy
@@ -30,7 +30,7 @@ active experts only, plus causal attention, times 3 for training; recompute not 
     python bench/policy_bench.py --model Qwen3-4B --cases megatron:dp2,megatron:tp2,fsdp2:dp2,fsdp2_sdpa:dp2
     python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:tp2ep2,fsdp2:dp2
     python bench/policy_bench.py --smoke     # CPU, tiny shapes: our side only (FSDP2 needs CUDA)
-    # EP2 with the all-to-alls' sizes on the device (moe_config.device_all_to_all, issue 17) against without:
+    # EP2 with the all-to-alls' sizes on the device (moe_config.device_all_to_all) against without:
     python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:ep2@a2a_dev \
         --variant a2a_dev='trainer.policy.megatron_config.moe_config.device_all_to_all=true'
 
@@ -138,7 +138,7 @@ def measured_bf16_peak_tflops(size: int = 8192, warmup_seconds: float = 1.0, sec
     """The bf16 matmul rate this GPU sustains (the MFU denominator); None without CUDA.
 
     Timed over seconds, after a second of warm-up, so that the clock has settled where it stays
-    under a training step's load: a burst of 50 matmuls (75 ms, sessions 5-7) read 717 to 780
+    under a training step's load: a burst of 50 matmuls (75 ms, the first method) read 717 to 780
     TFLOP/s on identical H200s.
     """
     if not torch.cuda.is_available():
@@ -190,7 +190,7 @@ BACKENDS = {
 }
 FSDP_BACKENDS = ("fsdp2", "fsdp2_sdpa")
 FSDP_SHORT = {"fsdp2": "FSDP2 at its best", "fsdp2_sdpa": "host defaults without flash-attn"}
-# Dense bf16 peak of the datasheet (SXM parts), the MFU denominator issue 18 publishes against
+# Dense bf16 peak of the datasheet (SXM parts), the MFU denominator the published figures use
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
@@ -536,7 +536,7 @@ def hf_sdpa_for_eager():
     """While active, the host's `HFModelWrapper` loads its model with HF SDPA attention where it
     would pick eager (`fsdp2_sdpa`, trainer.flash_attn=false). The host offers flash_attention_2 or
     eager, which materialises [heads, L, L] fp32 scores per layer and runs out of memory on 4k-token
-    rows. SDPA is the baseline issue 6 names; flash_attention_2 (`fsdp2`) passes through."""
+    rows. SDPA is the host's default without flash-attn; flash_attention_2 (`fsdp2`) passes through."""
     from skyrl_train import model_wrapper
 
     original = model_wrapper.AutoModelForCausalLM

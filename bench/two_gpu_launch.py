@@ -1,4 +1,4 @@
-"""What the two-GPU NVSHMEM checks share (`gpu_symm_mem_a2a_check.py`, `gpu_device_all_to_all_check.py`):
+"""The two-GPU launch of `gpu_device_all_to_all_check.py`, kept apart from the check itself:
 the MoE shape arguments, the environment that keeps NVLink multicast off on the lent machines, and one
 process per GPU (forked on CPU in smoke mode, where no CUDA context exists to inherit)."""
 

@@ -9,7 +9,7 @@
 # Usage: scripts/host_own_tests.sh HOST GIT_DIR PYTHON OUT_DIR [extra pytest args...]
 #   HOST     skyrl-0.4 | skyrl-train-0.3.1: picks the commit, the folder run from, and the pytest arguments in
 #            scripts/host_own_tests/HOST.args (the host's CPU suite as its CI runs it, minus the tests that need a
-#            GPU, the internet, or modules the installed release no longer has; docs/results/host_own_tests_s12.md)
+#            GPU, the internet, or modules the installed release no longer has; docs/results/host_own_tests_2026-11-26.md)
 #   GIT_DIR  bare git dir of NovaSky-AI/SkyRL
 #   PYTHON   python of a venv with that host and pytest-timeout installed (only the tests are exported: the host
 #            package is the venv's): .venv/bin/python for skyrl-0.4, .venv-skyrl-train/bin/python for

@@ -50,22 +50,30 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   echo "setup: creating $VENV with $PY"
   "$PY" -m venv "$VENV"
 fi
-# -q: the log of a fresh set-up would bury the demo; pip still prints warnings and errors
+# -q: one progress line per step instead of pip's log; pip still prints its warnings and, on a failure, its
+# error (set -e then stops here with pip's exit status).
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+step() { echo "setup: $*"; }
 "${PIP[@]}" --upgrade pip
 
-# 1. torch and the build helpers first: flash-attn's setup.py imports torch.
+step "1/5 torch and build helpers (requirements/base.txt)"
+# flash-attn's setup.py imports torch.
 "${PIP[@]}" -r requirements/base.txt
-# 2. flash-attn as pure Python: no CUDA compile, no prebuilt-binary download (the host hard-depends on it).
+step "2/5 flash-attn as pure Python (requirements/flash_attn.txt)"
+# no CUDA compile, no prebuilt-binary download (the host hard-depends on it).
 FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
   "${PIP[@]}" --no-build-isolation --no-deps -r requirements/flash_attn.txt
-# 3. the host, megatron-core and the rest.
+step "3/5 the host, megatron-core and the rest ($HOST_REQUIREMENTS)"
 "${PIP[@]}" -r "$HOST_REQUIREMENTS"
-# 4. Megatron-Bridge without its metadata deps (they pin transformers/hydra-core/wandb versions and
-#    CUDA-only packages; docs/install.md lists what was checked instead).
+step "4/5 Megatron-Bridge without its metadata dependencies (requirements/bridge.txt)"
+# They pin transformers/hydra-core/wandb versions and CUDA-only packages; docs/install.md lists what was
+# checked instead.
 "${PIP[@]}" --no-deps -r requirements/bridge.txt
-# 5. this package, editable.
-"${PIP[@]}" --no-deps -e .
+step "5/5 skyrl-megatron, editable"
+# setuptools says "Editable installation." for every editable install whose packages are mapped from
+# other folders (our config/ ships as skyrl_megatron.conf): a notice, not a problem, so that one message is
+# filtered out of the build backend's warnings.
+PYTHONWARNINGS="ignore:Editable installation." "${PIP[@]}" --no-deps -e .
 
 inputs_hash > "$STAMP"
 echo "setup: done ($VENV)"

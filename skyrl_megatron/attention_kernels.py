@@ -37,7 +37,7 @@ _LABELS = {
 ATTENTION_KERNELS: tuple[str, ...] = (AUTO, *(kernel.value for kernel in SegmentKernel))
 
 # flash-attn-4's Hopper (sm90) and Blackwell (sm100) kernels: the ones of its FA3/FA4 design, and the
-# ones measured against varlen_attn (docs/perf_notes.md); its Ampere path is older and unmeasured here
+# ones measured against varlen_attn (docs/performance.md); its Ampere path is older and unmeasured here
 FLASH4_COMPUTE_MAJORS = (9, 10)
 FLASH4_INSTALL_FIX = "pip install flash-attn-4 (or skyrl-megatron[fa4]) on every worker node, or set attention_kernel=auto"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping
@@ -29,6 +30,15 @@ from torch.overrides import TorchFunctionMode
 logger = logging.getLogger(__name__)
 
 RUNTIME_ENV_VAR = "SKYRL_MEGATRON_RUNTIME"
+
+# Megatron-Core 0.19.2's inference/contexts/kv_block_allocator.py has a docstring with an invalid escape
+# ('\-'): Python warns when it compiles that file, i.e. on the first import after an install without
+# bytecode (the GPU machines install with --no-compile). Inference code we never run; the filter names that
+# one file, so any other SyntaxWarning still shows. Set here: every process that builds a model imports us
+# before Megatron.
+warnings.filterwarnings(
+    "ignore", category=SyntaxWarning, module=r".*megatron[/\\]core[/\\]inference[/\\]contexts[/\\]kv_block_allocator"
+)
 
 
 class Device(str, Enum):
@@ -132,8 +142,6 @@ def gpu_worker_host_threads(env: Mapping[str, str]) -> int:
 @contextlib.contextmanager
 def quiet_megatron_import():
     """Silence the import-time notices Megatron prints when TE/Apex are absent (we report our own choice)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
         yield

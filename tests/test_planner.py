@@ -250,7 +250,7 @@ def test_compact_master_weights_keep_2_bytes_of_each_master_between_steps_and_re
         assert raised.value.flag == "--compact-master-weights" and named in raised.value.fix
 
 
-SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("examples_s*/run_qwen3_*"))
+SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("*_examples_*/run_qwen3_*"))
 
 
 @pytest.mark.parametrize("directory", SCALED_EXAMPLE_RUNS, ids=lambda d: f"{d.parent.name}/{d.name}")
@@ -275,14 +275,14 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
 # (`auto` from the third on), and whether token-budget plans spread their rows evenly (the 2026-11-28 runs: the
 # largest micro-batch then falls short of the budget, and the plan is made for the largest one that ran; before,
 # first-fit filled them to the budget)
-BENCH_RUN_DEFAULTS = {"s20_2026-11-27": ("256", False, False), "s22_2026-11-27": ("1024", False, False),
-                      "s23_2026-11-27": ("1024", True, False), "s24_2026-11-28": ("1024", True, True)}
-# Not here: the later runs of 2026-11-28 (docs/results/s25_2026-11-28/). With query and key read in place (no contiguous copies
+BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False), "2026-11-27_new_defaults": ("1024", False, False),
+                      "2026-11-27_two_gpu_rows": ("1024", True, False), "2026-11-28_spread_plans": ("1024", True, True)}
+# Not here: the runs with the Triton kernels (docs/results/2026-11-28_triton_kernels/). With query and key read in place (no contiguous copies
 # saved for the norm's backward) the measured training peaks fell (1.7B 44.0 -> 42.8 GiB, 4B 94.4 -> 91.7) and
 # the 1.7B plan, 48.2 GiB, is 12.6% above its run: the plan's logprob-head term (three chunk buffers plus the
 # weight gradient's accumulator and its cast, all live at once) fits the eager head, not the fused one, whose
 # measured peaks imply the accumulator plus about one chunk. Re-fitting that term moves every pasted plan and the
-# two-GPU runs' bounds, which held the copies; docs/status.md has it as an open item.
+# two-GPU runs' bounds, which held the copies; docs/roadmap.md has it as an open item.
 POLICY_BENCH_RUNS = [p for run in BENCH_RUN_DEFAULTS for p in sorted((ROOT / "docs" / "results" / run).glob("*.json"))
                      if any(c["backend"] == "megatron" for c in json.loads(p.read_text()).get("cases", []))]
 
@@ -331,7 +331,7 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
     return peaks
 
 
-@pytest.mark.parametrize("path", POLICY_BENCH_RUNS, ids=lambda p: f"{p.parent.name[:3]}_{p.stem}")
+@pytest.mark.parametrize("path", POLICY_BENCH_RUNS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_plan_bounds_the_training_peak_of_the_policy_bench_within_ten_percent(path, tmp_path):
     """bench/policy_bench.py on H200s (from 2026-11-27: the first runs whose training peak includes the passes,
     fused Adam): on one GPU the plan, overhead included, is at least the training phase's peak allocated memory

@@ -264,8 +264,8 @@ def test_fsdp2_gets_the_standin_where_flash_attn_has_no_cuda_build(tmp_path, mon
 
 def test_a_training_phase_peak_counts_the_passes_before_the_optimizer_step():
     """Our workers reset the allocator's peak counter per phase: after a training call the counter holds
-    only the optimizer step's peak, their own record the training passes' higher one (sessions 13-19 read
-    the counter alone)."""
+    only the optimizer step's peak, their own record the training passes' higher one (the bench's runs of
+    2026-11-27 before 13:00 UTC read the counter alone)."""
     from skyrl_megatron.workers.memory_peaks import PhasePeaks
 
     bench = _bench_module()

@@ -104,7 +104,7 @@ def select_segment_kernel(
     """The one place that picks the segment kernel, for `megatron_config.attention_kernel` = `setting`.
 
     auto: flash-attn-4 where it can run (installed, sm90/sm100, bf16/fp16: checked against varlen_attn and
-    fp32 in our module on an H200 by bench/gpu_fa4_check.py, and faster in whole steps, docs/perf_notes.md),
+    fp32 in our module on an H200 by bench/gpu_fa4_check.py, and faster in whole steps, docs/performance.md),
     else `varlen_attn` on a GPU in bf16/fp16, else masked SDPA.
     """
     if setting not in ATTENTION_KERNELS:

@@ -3,7 +3,7 @@
 Without TE, Megatron-Core's local layers run RMSNorm, rotary embeddings and SwiGLU as chains of
 PyTorch kernels, each reading and writing the full activation (and the logprob head's softmax
 does the same over [tokens, vocabulary] chunks). On one H200 at Qwen3-4B they took
-about a third of the training step's device time (`docs/perf_notes.md`, measured 2026-11-21): the per-head
+about a third of the training step's device time (`docs/performance.md`, measured 2026-11-21): the per-head
 query/key norms run PyTorch's row kernel on 128-wide rows, and the rotation launches a broadcast
 multiply, a concatenation and an add per tensor and direction.
 

@@ -7,7 +7,7 @@ then the rotation (`rope.py`). In a profiled Qwen3-4B step on an H200 the RMSNor
 block's own) took about 0.59 s of 4.75 s of kernels (profiled 2026-11-27). Here the norm and the rotation
 are one kernel per direction, in fp32, rounded once, and the rotation's call is the only call per tensor
 and direction: the generated RMSNorm (`fused_kernels: [rms_norm]`) was a loss because it added compiled
-calls, each with its host cost (`docs/perf_notes.md`).
+calls, each with its host cost (`docs/performance.md`).
 
 On GPU the kernels are Triton's (`norm_rope_kernels.py`: one read of the inputs per direction, the weight
 gradient summed per program); the functions below are their reference and run on CPU.

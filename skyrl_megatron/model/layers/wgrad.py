@@ -5,7 +5,7 @@ linear layer's backward first writes its weight gradient as a separate bf16 tens
 adds it into `main_grad`: per micro-batch, one extra mixed-dtype elementwise pass over every weight
 plus a weight-sized allocation. With fusion the GEMM adds its product into `main_grad` itself
 (C = C + dY^T X, accumulated in fp32). On one H200 that cut the device time of the matmuls and
-gradient adds of a Qwen3-1.7B scoring-plus-training step from 1.85 s to 1.76 s (docs/perf_notes.md).
+gradient adds of a Qwen3-1.7B scoring-plus-training step from 1.85 s to 1.76 s (docs/performance.md).
 
 Megatron-Core delegates that GEMM to APEX's `fused_weight_gradient_mlp_cuda` extension (Transformer
 Engine has its own), which our dependency set does not ship. PyTorch's matmul can write an fp32

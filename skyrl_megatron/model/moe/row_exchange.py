@@ -138,7 +138,7 @@ class NvshmemExchange:
         width = send[0].numel()
         rows = send.shape[0] if take is None else take.numel()
         # rows travel as bf16 words whatever their dtype (the op copies bytes; bf16 is the dtype it
-        # was validated with, bench/gpu_symm_mem_a2a_check.py), padded to the op's 32-byte rows
+        # was validated with on 2 H200s, docs/benchmarks.md "MoE checks"), padded to the op's 32-byte rows
         words = send.reshape(send.shape[0], width).contiguous().view(_WORD)
         word_width = words.shape[1]
         padded = padded_width(word_width, words.element_size())
