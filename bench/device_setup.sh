@@ -6,7 +6,7 @@
 #
 #   call 1 (carry .whl .whl3):            bash bench/device_setup.sh 1
 #   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
-#   for the fa4 kernel of bench/gpu_cudnn_attention_check.py also (flash-attn-4 and the CuTe DSL, about 97 MiB):
+#   for flash-attn-4 (attention_kernel=auto takes it; bench/gpu_fa4_check.py) also (flash-attn-4 and the CuTe DSL, about 97 MiB):
 #   call 3 (carry .whl7): bash bench/device_setup.sh 3;  call 4 (carry .whl8): source bench/device_setup.sh 4 && ...
 #
 # The folders are ignored (.gitignore: /.whl*/); `bash bench/fetch_wheels.sh` rebuilds them
@@ -83,7 +83,7 @@ case "$1" in
     _device_env
     ;;
   3)
-    # flash-attn-4 and the CuTe DSL, for bench/gpu_cudnn_attention_check.py's fa4 only: into their own target, so
+    # flash-attn-4 and the CuTe DSL, flash-attn-4 only: into their own target, so
     # that pip's --upgrade cannot replace /tmp/site/flash_attn (flash-attn 2's files the host imports)
     test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }
     mkdir -p /tmp/stage/fa4

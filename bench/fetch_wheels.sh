@@ -82,7 +82,7 @@ for file in bert_padding.py ops/__init__.py ops/triton/__init__.py ops/triton/cr
 done
 rm -rf "$tmp"
 
-# .whl7 + .whl8 (calls 3 and 4, only for the fa4 kernel of bench/gpu_cudnn_attention_check.py): flash-attn-4's CuTe kernels and the
+# .whl7 + .whl8 (calls 3 and 4, only for flash-attn-4): flash-attn-4's CuTe kernels and the
 # CuTe DSL they compile with (not in the venv: pinned here). The DSL's CUDA 13 library wheel (92 MB) travels
 # in two halves, joined on the machine by device_setup.sh 4.
 FA4_PINS=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
