@@ -129,7 +129,7 @@ def micro_batches(rows: list[Row], indices: list[int], budget: int, device: torc
     lengths = torch.tensor([len(rows[i].tokens) for i in indices])
     plan = plan_micro_batches(lengths, max_tokens=budget)
     groups = [[indices[int(k)] for k in group] for group in plan.groups]
-    count = torch.tensor(len(groups))
+    count = torch.tensor(len(groups), device=device)  # NCCL reduces device tensors only
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     batches = [pack(rows, group, device) for group in groups]
     while len(batches) < int(count):
