@@ -16,9 +16,11 @@ Backends (see BACKENDS): `megatron` (ours); `fsdp2`, the host's FSDP2 workers as
 them: flash_attention_2 with sample packing (the host unpads each micro-batch's rows into one
 sequence and runs FlashAttention-2's varlen kernels; logprobs through flash-attn's Triton cross
 entropy), no activation checkpointing; `fsdp2_sdpa`, the host's defaults where flash-attn is
-missing: HF SDPA on padded micro-batches. Where flash-attn has no CUDA build for the installed torch
-(the lent GPUs), the `fsdp2` case runs with bench/flash_attn_standin (flash-attn's API on
-PyTorch's own FlashAttention-2 kernels) first on its workers' PYTHONPATH.
+missing: HF SDPA on padded micro-batches; `fsdp2_loop`, no host at all: the plain FSDP2 loop of
+bench/fsdp2_loop.py with the same kernels (FFD token-budget packing, fused AdamW), what the host's
+workers cost against a loop written for speed. Where flash-attn has no CUDA build for the installed
+torch (the lent GPUs), the `fsdp2` and `fsdp2_loop` cases run with bench/flash_attn_standin
+(flash-attn's API on PyTorch's own FlashAttention-2 kernels) first on their PYTHONPATH / sys.path.
 
 Reported per case and phase: median seconds over `--steps` steps after `--warmup` (excluded);
 tokens/s/GPU over the real (unpadded) tokens; MFU against the bf16 matmul peak measured on this GPU
@@ -29,7 +31,8 @@ active experts only, plus causal attention, times 3 for training; recompute not 
     python bench/policy_bench.py --model Qwen3-1.7B --cases megatron:world1,fsdp2:world1
     python bench/policy_bench.py --model Qwen3-4B --cases megatron:dp2,megatron:tp2,fsdp2:dp2,fsdp2_sdpa:dp2
     python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:tp2ep2,fsdp2:dp2
-    python bench/policy_bench.py --smoke     # CPU, tiny shapes: our side only (FSDP2 needs CUDA)
+    python bench/policy_bench.py --model Qwen3-4B --cases megatron:world1,fsdp2:world1,fsdp2_loop:world1
+    python bench/policy_bench.py --smoke     # CPU, tiny shapes: ours and the plain loop (the host's FSDP2 needs CUDA)
     # EP2 with the all-to-alls' sizes on the device (moe_config.device_all_to_all) against without:
     python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:ep2@a2a_dev \
         --variant a2a_dev='trainer.policy.megatron_config.moe_config.device_all_to_all=true'
@@ -187,9 +190,15 @@ BACKENDS = {
     "megatron": "ours (Megatron-Core workers)",
     "fsdp2": "the host's FSDP2 at its best: flash_attention_2, sample packing, no activation checkpointing",
     "fsdp2_sdpa": "host defaults without flash-attn: HF SDPA on padded micro-batches",
+    "fsdp2_loop": "plain FSDP2 loop (bench/fsdp2_loop.py): HF model, fully_shard, first-fit-decreasing token-budget "
+                  "packing, varlen flash-attn, Triton cross entropy, fused AdamW, no activation checkpointing",
 }
-FSDP_BACKENDS = ("fsdp2", "fsdp2_sdpa")
-FSDP_SHORT = {"fsdp2": "FSDP2 at its best", "fsdp2_sdpa": "host defaults without flash-attn"}
+FSDP_BACKENDS = ("fsdp2", "fsdp2_sdpa")  # the host's FSDP2 workers
+LOOP_BACKEND = "fsdp2_loop"  # no host: our own process group, any GPU count as DP
+FSDP_SHORT = {"fsdp2": "FSDP2 at its best", "fsdp2_sdpa": "host defaults without flash-attn",
+              LOOP_BACKEND: "plain FSDP2 loop"}
+# who is compared with whom: ours against every FSDP2 side, the plain loop against the host's
+COMPARED = {"megatron": ("fsdp2", LOOP_BACKEND, "fsdp2_sdpa"), LOOP_BACKEND: FSDP_BACKENDS}
 # Dense bf16 peak of the datasheet (SXM parts), the MFU denominator the published figures use
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
@@ -214,8 +223,8 @@ class Case:
             raise SystemExit(f"--cases: backend {backend!r} is not one of {', '.join(BACKENDS)} (e.g. megatron:tp2)")
         if layout not in LAYOUTS:
             raise SystemExit(f"--cases: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-        if backend in FSDP_BACKENDS and LAYOUTS[layout][1]:
-            raise SystemExit(f"--cases: the host's FSDP2 path has no {layout}; use world1, dp2 or dp4")
+        if backend in (*FSDP_BACKENDS, LOOP_BACKEND) and LAYOUTS[layout][1]:
+            raise SystemExit(f"--cases: the FSDP2 path has no {layout}; use world1, dp2 or dp4")
         return cls(backend, layout, variant)
 
     @property
@@ -680,27 +689,59 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
     finally:
         ray.shutdown()
 
+    result = case_result(case, path, batch, arch, peak_tflops, phases, in_worker, peaks)
+    result.update(init_seconds=init_seconds, startup=startups, profile=profile)
+    for phase, calls in allocations.items():
+        result["phases"][phase]["allocator_calls"] = calls
+    return result
+
+
+def case_result(case: Case, path: dict, batch: dict[str, torch.Tensor], arch, peak_tflops, seconds: dict[str, list[float]],
+                in_worker: dict[str, list[float]], peaks: dict[str, float]) -> dict:
+    """One case's report entry: per phase the medians, tokens/s/GPU over the real tokens, MFU and peak memory."""
     tokens = int(batch["attention_mask"].sum())
     flops = forward_flops(arch, batch["attention_mask"])
     datasheet = datasheet_peak_tflops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
     result = {"case": case.name, "backend": case.backend, "layout": case.layout, "variant": case.variant,
-              "gpus": case.gpus, "path": path,
-              "init_seconds": init_seconds, "startup": startups, "tokens": tokens, "profile": profile, "phases": {}}
-    for phase, seconds in phases.items():
-        median = statistics.median(seconds)
+              "gpus": case.gpus, "path": path, "tokens": tokens, "phases": {}}
+    for phase, times in seconds.items():
+        median = statistics.median(times)
         phase_flops = flops * (3 if phase == "train" else 1)
         result["phases"][phase] = {
-            "seconds": seconds,
+            "seconds": times,
             "median_seconds": median,
             "worker_seconds": in_worker[phase],
             "median_worker_seconds": statistics.median(in_worker[phase]),
-            "allocator_calls": allocations[phase],
             "tokens_per_s_per_gpu": tokens / median / case.gpus,
             "mfu": None if peak_tflops is None else phase_flops / median / case.gpus / (peak_tflops * 1e12),
             "mfu_datasheet": None if datasheet is None else phase_flops / median / case.gpus / (datasheet * 1e12),
             "peak_gib": peaks[phase],
         }
     return result
+
+
+def run_loop_case(case: Case, s: Settings, batch: dict[str, torch.Tensor], arch, peak_tflops) -> dict:
+    """The plain FSDP2 loop (bench/fsdp2_loop.py) on `case.gpus` spawned ranks; its phases are timed inside the
+    ranks (no dispatch: driver and worker seconds are the same), the slowest rank's."""
+    import fsdp2_loop  # bench/, beside this file
+
+    from skyrl_megatron.testing.distributed import THREADS_ENV_VAR, run_on_ranks
+
+    if s.variants.get(case.variant):
+        raise SystemExit(f"--cases {case.name}: variants set host overrides; the plain FSDP2 loop has no host")
+    settings = fsdp2_loop.LoopSettings(s.model_dir, s.token_budget, s.batch.prompt_tokens, s.steps, s.warmup,
+                                       flash_attn_site=s.flash_attn_site)
+    threads = str(max(1, (os.cpu_count() or 1) // case.gpus))  # run_on_ranks' default is one per rank
+    measured = run_on_ranks(fsdp2_loop.measure, case.gpus, settings, batch, timeout=3600,
+                            backend="gloo" if s.cpu else "nccl", env={THREADS_ENV_VAR: threads})[0]
+    for number, (forward, train, loss) in enumerate(zip(measured.seconds["forward"], measured.seconds["train"],
+                                                         measured.losses)):
+        print(f"  {case.name} step {s.warmup + number}: forward {forward:.2f} s, train {train:.2f} s, "
+              f"loss {loss:.4f}", flush=True)
+        if not math.isfinite(loss):
+            raise RuntimeError(f"{case.name}: non-finite policy loss at step {s.warmup + number}")
+    return case_result(case, measured.path, batch, arch, peak_tflops, measured.seconds, measured.seconds,
+                       measured.peak_gib)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -780,7 +821,8 @@ def markdown_section(report: dict) -> str:
         lines.append(f"| {name} | - | failed: {_error_line(error)} | - | - | - | - | - | - |")
     ratios = speedups(report["cases"])
     if ratios:
-        lines += ["", "Against FSDP2 on the same GPUs (tokens/s ratio; memory ratio, lower is better):", ""]
+        lines += ["", "Against each FSDP2 side on the same GPUs, named in brackets (tokens/s ratio; memory ratio, "
+                      "lower is better):", ""]
         for (ours, theirs), phase_ratio in ratios.items():
             cells = ", ".join(f"{phase} {speed:.2f}x speed, {memory:.2f}x memory" for phase, (speed, memory) in phase_ratio.items())
             label = f" ({FSDP_SHORT[theirs.partition(':')[0]]})" if is_current(report) else ""
@@ -810,6 +852,8 @@ def micro_batch_lines(report: dict) -> list[str]:
                     if report.get("fsdp_forward_rows", report["fsdp_packed_rows"]) != report["fsdp_packed_rows"] else "")
                  + (f"; flash_attn: {report['fsdp_flash_attn']}" if report.get("fsdp_flash_attn") else "") + ".",
         "fsdp2_sdpa": f"`fsdp2_sdpa`: {BACKENDS['fsdp2_sdpa']}, {report['fsdp_micro_rows']} rows each.",
+        LOOP_BACKEND: f"`{LOOP_BACKEND}`: {BACKENDS[LOOP_BACKEND]}; micro-batches of at most {report['token_budget']} "
+                      f"tokens in training, {4 * report['token_budget']} in scoring.",
     }
     return [" ".join(text for name, text in described.items() if name in backends)]
 
@@ -832,7 +876,8 @@ def path_cell(path: dict) -> str:
 
 def case_label(report: dict, r: dict) -> str:
     """Chart label: which FSDP2 configuration, not only the backend key."""
-    names = {"megatron": "ours", "fsdp2": "FSDP2 best (FA2 packed)", "fsdp2_sdpa": "FSDP2 SDPA padded"}
+    names = {"megatron": "ours", "fsdp2": "FSDP2 best (FA2 packed)", "fsdp2_sdpa": "FSDP2 SDPA padded",
+             LOOP_BACKEND: "plain FSDP2 loop"}
     if not is_current(report) and r["backend"] == "fsdp2":
         names["fsdp2"] = names["fsdp2_sdpa"]
     return f"{names.get(r['backend'], r['backend'])} {r['layout']}" + (f"@{r['variant']}" if r["variant"] else "")
@@ -847,10 +892,11 @@ def _error_line(error: str) -> str:
 
 
 def speedups(cases: list[dict]) -> dict[tuple[str, str], dict[str, tuple[float, float]]]:
-    """Each of our cases against each FSDP2 backend's plain case on as many GPUs."""
-    fsdp = {(r["backend"], r["gpus"]): r for r in cases if r["backend"] in FSDP_BACKENDS and not r["variant"]}
+    """Each of our cases against each FSDP2 side's plain case on as many GPUs, and the plain FSDP2 loop against
+    the host's FSDP2 (`COMPARED`)."""
+    fsdp = {(r["backend"], r["gpus"]): r for r in cases if r["backend"] in FSDP_SHORT and not r["variant"]}
     ratios = {}
-    for r, backend in ((r, b) for r in cases if r["backend"] == "megatron" for b in FSDP_BACKENDS):
+    for r, backend in ((r, b) for r in cases for b in COMPARED.get(r["backend"], ())):
         theirs = fsdp.get((backend, r["gpus"]))
         if theirs is None:
             continue
@@ -951,8 +997,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen3-1.7B", help="a shape in examples/megatron/model_configs")
     parser.add_argument("--cases", help="backend:layout, comma-separated; backends: " + ", ".join(BACKENDS) +
-                        " (default: megatron:world1,fsdp2:world1,fsdp2_sdpa:world1; with --smoke: megatron:tp2 and "
-                        "the two FSDP2 cases, composed only)")
+                        " (default: megatron:world1,fsdp2:world1,fsdp2_loop:world1,fsdp2_sdpa:world1; with --smoke: "
+                        "megatron:tp2, fsdp2_loop:world1 and dp2 run, the host's two FSDP2 cases composed only)")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--min-response", type=int, default=64)
@@ -988,7 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --profile: profile the scoring pass and training call (step) or one of them")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and batch; FSDP2 cases composed only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU, tiny model and batch; the host's FSDP2 cases composed only")
     parser.add_argument("--out", type=Path, default=Path("policy_bench.json"))
     parser.add_argument("--markdown", type=Path, help="write this run's section into this file")
     parser.add_argument("--chart", type=Path, help="PNG of tokens/s/GPU per case and phase")
@@ -1004,7 +1051,8 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.variant:
         name, _, overrides = text.partition("=")
         variants[name] = [o for o in overrides.split(";") if o]
-    default_cases = "megatron:tp2,fsdp2:world1,fsdp2_sdpa:world1" if args.smoke else "megatron:world1,fsdp2:world1,fsdp2_sdpa:world1"
+    default_cases = ("megatron:tp2,fsdp2_loop:world1,fsdp2_loop:dp2,fsdp2:world1,fsdp2_sdpa:world1" if args.smoke
+                     else "megatron:world1,fsdp2:world1,fsdp2_loop:world1,fsdp2_sdpa:world1")
     cases = [Case.parse(text, variants) for text in (args.cases or default_cases).split(",")]
     cpu = args.smoke or not torch.cuda.is_available()
     if cpu and not args.smoke:
@@ -1040,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = rl_batch(batch_shape, arch.vocab_size, tokenizer.pad_token_id)
     packed_rows = args.fsdp_packed_rows or token_budget_rows(batch["attention_mask"], args.token_budget)
     flash_attn_site, flash_attn_used = None, None
-    if not cpu and any(case.backend == "fsdp2" for case in cases):
+    if not cpu and any(case.backend in ("fsdp2", LOOP_BACKEND) for case in cases):
         flash_attn_site, flash_attn_used = flash_attn_for_fsdp2(args.fsdp_flash_attn, workdir)
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
                         args.recompute, args.steps, args.warmup, variants,
@@ -1084,7 +1132,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{time.strftime('%H:%M:%S')} {case.name}", flush=True)
             try:
-                report["cases"].append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
+                if case.backend == LOOP_BACKEND:
+                    report["cases"].append(run_loop_case(case, settings, batch, arch, peak_tflops))
+                else:
+                    report["cases"].append(run_case(case, settings, tokenizer, batch, arch, peak_tflops))
             except Exception as error:  # noqa: BLE001 -- one failed case (say, out of memory) must not lose the others
                 if args.smoke:
                     raise

@@ -81,10 +81,12 @@ def test_bad_cases_are_refused_with_the_fix():
     bench = _bench_module()
     with pytest.raises(SystemExit, match="layout 'tp3' is not one of"):
         bench.Case.parse("megatron:tp3")
-    with pytest.raises(SystemExit, match="backend 'deepspeed' is not one of megatron, fsdp2, fsdp2_sdpa"):
+    with pytest.raises(SystemExit, match="backend 'deepspeed' is not one of megatron, fsdp2, fsdp2_sdpa, fsdp2_loop"):
         bench.Case.parse("deepspeed:world1")
     with pytest.raises(SystemExit, match="FSDP2 path has no tp2; use world1, dp2 or dp4"):
         bench.Case.parse("fsdp2:tp2")
+    with pytest.raises(SystemExit, match="FSDP2 path has no tp2; use world1, dp2 or dp4"):
+        bench.Case.parse("fsdp2_loop:tp2")
     with pytest.raises(SystemExit, match="FSDP2 path has no ep2; use world1, dp2 or dp4"):
         bench.Case.parse("fsdp2_sdpa:ep2")
     with pytest.raises(SystemExit, match="variant 'fused' is not defined; add --variant fused="):
@@ -284,3 +286,85 @@ def test_allocator_calls_are_counted_between_two_readings():
     assert bench.counts_between(before, after) == {"cuda_mallocs": 3, "cuda_frees": 5, "alloc_retries": 1}
     if not torch.cuda.is_available():
         assert bench.allocator_counts() == dict.fromkeys(bench.ALLOCATOR_COUNTERS, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plain FSDP2 loop (bench/fsdp2_loop.py): host-independent, so it runs here on CPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _loop_scores_and_trains(rank, world, model_dir, batch, prompt_tokens):
+    """On one rank: the loop's packed scoring against an unpacked HF forward per row, then three training
+    steps on the same batch against the first scoring's logprobs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fsdp2_loop
+    from transformers import AutoModelForCausalLM
+
+    settings = fsdp2_loop.LoopSettings(model_dir, token_budget=40, prompt_tokens=prompt_tokens, lr=1e-3)
+    loop, scoring, training = fsdp2_loop.build(settings, batch, rank, world)
+    rows = fsdp2_loop.host_rows(batch, prompt_tokens)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    packed, unpacked = loop.score(scoring), {}
+    with torch.no_grad():
+        for i in packed:
+            logits = reference(input_ids=rows[i].tokens[None]).logits[0].float()
+            start = rows[i].response_start
+            unpacked[i] = logits[start - 1:-1].log_softmax(-1).gather(-1, rows[i].tokens[start:, None])[:, 0]
+    def weights():  # the root stays unsharded after its forward (reshard_after_forward=False): plain tensors
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for name, p in loop.model.named_parameters()}
+
+    before = weights()
+    losses = [loop.train(training, packed) for _ in range(3)]
+    after = weights()
+    changed = sum(not torch.equal(before[name], after[name]) for name in before)
+    return {"packed": packed, "unpacked": unpacked, "losses": losses, "changed": changed, "params": len(before),
+            "micro_batches": (len(scoring), len(training)), "rows_per_micro_batch": [len(mb.rows) for mb in training]}
+
+
+def test_plain_fsdp2_loop_scores_like_unpacked_hf_and_its_steps_lower_the_loss(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+    from skyrl_megatron.testing.distributed import run_on_ranks
+
+    bench = _bench_module()
+    model_dir = make_tiny_hf_model("qwen3", tmp_path, seed=0)
+    shape = bench.BatchShape(rows=8, prompt_tokens=8, min_response=2, max_response=16, samples_per_prompt=2)
+    batch = bench.rl_batch(shape, vocab_size=json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"],
+                           pad_token_id=0)
+    (result,) = run_on_ranks(_loop_scores_and_trains, 1, str(model_dir), batch, shape.prompt_tokens, timeout=300)
+    # every row scored once, packed several to a sequence, and equal to its own unpadded forward
+    assert sorted(result["packed"]) == list(range(shape.rows))
+    assert max(result["rows_per_micro_batch"]) > 1 and result["micro_batches"][1] > result["micro_batches"][0]
+    for row, logprobs in result["packed"].items():
+        assert logprobs.shape == (int(batch["loss_mask"][row].sum()),)
+        torch.testing.assert_close(logprobs, result["unpacked"][row], rtol=0, atol=2e-5)
+    # the optimizer moves every weight, and the policy loss falls on the repeated batch
+    assert result["changed"] == result["params"]
+    losses = result["losses"]
+    assert losses[0] > losses[1] > losses[2], losses
+
+
+def test_ratios_name_their_fsdp2_side_and_the_loop_is_labelled(tmp_path):
+    bench = _bench_module()
+
+    def case(backend, speed):
+        phase = {"seconds": [1.0], "median_seconds": 1.0, "median_worker_seconds": 1.0, "tokens_per_s_per_gpu": speed,
+                 "mfu": 0.2, "mfu_datasheet": 0.1, "peak_gib": 10.0}
+        path = {"transformer_engine": False, "attention": "varlen (transformers attention interface)",
+                "sample_packing": True, "flash_attn": "stand-in: torch FA2 varlen",
+                "logprobs": "flash-attn Triton cross entropy"}
+        return {"case": f"{backend}:world1", "backend": backend, "layout": "world1", "variant": "", "gpus": 1,
+                "path": path, "phases": {"train": phase}}
+
+    cases = [case("megatron", 300.0), case("fsdp2", 100.0), case("fsdp2_loop", 150.0)]
+    report = {"model": "m", "device": "NVIDIA H200", "max_gpus": 1, "date": "2026-11-28", "command": "c",
+              "batch": {"rows": 64, "prompt_tokens": 256, "min_response": 64, "max_response": 4096}, "tokens": 1000,
+              "peak_tflops": 780.0, "recompute": False, "token_budget": 8192, "fsdp_micro_rows": 2,
+              "fsdp_packed_rows": 8, "fsdp_packed_tokens": {"mean": 8000.0, "max": 9000, "count": 8}, "variants": {},
+              "steps": 1, "warmup": 1, "cases": cases, "composed_only": [], "failed": {}}
+    text = bench.markdown_section(report)
+    assert "- megatron:world1 vs fsdp2:world1 (FSDP2 at its best): train 3.00x speed" in text
+    assert "- megatron:world1 vs fsdp2_loop:world1 (plain FSDP2 loop): train 2.00x speed" in text
+    assert "- fsdp2_loop:world1 vs fsdp2:world1 (FSDP2 at its best): train 1.50x speed" in text
+    assert "`fsdp2_loop`: plain FSDP2 loop (bench/fsdp2_loop.py)" in text and "8192 tokens in training, 32768 in scoring" in text
+    assert bench.case_label(report, cases[2]) == "plain FSDP2 loop world1"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_megatron.model.token_sort import chunk_gather_index, chunk_order_rows, expert_major_order, source_major_order
+from skyrl_megatron.model.moe.token_sort import chunk_gather_index, chunk_order_rows, expert_major_order, source_major_order
 from skyrl_megatron.testing.reference_exchange import split_and_concatenate
 
 

@@ -57,7 +57,7 @@ def test_host_fsdp2_baseline_loads_hf_sdpa_where_it_would_pick_eager(tmp_path):
 
 
 @pytest.mark.slow
-def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
+def test_smoke_mode_runs_our_path_and_the_plain_loop_and_writes_the_report(tmp_path):
     markdown = tmp_path / "benchmarks.md"
     markdown.write_text("# Benchmarks\n\nearlier text\n")
     out, chart = tmp_path / "report.json", tmp_path / "chart.png"
@@ -70,8 +70,17 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     assert report["composed_only"] == ["fsdp2:world1", "fsdp2_sdpa:world1"]
     assert report["fsdp_packed_rows"] == 8 and report["fsdp_flash_attn"] is None  # nothing assembled on CPU
-    (case,) = report["cases"]
+    case, loop, loop_dp2 = report["cases"]
     assert (case["case"], case["gpus"]) == ("megatron:tp2", 2)
+    # the plain FSDP2 loop beside ours, on the same batch, world 1 and DP2: the same tokens, the same first
+    # loss (every ratio 1 before the step, the advantages' token mean), every micro-batch count on both ranks
+    assert [(r["case"], r["gpus"]) for r in (loop, loop_dp2)] == [("fsdp2_loop:world1", 1), ("fsdp2_loop:dp2", 2)]
+    for r in (loop, loop_dp2):
+        assert r["tokens"] == case["tokens"] and r["path"]["flash_attn"] == "SDPA per row (CPU)"
+        assert len(r["phases"]["train"]["seconds"]) == 3
+    # (each step scores first, so every ratio is 1 and the loss is the advantages' token mean at every step)
+    losses = [float(line.rsplit("loss ", 1)[1]) for line in run.stdout.splitlines() if " step " in line and "loss " in line]
+    assert len(losses) == 4 + 3 + 3 and max(losses) - min(losses) < 1e-4, losses
     path = case["path"]
     # the packed kernel the workers built with: masked SDPA on the CPU runtime (attention_kernel=auto)
     assert (path["transformer_engine"], path["attention"]) == (False, "ours (SDPA / masked SDPA)")
@@ -127,6 +136,8 @@ def test_smoke_mode_runs_our_path_and_writes_the_report(tmp_path):
     assert "| megatron:tp2 | ours (SDPA / masked SDPA), fused: none | train |" in text
     assert case["path"]["fused_kernels"] == []
     assert "| in worker, s |" in text
+    assert "| fsdp2_loop:world1 | varlen (transformers attention interface), packed (SDPA per row (CPU)) | train |" in text
+    assert "- megatron:tp2 vs fsdp2_loop:dp2 (plain FSDP2 loop): forward " in text
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
