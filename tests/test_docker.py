@@ -17,9 +17,10 @@ DOCKERIGNORE = ROOT / "docker" / "Dockerfile.megatron.dockerignore"
 HADOLINT = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
 # pip options that take a value, which is then not a requirement
 PIP_OPTIONS_WITH_VALUE = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r", "--requirement", "-t", "--target"}
-# Pins that differ from the CPU set-up on purpose: vLLM 0.30.0 (the one skyrl 0.4.0's vLLM server code
-# imports cleanly) requires torch==2.13.0; the CPU set-up and our GPU measurements are on 2.11.0.
-GPU_ONLY_PINS = {"torch"}
+# Pins that differ from the CPU set-up on purpose: the image takes vLLM 0.30.0 (the one skyrl 0.4.0's vLLM server
+# code imports cleanly), which requires torch==2.13.0; the CPU set-up and our GPU measurements are on torch 2.11.0,
+# with vLLM 0.24.0, the release built for it.
+GPU_ONLY_PINS = {"torch", "vllm"}
 # Shell keywords that can open a simple command inside `if ...; then ...; fi`
 SHELL_KEYWORDS = {"if", "then", "else", "fi", "do", "done"}
 SHELL_OPERATORS = {"&&", "||", ";", "|", "&"}
