@@ -250,6 +250,9 @@ def _quiet_console() -> None:
     _disable_progress_bars_here()
     # Ray reads its config flags when it loads: no metrics exporter in a local run (launch sets it too)
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    # vLLM's import-time notices on a machine without a GPU (no Triton driver, no vllm._C): the host imports vLLM
+    # where it is installed, also when the demo runs our engine; errors still print
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # Ray's notice that it will stop clearing CUDA_VISIBLE_DEVICES for num_gpus=0 tasks: opt in (CPU run)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     # Megatron-Core's import-time notices that TE/Apex are absent: the TE-free path is ours on purpose
