@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from skyrl_megatron import exit_codes
 from skyrl_megatron.config import ConfigError
 from skyrl_megatron.hosts import current
 
@@ -55,10 +56,24 @@ def _validate_and_run(cfg) -> None:
         validate_config(cfg)
     except ConfigError as err:
         report_config_error(err)
-        sys.exit(2)
+        sys.exit(exit_codes.CONFIG_ERROR)
+    _train(cfg)
+
+
+def _train(cfg) -> None:
+    """Run the training; exit with `exit_codes.PREEMPTED` when it stopped on the preemption signal (its
+    checkpoint written) and `exit_codes.FAILED` with the message alone when it failed for a reason it names."""
+    from skyrl_megatron.failures import Preempted, ReportedFailure
     from skyrl_megatron.launch import run_experiment
 
-    run_experiment(cfg)
+    try:
+        run_experiment(cfg)
+    except Preempted as stopped:
+        print(f"skyrl-megatron: {stopped}", file=sys.stderr)
+        sys.exit(exit_codes.PREEMPTED)
+    except ReportedFailure as failure:
+        print(f"skyrl-megatron: training failed: {failure}", file=sys.stderr)
+        sys.exit(exit_codes.FAILED)
 
 
 def _run_with_hydra(host, argv: list[str]) -> None:
@@ -89,10 +104,8 @@ def _run_typed(argv: list[str]) -> None:
         cfg = checked_config(argv)
     except ConfigError as err:
         report_config_error(err)
-        sys.exit(2)
-    from skyrl_megatron.launch import run_experiment
-
-    run_experiment(cfg)
+        sys.exit(exit_codes.CONFIG_ERROR)
+    _train(cfg)
 
 
 def _parse_problem(err: ValueError):

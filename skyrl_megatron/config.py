@@ -189,6 +189,12 @@ def _positive(value) -> bool:
 # 1.1x faster than 8192 tokens (256 MiB chunks), for 1.3-1.8 GiB more at the scoring peak (docs/benchmarks.md)
 SCORING_BUDGET_FACTOR = 4
 
+# `collective_timeout_s` default: a collective of a steady-state call that waits this long has a peer that
+# died or skipped it (torch's own default is 30 minutes, during which the job holds its GPUs doing nothing)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# signals that make the driver finish its step, save a checkpoint and exit (`trainer.preemption_signal`)
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+
 
 @dataclass
 class MegatronWorkerConfig:
@@ -228,6 +234,13 @@ class MegatronWorkerConfig:
     lora_config: LoraSettings = field(default_factory=LoraSettings)
     moe_config: MoeSettings = field(default_factory=MoeSettings)
     torch_profiler_config: dict[str, Any] = field(default_factory=dict)
+    # checkpoints written in the background: the state is staged in host memory and training goes on
+    # (checkpoint/async_save.py); the save is published (and made the latest) once complete
+    async_save: bool = False
+    # how long a rank waits in a collective of a scoring, training or sync call before the call fails
+    # with an error naming the ranks that did not join (watchdog.py); start-up and checkpoints keep
+    # torch's 30 minutes (conversion, large reads and writes)
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -475,9 +488,10 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     if isinstance(mc.logits_chunk_mib, bool) or not isinstance(mc.logits_chunk_mib, int) or mc.logits_chunk_mib < 1:
         problems.append(Problem(f"{prefix}.logits_chunk_mib", f"must be a positive integer, got {mc.logits_chunk_mib!r}",
                                 "set the MiB of fp32 logits per chunk, e.g. 256"))
-    for name in ("empty_cuda_cache", "force_reconvert", "manual_gc"):
+    for name in ("empty_cuda_cache", "force_reconvert", "manual_gc", "async_save"):
         if not isinstance(getattr(mc, name), bool):
             problems.append(Problem(f"{prefix}.{name}", f"must be true or false, got {getattr(mc, name)!r}", "set true or false"))
+    problems += _fault_handling_problems(role, prefix, mc)
     if problems:
         return problems
     sharing = _gpu_sharing(cfg, role)
@@ -548,6 +562,31 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     if shape is not None:
         problems += _check_against_model(prefix, shape, tp, pp, vpp, ep)
     return problems
+
+
+def _fault_handling_problems(role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """`async_save` (a trained role's checkpoints) and `collective_timeout_s` (every role's collectives)."""
+    problems = []
+    timeout = mc.collective_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        problems.append(Problem(f"{prefix}.collective_timeout_s", f"must be a number of seconds > 0, got {timeout!r}",
+                                f"set e.g. {DEFAULT_COLLECTIVE_TIMEOUT_S:g} (a collective that waits longer fails, naming the "
+                                "ranks that did not join it)"))
+    if role == "ref" and mc.async_save is True:
+        problems.append(Problem(f"{prefix}.async_save", "the reference model saves no checkpoints",
+                                "set trainer.policy.megatron_config.async_save (and the critic's) instead, and false here"))
+    return problems
+
+
+def check_preemption_signal(cfg) -> list[Problem]:
+    """`trainer.preemption_signal`: the signal that makes the driver save a checkpoint and exit (null: none)."""
+    value = cfg.trainer.get("preemption_signal")
+    if value is None or value in PREEMPTION_SIGNALS:
+        return []
+    hint = closest(str(value).upper(), PREEMPTION_SIGNALS)
+    return [Problem("trainer.preemption_signal", f"unknown signal {value!r}",
+                    f"use one of {', '.join(PREEMPTION_SIGNALS)}, or null to leave signals alone"
+                    + (f" (did you mean '{hint}'?)" if hint else ""))]
 
 
 def _compact_master_weight_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
@@ -846,6 +885,7 @@ def check_config(cfg) -> None:
     problems += check_critic(cfg)
     problems += check_model_paths(cfg)
     problems += check_inference_engine(cfg)
+    problems += check_preemption_signal(cfg)
     if cfg.trainer.strategy == "megatron":
         for role in active_roles(cfg):
             path = _model_path(cfg, role)

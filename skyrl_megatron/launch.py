@@ -76,13 +76,17 @@ def run_experiment(
     small head node). `in_driver` runs it in this process instead, so its progress bar and prints
     reach the terminal directly. A worker process that dies is reported as a
     :class:`~skyrl_megatron.failures.WorkerFailure` naming its role, rank and mesh coordinates; a
-    worker's own report (out of memory, with the keys to turn) is raised as itself.
+    worker's own report (out of memory, with the keys to turn; a hang its watchdog named) is raised as
+    itself. `trainer.preemption_signal` to this process stops the run after its step with a checkpoint
+    (:class:`~skyrl_megatron.failures.Preempted`).
     """
     import ray
 
+    from skyrl_megatron import preemption
     from skyrl_megatron.failures import reported_failure
 
     initialize_ray(cfg, log_to_driver=log_to_driver, quiet=quiet)
+    handler = preemption.install(current().our_view(cfg).trainer.get("preemption_signal"))
     try:
         if in_driver:
             _run_experiment_in_task(cfg, experiment_cls)
@@ -93,13 +97,17 @@ def run_experiment(
         if reported is None:
             raise
         raise reported from None  # the worker's message alone, not Ray's remote traceback
+    finally:
+        if handler is not None:
+            handler.uninstall()
 
 
 def _run_experiment_in_task(cfg, experiment_cls=None) -> None:
     from skyrl_megatron.failures import explain, reported_failure
+    from skyrl_megatron.trainer_faults import fault_handling_experiment
 
     activate()
-    experiment_cls = experiment_cls or current().base_experiment_class()
+    experiment_cls = fault_handling_experiment(experiment_cls or current().base_experiment_class())
     try:
         experiment_cls(cfg).run()
     except Exception as error:

@@ -6,6 +6,7 @@ All parallel groups (TP, PP, VPP, CP, EP, ETP, DP) are created here, in one visi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -47,7 +48,13 @@ class MeshCoordinates:
     pp_size: int
 
 
-def init_distributed(runtime_request: str | None = None, timeout_minutes: int = 30) -> Runtime:
+# How long a collective may wait during start-up (conversion cache, whose lock may wait for another job's
+# conversion) and checkpoints (one rank writes or reads while its peers wait): torch's own default.
+# Steady-state calls get the role's `collective_timeout_s` instead (`set_collective_timeout`).
+LONG_COLLECTIVE_TIMEOUT_S = 30 * 60.0
+
+
+def init_distributed(runtime_request: str | None = None, timeout_s: float = LONG_COLLECTIVE_TIMEOUT_S) -> Runtime:
     """Start torch.distributed from the standard env vars (RANK, WORLD_SIZE, MASTER_*) if needed."""
     runtime = activate_runtime(runtime_request)
     if not dist.is_initialized():
@@ -55,9 +62,38 @@ def init_distributed(runtime_request: str | None = None, timeout_minutes: int = 
             backend=runtime.backend,
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     return runtime
+
+
+_collective_timeout_s = LONG_COLLECTIVE_TIMEOUT_S  # what this process last set (groups start with this)
+
+
+def set_collective_timeout(seconds: float) -> float:
+    """Make every process group of this rank (the default one and Megatron's, gloo and NCCL alike) give
+    up on a collective after `seconds`, from the next collective on; the timeout set before."""
+    global _collective_timeout_s
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(timeout, group)
+        except (ValueError, AssertionError, RuntimeError):  # not a member, or a backend without a timeout
+            continue
+    previous, _collective_timeout_s = _collective_timeout_s, seconds
+    return previous
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float):
+    """`set_collective_timeout(seconds)` for the block, the previous timeout after it."""
+    previous = set_collective_timeout(seconds)
+    try:
+        yield
+    finally:
+        set_collective_timeout(previous)
 
 
 def initialize_model_parallel(config: ParallelConfig, seed: int = 1234) -> MeshCoordinates:

@@ -15,33 +15,20 @@ import pytest
 import torch
 
 from skyrl_megatron.testing import run_on_ranks
+from skyrl_megatron.testing.checkpoint_steps import (
+    SEQ,
+    TP2_SP,
+    WORLD1,
+    global_tensors,
+    local_params,
+    micro_batches,
+    setup_training,
+    train_step,
+)
 
 pytestmark = pytest.mark.slow
 
-SEQ, MICRO_BATCHES = 16, 2
-HOST_OPTIMIZER = {
-    "lr": 1e-2,
-    "adam_betas": [0.8, 0.95],
-    "weight_decay": 0.1,
-    "max_grad_norm": 1.0,
-    "num_warmup_steps": 1,
-    "scheduler": "cosine",
-}
-# Adam divides by sqrt(v): on entries whose gradient is ~0 (lm_head rows of tokens never seen) it
-# turns float noise between layouts into lr-sized updates. Measured without any checkpoint, TP=2
-# and world-1 weights differ by 8e-5 after one step at eps 1e-8, by 2e-7 at eps 1e-3. The larger
-# eps lets the cross-layout comparison measure the checkpoint rather than that noise.
-OPTIMIZER_KWARGS = {"adam_eps": 1e-3}
-TOTAL_STEPS = 4
-WORLD1 = {}
-TP2_SP = {"tensor": 2, "sequence_parallel": True}
 CROSS_LAYOUT_ATOL = 1e-6
-# The loss here is Megatron's own (labels passed to the model), not one of our code paths. Its fused
-# cross-entropy is torch.compile'd: on CPU every fresh rank process then spends ~20 s probing the
-# compiler (Inductor builds and loads a test program per vector ISA), several times what the rank's
-# training costs. The unfused cross-entropy gives the same properties to check: a real vocab-parallel
-# loss whose gradients train the model, identical before and after a resume.
-UNFUSED_LOSS = {"cross_entropy_loss_fusion": False}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,87 +63,6 @@ def _tiny_gpt() -> torch.nn.Module:
     )
 
 
-def _micro_batches(data_rank: int, data_size: int):
-    """Counting sequences from fixed starts, split over the data-parallel ranks."""
-    starts = torch.tensor([3, 40, 101, 200])
-    tokens = (starts[:, None] + torch.arange(SEQ + 1)) % 256
-    rows = tokens.chunk(data_size)[data_rank]
-    return [(mb[:, :-1], mb[:, 1:]) for mb in rows.chunk(MICRO_BATCHES)]
-
-
-def _setup(hf_dir: str, layout: dict, distributed_optimizer: bool):
-    from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.optim import OptimizerSettings
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
-
-    init_distributed("cpu")
-    parallel = ParallelConfig(**layout)
-    coords = initialize_model_parallel(parallel, seed=0)
-    built = build_model(
-        ModelSpec(
-            hf_dir,
-            parallel=parallel,
-            dtype="fp32",
-            transformer_overrides=UNFUSED_LOSS,
-            wrap_with_ddp=True,
-            ddp_config={"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True},
-        )
-    )
-    settings = OptimizerSettings.from_host_config(
-        HOST_OPTIMIZER, OPTIMIZER_KWARGS, num_training_steps=TOTAL_STEPS, dtype="fp32"
-    )
-    optimizer = settings.build_optimizer(built.chunks)
-    scheduler = settings.build_scheduler(optimizer)
-    return built, optimizer, scheduler, _micro_batches(coords.dp, coords.dp_size)
-
-
-def _train_step(chunks, optimizer, scheduler, micro_batches):
-    """One optimizer step over the micro-batches through Megatron's pipeline schedule.
-    Returns (mean loss on the last pipeline stage or None, StepResult)."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from skyrl_megatron.optim import optimizer_step
-
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    positions = torch.arange(SEQ).unsqueeze(0)
-
-    def forward_step(data_iterator, model):
-        tokens, labels = next(data_iterator)
-        output = model(tokens, positions, None, labels=labels)
-
-        def loss_func(per_token_loss):
-            loss = per_token_loss.float().mean()
-            return loss, {"loss": loss.clone().detach()}
-
-        return output, loss_func
-
-    data = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
-    metrics = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data,
-        model=list(chunks) if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=SEQ,
-        micro_batch_size=micro_batches[0][0].shape[0],
-        forward_only=False,
-    )
-    finalize_model_grads(list(chunks))
-    result = optimizer_step(optimizer, scheduler)
-    loss = torch.stack([m["loss"] for m in metrics]).mean().item() if metrics else None
-    return loss, result
-
-
-def _local_params(chunks) -> dict[str, torch.Tensor]:
-    return {
-        f"{index}.{name}": param.detach().clone()
-        for index, chunk in enumerate(chunks)
-        for name, param in chunk.named_parameters()
-    }
-
-
 def _hf_weights(built, rank: int) -> dict[str, torch.Tensor] | None:
     """Full weights under HF names on rank 0 (collective: every rank takes part in the gather)."""
     exported = {name: tensor.clone() for name, tensor in built.bridge.export_hf_weights(built.chunks, cpu=True)}
@@ -167,7 +73,7 @@ def _logits(built) -> torch.Tensor:
     """Full-vocabulary logits of the first micro-batch's tokens (no pipeline parallelism)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    tokens, _ = _micro_batches(0, 1)[0]
+    tokens, _ = micro_batches(0, 1)[0]
     (model,) = built.chunks
     with torch.no_grad():
         logits = model(tokens, torch.arange(SEQ).unsqueeze(0), None)
@@ -183,8 +89,8 @@ def _train_and_save(
 
     from skyrl_megatron.checkpoint import save_checkpoint, save_hf_model
 
-    built, optimizer, scheduler, micro_batches = _setup(hf_dir, layout, distributed_optimizer)
-    history = [_train_step(built.chunks, optimizer, scheduler, micro_batches) for _ in range(2)]
+    built, optimizer, scheduler, micro_batches = setup_training(hf_dir, layout, distributed_optimizer)
+    history = [train_step(built.chunks, optimizer, scheduler, micro_batches) for _ in range(2)]
     save_checkpoint(ckpt_dir, built.chunks, optimizer, scheduler, step=2, extra={"consumed": 8, "tag": "a"})
     rng_draw = torch.rand(3)
     logits = None
@@ -192,12 +98,12 @@ def _train_and_save(
         # small shards: the ~0.7 MB model is written as several safetensors files plus an index
         save_hf_model(export_dir, built, AutoTokenizer.from_pretrained(hf_dir), max_shard_bytes=200_000)
         logits = _logits(built)
-    history += [_train_step(built.chunks, optimizer, scheduler, micro_batches) for _ in range(steps_after_save)]
+    history += [train_step(built.chunks, optimizer, scheduler, micro_batches) for _ in range(steps_after_save)]
     return {
         "history": history,
         "rng_draw": rng_draw,
         "logits": logits,
-        "params": _local_params(built.chunks),
+        "params": local_params(built.chunks),
         "hf": _hf_weights(built, rank),
     }
 
@@ -206,18 +112,18 @@ def _load_and_step(rank, world, hf_dir, layout, distributed_optimizer, ckpt_dir,
     """Load, optionally save again right away (what was loaded, in this layout), then step 3."""
     from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
 
-    built, optimizer, scheduler, micro_batches = _setup(hf_dir, layout, distributed_optimizer)
+    built, optimizer, scheduler, micro_batches = setup_training(hf_dir, layout, distributed_optimizer)
     state = load_checkpoint(ckpt_dir, built.chunks, optimizer, scheduler)
     if resave_dir is not None:
         save_checkpoint(resave_dir, built.chunks, optimizer, scheduler, step=state.step, extra=state.extra)
     rng_draw = torch.rand(3)
-    loss, result = _train_step(built.chunks, optimizer, scheduler, micro_batches)
+    loss, result = train_step(built.chunks, optimizer, scheduler, micro_batches)
     return {
         "state": state,
         "rng_draw": rng_draw,
         "loss": loss,
         "result": result,
-        "params": _local_params(built.chunks),
+        "params": local_params(built.chunks),
         "hf": _hf_weights(built, rank),
     }
 
@@ -307,16 +213,6 @@ def test_dp2_distributed_optimizer_resumes_exactly(hf_dir, tmp_path):
         _assert_exact_resume(before, after)
 
 
-def _global_tensors(ckpt_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint in its global (unsharded) form, read without a process group."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    from skyrl_megatron.checkpoint import DIST_SUBDIR
-
-    dcp_to_torch_save(ckpt_dir / DIST_SUBDIR, scratch)
-    return {k: v for k, v in torch.load(scratch, weights_only=False).items() if isinstance(v, torch.Tensor)}
-
-
 def test_tp2_checkpoint_resumes_under_pp2_with_virtual_stages(hf_dir, reference, tp2_run, tmp_path):
     """Model and distributed-optimizer state reshard from TP=2 (+SP) to PP=2 x VPP=2 exactly; the
     resumed step matches the uninterrupted world-1 run; per-rank RNG states are left alone."""
@@ -328,7 +224,7 @@ def test_tp2_checkpoint_resumes_under_pp2_with_virtual_stages(hf_dir, reference,
         timeout=300,
     )
     # saved under TP=2, loaded under PP=2 x VPP=2, saved again: the same global tensors, bit for bit
-    saved, resaved = _global_tensors(tp2_ckpt, tmp_path / "a.pt"), _global_tensors(pp2_ckpt, tmp_path / "b.pt")
+    saved, resaved = global_tensors(tp2_ckpt, tmp_path / "a.pt"), global_tensors(pp2_ckpt, tmp_path / "b.pt")
     assert saved.keys() == resaved.keys()
     assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in saved)
     for key, tensor in saved.items():
@@ -397,13 +293,13 @@ def _try_loads(rank, world, cases):
     def values(built, optimizer):
         groups = [group for part in optimizer.chained_optimizers for group in part.optimizer.param_groups]
         main_params = [param.detach().clone() for group in groups for param in group["params"]]
-        return list(_local_params(built.chunks).values()) + main_params
+        return list(local_params(built.chunks).values()) + main_params
 
     models = {}
     outcomes = []
     for hf_dir, ckpt_dir in cases:
         if hf_dir not in models:
-            models[hf_dir] = _setup(hf_dir, WORLD1, True)[:3]
+            models[hf_dir] = setup_training(hf_dir, WORLD1, True)[:3]
         built, optimizer, scheduler = models[hf_dir]
         before = values(built, optimizer)
         try:
@@ -462,7 +358,7 @@ def _load_with_rank1_failing(rank, world, ckpt_dir):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1.0)  # differs from the checkpoint: a load that went through would show
-    before = _local_params([model])
+    before = local_params([model])
 
     def fail(*args, **kwargs):
         raise OSError("simulated failure on rank 1")
@@ -479,7 +375,7 @@ def _load_with_rank1_failing(rank, world, ckpt_dir):
             error = (type(exc).__name__, str(exc))
         finally:
             setattr(module, name, original)
-        after = _local_params([model])
+        after = local_params([model])
         outcomes.append({"error": error, "untouched": all(torch.equal(after[k], v) for k, v in before.items())})
     return outcomes
 
@@ -506,8 +402,8 @@ def _save_crashing_then_succeeding(rank, world, hf_dir, ckpt_dir):
     import skyrl_megatron.checkpoint as checkpoint
     from skyrl_megatron.checkpoint import training
 
-    built, optimizer, scheduler, micro_batches = _setup(hf_dir, WORLD1, True)
-    _train_step(built.chunks, optimizer, scheduler, micro_batches)
+    built, optimizer, scheduler, micro_batches = setup_training(hf_dir, WORLD1, True)
+    train_step(built.chunks, optimizer, scheduler, micro_batches)
 
     def crash(partial, final):
         assert (partial / checkpoint.METADATA_FILE).is_file()  # everything was written
@@ -547,7 +443,7 @@ def test_hf_export_of_the_trained_tp2_model_reproduces_its_logits(hf_dir, tp2_ru
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, export_dir, (rank0, _) = tp2_run
-    tokens, _ = _micro_batches(0, 1)[0]
+    tokens, _ = micro_batches(0, 1)[0]
 
     def hf_logits(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")

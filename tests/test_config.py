@@ -291,3 +291,25 @@ def test_switches_must_be_booleans_and_sizes_positive(compose, hf_config_dir):
     assert f"{MC}.logits_chunk_mib: must be a positive integer, got 0" in msg
     msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.forward_max_tokens_per_microbatch=-5"))
     assert f"{MC}.forward_max_tokens_per_microbatch: must be a positive integer or null, got -5" in msg
+
+
+def test_fault_handling_keys_are_checked(compose, hf_config_dir):
+    path = f"trainer.policy.model.path={hf_config_dir()}"
+    msg = problems_of(compose(path, f"{MC}.async_save=maybe", f"{MC}.collective_timeout_s=0",
+                              "trainer.ref.megatron_config.collective_timeout_s=-1", "trainer.preemption_signal=SIGTREM",
+                              "trainer.algorithm.use_kl_loss=true"))
+    assert f"{MC}.async_save: must be true or false, got 'maybe'" in msg
+    assert f"{MC}.collective_timeout_s: must be a number of seconds > 0, got 0" in msg
+    assert "trainer.ref.megatron_config.collective_timeout_s: must be a number of seconds > 0, got -1" in msg
+    assert "trainer.preemption_signal: unknown signal 'SIGTREM'. Fix: use one of SIGTERM, SIGUSR1, SIGUSR2, SIGINT, " \
+           "or null to leave signals alone (did you mean 'SIGTERM'?)" in msg
+    msg = problems_of(compose(path, "trainer.ref.megatron_config.async_save=true", "trainer.algorithm.use_kl_loss=true"))
+    assert "trainer.ref.megatron_config.async_save: the reference model saves no checkpoints" in msg
+    cfg = compose(path, f"{MC}.async_save=true", f"{MC}.collective_timeout_s=30", "trainer.preemption_signal=SIGUSR1")
+    validate_config(cfg)
+    worker = MegatronWorkerConfig.from_host_config(_ours(cfg), "policy")
+    assert (worker.async_save, worker.collective_timeout_s) == (True, 30)
+    assert _ours(cfg).trainer.preemption_signal == "SIGUSR1"
+    defaults = _ours(compose(path))
+    assert defaults.trainer.preemption_signal == "SIGTERM"
+    assert MegatronWorkerConfig.from_host_config(defaults, "policy").collective_timeout_s == 600

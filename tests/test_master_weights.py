@@ -498,7 +498,8 @@ def _checkpoints_across_the_switch(rank, world, hf_dir, root):
 
     built, optimizer, scheduler = _build(hf_dir, compact=True)
     worker = SimpleNamespace(built=built, optimizer=optimizer, scheduler=scheduler, manual_gc=None)
-    TrainedRoleMixin.load_checkpoint(worker, f"{root}/compact_True", load_optimizer_states=False)
+    TrainedRoleMixin._load_checkpoint(worker, f"{root}/compact_True", load_optimizer_states=False,
+                                      load_lr_scheduler_states=True)
     weights_only = _state(built, optimizer)
     report["weights_only"] = {
         "released": compact_masters_of(optimizer).released,

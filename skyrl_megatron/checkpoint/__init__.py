@@ -2,6 +2,8 @@
 
 One job per module, imports only downward::
 
+    async_save      AsyncCheckpointSaver: the same save written in the background, published by `finalize`
+    latest          the host's pointer to its latest checkpoint: published once complete, repaired on resume
     training        save_checkpoint / load_checkpoint: the steps of a save and of a load
     hf_export       save_hf_model: safetensors shards or a PEFT adapter directory
     megatron_state  Megatron's sharded state dict and load strategy; its distributed-optimizer workarounds
@@ -12,6 +14,7 @@ One job per module, imports only downward::
 The low-level Megatron write strategy is `skyrl_megatron.dist_io`, shared with the conversion cache.
 """
 
+from skyrl_megatron.checkpoint.async_save import AsyncCheckpointSaver
 from skyrl_megatron.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -31,6 +34,7 @@ from skyrl_megatron.checkpoint.integrity import (
 from skyrl_megatron.checkpoint.training import TOKENIZER_SUBDIR, CheckpointState, load_checkpoint, save_checkpoint
 
 __all__ = [
+    "AsyncCheckpointSaver",
     "DIST_SUBDIR",
     "METADATA_FILE",
     "TOKENIZER_SUBDIR",

@@ -4,7 +4,8 @@
 architecture fields), the layout that saved it, the step, the caller's `extra`, the kind of model
 state (full, or LoRA adapters only) and the size of every shard file. Loading checks the model's
 identity and the files (present, with their recorded sizes) first; `verify_checkpoint` runs the file
-checks without a process group.
+checks, and checks torch's shard index against the files (`check_shard_index`, also run before a save is
+published), without a process group.
 """
 
 from __future__ import annotations
@@ -226,6 +227,33 @@ def check_files(metadata: CheckpointMetadata, path: Path) -> None:
         raise CorruptCheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems))
 
 
+def check_shard_index(ckpt_dir: Path) -> None:
+    """Every byte range that torch.distributed.checkpoint's index (`.metadata`) points at lies inside
+    a written shard file: the index and the files agree, so each tensor the index lists can be read.
+
+    Run on a save before it is published (synchronous and background saves alike); reads the index
+    only, no tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dist_dir = ckpt_dir / DIST_SUBDIR
+    try:
+        index = FileSystemReader(str(dist_dir)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any failure to read it means the save is unusable
+        raise CorruptCheckpointError(f"{dist_dir}: cannot read the shard index .metadata ({type(exc).__name__}: {exc})") from None
+    ends: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, end in sorted(ends.items()):
+        file = dist_dir / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < end:
+            problems.append(f"{name} has {file.stat().st_size} bytes, the index reads up to byte {end}")
+    if problems:
+        raise CorruptCheckpointError(f"{dist_dir}: shard index and files disagree: " + "; ".join(problems))
+
+
 def verify_checkpoint(ckpt_dir: str | os.PathLike) -> CheckpointMetadata:
     """The metadata of a complete checkpoint; CheckpointError if it is missing, partial or truncated.
 
@@ -235,6 +263,7 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> CheckpointMetadata:
     path = Path(ckpt_dir).absolute()
     metadata = read_checkpoint_metadata(path)
     check_files(metadata, path)
+    check_shard_index(path)
     return metadata
 
 

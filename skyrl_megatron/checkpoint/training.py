@@ -29,6 +29,8 @@ rank killed mid-save leaves nothing running behind it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +54,7 @@ from skyrl_megatron.checkpoint.integrity import (
     check_files,
     check_model_state,
     check_same_model,
+    check_shard_index,
     file_sizes,
     read_checkpoint_metadata,
     unwrap,
@@ -101,49 +104,89 @@ def save_checkpoint(
     `extra` must be JSON-serialisable; it is returned by `load_checkpoint`. A `tokenizer` is saved
     to `<ckpt_dir>/huggingface`, where the host's FSDP checkpoints keep it. An existing checkpoint
     at `ckpt_dir` is replaced once the new one is complete; any other non-empty directory there
-    is refused. Returns the final path.
+    is refused. Returns the final path. (`async_save.AsyncCheckpointSaver` writes the same
+    checkpoint in the background.)
     """
+    target = begin_save(ckpt_dir, extra, tokenizer)
+    with captured_state(chunks, optimizer, scheduler, step, extra) as (metadata, sharded):
+        write_shards(sharded, target, in_background=False)  # returns after a barrier: every rank's shards are on disk
+    return finish_save(target, metadata)
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """Where a save goes: `final`, once complete; until then every rank writes into `partial`."""
+
+    final: Path
+    partial: Path
+
+    @property
+    def dist_dir(self) -> Path:
+        return self.partial / DIST_SUBDIR
+
+
+def begin_save(ckpt_dir: str | os.PathLike, extra: dict[str, Any] | None, tokenizer) -> SaveTarget:
+    """Checks before any collective, then a fresh partial directory (collective). A partial directory
+    left by a save that crashed was never published: it is discarded."""
     final = Path(ckpt_dir).absolute()
-    extra = dict(extra or {})
     try:
-        json.dumps(extra)
+        json.dumps(dict(extra or {}))
     except TypeError as exc:
         raise CheckpointError(f"save_checkpoint: `extra` must be JSON-serialisable ({exc})") from None
     check_replaceable(final, marker=METADATA_FILE, what="a skyrl-megatron checkpoint")
-    partial = sibling(final, PARTIAL_SUFFIX)
+    target = SaveTarget(final, sibling(final, PARTIAL_SUFFIX))
     if dist.get_rank() == 0:
-        # a leftover from a save that crashed: never published, safe to discard
-        shutil.rmtree(partial, ignore_errors=True)
-        (partial / DIST_SUBDIR).mkdir(parents=True)
+        shutil.rmtree(target.partial, ignore_errors=True)
+        target.dist_dir.mkdir(parents=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(partial / TOKENIZER_SUBDIR)
+            tokenizer.save_pretrained(target.partial / TOKENIZER_SUBDIR)
     dist.barrier()
+    return target
 
-    from megatron.core import dist_checkpointing
 
+@contextlib.contextmanager
+def captured_state(chunks, optimizer, scheduler, step: int, extra: dict[str, Any] | None):
+    """The metadata of a save of the current state (its files still empty) and Megatron's sharded state
+    dict of it, for the block (collective). Compact master weights are saved as the fp32 masters they
+    stand for (the same checkpoint either way): those exist only inside the block."""
     model_state = model_state_of(chunks)  # collective: every rank takes part
-    # compact master weights are saved as the fp32 masters they stand for (the same checkpoint either way)
+    metadata = CheckpointMetadata(
+        step=int(step),
+        extra=dict(extra or {}),
+        model=ModelIdentity.of(chunks),
+        layout=Layout.current(chunks),
+        optimizer=None if optimizer is None else optimizer_kind(optimizer),
+        has_scheduler=scheduler is not None,
+        files={},
+        model_state=model_state,
+    )
     with masters_materialised(optimizer):
-        sharded = sharded_training_state(
+        yield metadata, sharded_training_state(
             chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
         )
-        with writer_results_in_process(), fast_shard_bookkeeping():
-            # returns after a barrier: every rank's shards are on disk
-            dist_checkpointing.save(sharded, str(partial / DIST_SUBDIR), sharded_strategy=save_strategy())
+
+
+def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool):
+    """Megatron's save of `sharded` into `target` (collective): written now, or (`in_background`) only
+    planned, the write and its finalisation returned as Megatron's AsyncRequest."""
+    from megatron.core import dist_checkpointing
+
+    with writer_results_in_process(), fast_shard_bookkeeping():
+        return dist_checkpointing.save(sharded, str(target.dist_dir), sharded_strategy=save_strategy(),
+                                       async_sharded_save=in_background, async_strategy="mcore")
+
+
+def finish_save(target: SaveTarget, metadata: CheckpointMetadata) -> Path:
+    """After every rank's shards and the shard index are written: the metadata file (last) with the files'
+    sizes, the shard index checked against the files, then the rename into place (collective)."""
     if dist.get_rank() == 0:
-        metadata = CheckpointMetadata(
-            step=int(step),
-            extra=extra,
-            model=ModelIdentity.of(chunks),
-            layout=Layout.current(chunks),
-            optimizer=None if optimizer is None else optimizer_kind(optimizer),
-            has_scheduler=scheduler is not None,
-            files=file_sizes(partial / DIST_SUBDIR),
-            model_state=model_state,
-        )
-        write_durably(partial / METADATA_FILE, metadata.to_json())
-    commit(partial, final)
-    return final
+        written = dataclasses.replace(metadata, files=file_sizes(target.dist_dir))
+        write_durably(target.partial / METADATA_FILE, written.to_json())
+    # every rank learns whether the written checkpoint is whole before it is published
+    agree_on_all_ranks(lambda: check_shard_index(target.partial) if dist.get_rank() == 0 else None,
+                       f"checkpoint {target.final} was written incompletely")
+    commit(target.partial, target.final)
+    return target.final
 
 
 def load_checkpoint(

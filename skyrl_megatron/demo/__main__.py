@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     from skyrl_megatron.demo.experiment import (
         MEAN_GAP, REWARD, VALUE_LOSS_AFTER, VALUE_LOSS_BEFORE, experiment_class, plot_rewards, read_metrics,
     )
-    from skyrl_megatron.failures import ReportedFailure
+    from skyrl_megatron import exit_codes
+    from skyrl_megatron.failures import Preempted, ReportedFailure
     from skyrl_megatron.launch import run_experiment
 
     metrics_file = run_dir / "metrics.jsonl"
@@ -349,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             run_experiment(cfg, experiment_class(run_dir), in_driver=True, log_to_driver=False, quiet=True)
-        except ReportedFailure as failure:  # a dead worker, or a worker's report (out of memory)
+        except Preempted as stopped:  # the preemption signal: the step's checkpoint is written
+            print(f"skyrl-megatron demo: {stopped}", file=sys.stderr)
+            return exit_codes.PREEMPTED
+        except ReportedFailure as failure:  # a dead worker, or a worker's report (out of memory, a hang)
             print(f"skyrl-megatron demo: training failed: {failure}", file=sys.stderr)
-            return 1
+            return exit_codes.FAILED
 
     records = [r for r in read_metrics(metrics_file) if REWARD in r]
     by_step = {r["step"]: r for r in records}

@@ -19,7 +19,8 @@ from typing import Any
 
 from skyrl_megatron import host_api
 from skyrl_megatron.engines.broadcast import BroadcastRendezvous
-from skyrl_megatron.engines.hf_engine import HFEngine, start_engine_actors
+from skyrl_megatron.engines.hf_engine import ENGINE_ROLE, HFEngine, start_engine_actors
+from skyrl_megatron.failures import EngineFailure, dead_actors
 from skyrl_megatron.engines.weight_updates import TensorAnnouncement
 
 
@@ -81,8 +82,26 @@ class EngineClient(host_api.inference_engine_interface()):
                 if input_batch.get(per_prompt) is not None:
                     share[per_prompt] = list(input_batch[per_prompt])[start:stop]
             calls.append(engine.generate.remote(share))
-        outputs = await asyncio.gather(*calls)
+        outputs = await self._all(calls, "generation")
         return _concatenate(outputs)
+
+    async def _all(self, calls: list, what: str) -> list:
+        """The engines' answers to `calls`; an engine that died makes it one error naming it."""
+        import ray
+
+        try:
+            return await asyncio.gather(*calls)
+        except ray.exceptions.RayActorError as error:
+            raise await self.engine_failure(what, error) from None
+
+    async def engine_failure(self, what: str, error: BaseException) -> EngineFailure:
+        """The error for `error` during `what`: the engines that died, by pid and node."""
+        fallback = [f"{ENGINE_ROLE} {index} of {len(self.engines)}" for index in range(len(self.engines))]
+        dead = await asyncio.to_thread(dead_actors, self.engines, fallback)
+        who = "; ".join(dead) if dead else "an HF engine (none found dead)"
+        cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        return EngineFailure(f"{who} failed during {what}: {cause}. The trainer's weights and checkpoints are "
+                             "untouched; rerun to resume from the last checkpoint")
 
     async def _wait_while_paused(self) -> None:
         if self._resumed is not None:
@@ -160,12 +179,13 @@ class EngineClient(host_api.inference_engine_interface()):
         if not isinstance(request, dict) or "tensors" not in request:
             raise TypeError("EngineClient.update_named_weights takes {'names': [...], 'tensors': [...]}; the "
                             "policy workers sync over the client's broadcast group")
-        await asyncio.gather(*(engine.load_weights.remote(request["names"], request["tensors"]) for engine in self.engines))
+        await self._all([engine.load_weights.remote(request["names"], request["tensors"]) for engine in self.engines],
+                        "a weight update")
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str | None = None, **kwargs: Any) -> dict[str, Any]:
         if lora_path is None:
             raise ValueError("the HF engine loads LoRA adapters from a directory: give lora_path")
-        await asyncio.gather(*(engine.load_adapter.remote(lora_path) for engine in self.engines))
+        await self._all([engine.load_adapter.remote(lora_path) for engine in self.engines], "an adapter load")
         return {"lora_name": lora_name}
 
     async def named_weights(self) -> list[dict]:

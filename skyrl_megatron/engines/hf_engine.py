@@ -26,12 +26,16 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from skyrl_megatron.digests import tensor_sha256
+from skyrl_megatron.failures import register_current_worker
 from skyrl_megatron.engines.broadcast import BroadcastGroup, BroadcastRendezvous
 from skyrl_megatron.engines.checkpoint_names import checkpoint_named_tensors
 from skyrl_megatron.engines.decoding import Decoder, RouteCapture, Vocabulary, compact_routes
 from skyrl_megatron.engines.lora_merge import AdapterMerge, LoraAdapter
 from skyrl_megatron.engines.sampling import SamplingSettings
 from skyrl_megatron.engines.weight_updates import TensorAnnouncement, check_update, torch_dtype
+
+
+ENGINE_ROLE = "HF engine"
 
 
 class HFEngine:
@@ -46,7 +50,11 @@ class HFEngine:
         attn_implementation: str = "sdpa",
         return_routed_experts: bool = False,
         device: str | torch.device = "cpu",
+        engine_index: int = 0,
+        num_engines: int = 1,
     ):
+        # as a Ray actor: named in the driver's failure registry, so a death is reported by pid and node
+        register_current_worker(ENGINE_ROLE, engine_index, num_engines, coordinates="")
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch_dtype(dtype), attn_implementation=attn_implementation
@@ -272,7 +280,8 @@ def start_engine_actors(
     actor_class = ray.remote(num_cpus=num_cpus, num_gpus=1 if device == "cuda" else 0)(engine_class)
     return [
         actor_class.options(**(options_for(index) if options_for else {})).remote(
-            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device, **engine_options
+            str(model_path), tokenizer=tokenizer, dtype=dtype, seed=seed + index, device=device,
+            engine_index=index, num_engines=num_engines, **engine_options,
         )
         for index in range(num_engines)
     ]

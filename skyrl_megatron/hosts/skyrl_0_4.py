@@ -38,9 +38,11 @@ _HOST_MOE_FIELDS = {
     "moe_router_enable_expert_bias": "expert_bias",
 }
 # Host fields for features of its own backend that ours does not have: a non-default value is refused.
+# (``async_dist_ckpt_save`` is our ``async_save``; ``async_save_prestage_to_cpu`` is what ours always does:
+# the training process copies the state to host memory before the background write.)
 _HOST_ONLY_FIELDS = (
     "fp8", "fp8_recipe", "fp8_param", "fp8_amax_compute_algo", "mtp_num_layers", "freeze_dsa_indexer",
-    "async_dist_ckpt_save", "async_save_prestage_to_cpu", "dist_ckpt_optim_fully_reshardable",
+    "dist_ckpt_optim_fully_reshardable",
     "moe_per_layer_logging", "hf_export_config", "moe_router_score_function",
     "moe_grouped_gemm", "mtp_loss_weight", "mtp_loss_chunk_size", "mtp_loss_topk",
 )
@@ -388,6 +390,10 @@ def our_megatron_section(section: dict[str, Any]) -> dict[str, Any]:
     # anything but a mapping (`moe_config=fast`) stays as given: our checks name it ("must be a mapping")
     if isinstance(moe, dict):
         ours["moe_config"] = {**from_host, **moe}  # keys moe_config sets itself win
+    # the host's spelling of an asynchronous checkpoint save (either one turns it on)
+    if ours.pop("async_dist_ckpt_save", False):
+        ours["async_save"] = True
+    ours.pop("async_save_prestage_to_cpu", None)
     lora = dict(ours.get("lora_config") or {})
     merge = lora.pop("merge_lora", True)
     if lora.get("weight_sync") is None:

@@ -93,6 +93,10 @@ class MegatronTrainerConfig(TrainerConfig):
     # to fsdp and to wandb, which needs an account and WANDB_API_KEY)
     strategy: str = "megatron"
     logger: str = "console"
+    preemption_signal: Optional[str] = "SIGTERM"
+    """This signal to the driver makes the run finish its step, save a checkpoint and exit with code 75
+    (``exit_codes.PREEMPTED``); a second one ends it at once. null: signals keep their default action
+    (the same key as on skyrl-train 0.3.1)."""
     policy: MegatronPolicyConfig = field(default_factory=MegatronPolicyConfig)
     ref: MegatronRefConfig = field(default_factory=MegatronRefConfig)
     critic: MegatronCriticConfig = field(default_factory=MegatronCriticConfig)

@@ -22,7 +22,15 @@ from skyrl_megatron.failures import register_current_worker
 from skyrl_megatron.model.adapters.lora import LoraSpec
 from skyrl_megatron.model.build import BuiltModel, ModelSpec, build_model
 from skyrl_megatron.model.conversion.cache import ConversionCacheSettings
-from skyrl_megatron.parallel import MeshCoordinates, init_distributed, initialize_model_parallel
+from skyrl_megatron.parallel import (
+    LONG_COLLECTIVE_TIMEOUT_S,
+    MeshCoordinates,
+    collective_timeout,
+    init_distributed,
+    initialize_model_parallel,
+    set_collective_timeout,
+)
+from skyrl_megatron.watchdog import CollectiveWatchdog
 from skyrl_megatron.workers.memory_peaks import PhasePeaks
 from skyrl_megatron.workers.offload import ModelOffloader, TransferLog
 from skyrl_megatron.workers.out_of_memory import StepKnobs, explains_out_of_memory
@@ -75,6 +83,8 @@ class MegatronWorkerMixin:
         rank = torch.distributed.get_rank()
         self.worker_name = f"{self.role} worker rank {rank}/{coords.world_size} ({coordinates})"
         register_current_worker(self.role, rank, coords.world_size, coordinates)
+        self.watchdog = CollectiveWatchdog(f"{self.role} workers", self.megatron_cfg.collective_timeout_s,
+                                           timeout_key=f"trainer.{self.role}.megatron_config.collective_timeout_s")
         self.init_parallel_seconds["mesh_and_registry"] = time.perf_counter() - grouped
         logger.info("skyrl-megatron %s: process groups in %s", self.worker_name,
                     ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.init_parallel_seconds.items()))
@@ -122,6 +132,8 @@ class MegatronWorkerMixin:
             fused_logprobs=self.built.fused_logprobs,
             logits_chunk_bytes=self.megatron_cfg.logits_chunk_mib * 2**20,
         )
+        # start-up is over: a steady-state collective waits `collective_timeout_s` (plus the watchdog's grace)
+        set_collective_timeout(self.watchdog.group_timeout())
         self.offloader = ModelOffloader(self.built.chunks)
         self.transfer_log = TransferLog()  # the host's offload/backload calls, not our `model_resident` moves
         self.phase_peaks = PhasePeaks()
@@ -155,6 +167,23 @@ class MegatronWorkerMixin:
         )
 
     @contextlib.contextmanager
+    def _watched(self, phase: str, *, long_waits: bool = False):
+        """The block is one call of `phase` under the collective watchdog (`watchdog.py`): a collective that
+        a rank does not join fails it with an error naming that rank. `long_waits`: calls where one rank may
+        keep the others waiting for long (checkpoints: one rank writes or reads) get start-up's timeout."""
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is None:  # process groups not made by us (a test's bare worker)
+            yield
+            return
+        if not long_waits:
+            with watchdog.watch(phase):
+                yield
+            return
+        with collective_timeout(watchdog.group_timeout(LONG_COLLECTIVE_TIMEOUT_S)), \
+                watchdog.watch(phase, timeout_s=LONG_COLLECTIVE_TIMEOUT_S):
+            yield
+
+    @contextlib.contextmanager
     def _step_guard(self, phase: str):
         """Scoring or training under this: an out-of-memory names this worker and the knobs that size
         its micro-batches (`workers/out_of_memory.py`), the phase's memory peak is kept, and Python's
@@ -186,7 +215,7 @@ class MegatronWorkerMixin:
             )
         response_length = int(data.metadata["response_length"])
         self.runner.gradients.release()  # scoring needs no gradients (the first score follows the build)
-        with self._step_guard("scoring"):
+        with self._watched("scoring"), self._step_guard("scoring"):
             logprobs = self.runner.response_logprobs(
                 data["sequences"],
                 data["attention_mask"],
@@ -229,17 +258,20 @@ class MegatronWorkerMixin:
         return report.as_dict()
 
     @contextlib.contextmanager
-    def model_resident(self):
-        """The model's weights on the device for the block, parked again after it if they were parked
-        (a colocated run keeps them in host memory while the engine samples)."""
-        parked = "model" in self.offloader.offloaded
+    def model_resident(self, optimizer: bool = False):
+        """The model's weights (and with `optimizer`, the optimizer's state) on the device for the block,
+        parked again after it if they were parked (a colocated run keeps them in host memory while the
+        engine samples)."""
+        parked = self.offloader.offloaded & ({"model", "optimizer"} if optimizer else {"model"})
+        optimizer_obj = getattr(self, "optimizer", None)
         if parked:
-            self.offloader.backload(model=True, optimizer=False)
+            self.offloader.backload(model="model" in parked, optimizer="optimizer" in parked, optimizer_obj=optimizer_obj)
         try:
             yield
         finally:
             if parked:
-                self.offloader.offload(model=True, optimizer=False, pin_memory=not self.runtime.is_cpu)
+                self.offloader.offload(model="model" in parked, optimizer="optimizer" in parked,
+                                       optimizer_obj=optimizer_obj, pin_memory=not self.runtime.is_cpu)
 
     def backload_to_gpu(self, non_blocking: bool = True, **kwargs: Any):
         report = self.offloader.backload(

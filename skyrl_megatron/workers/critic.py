@@ -59,7 +59,7 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         """Values of the states before each response token: {"output": [B, A]} (0 past a response's end)."""
         response_length = int(data.metadata["response_length"])
         self.runner.gradients.release()  # scoring needs no gradients
-        with self._step_guard("scoring"):
+        with self._watched("scoring"), self._step_guard("scoring"):
             values = self.runner.response_values(
                 data["sequences"],
                 data["attention_mask"],
@@ -105,13 +105,14 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
             )
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
-        for _ in range(int(trainer.update_epochs_per_batch)):
-            for start in range(0, rows, mini):
-                metrics = self._train_mini_batch(train_data, start, start + mini)
-                metrics.update(self._optimizer_step())
-                steps += 1
-                for name, value in metrics.items():
-                    history[name].append(value)
+        with self._watched("training"):
+            for _ in range(int(trainer.update_epochs_per_batch)):
+                for start in range(0, rows, mini):
+                    metrics = self._train_mini_batch(train_data, start, start + mini)
+                    metrics.update(self._optimizer_step())
+                    steps += 1
+                    for name, value in metrics.items():
+                        history[name].append(value)
         self.runner.gradients.release()
         status = {name: sum(values) / len(values) for name, values in history.items()}
         status["critic_update_steps"] = steps
@@ -132,7 +133,8 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
                 "critic forward_backward with a loss_fn/loss_fn_config override is not implemented by "
                 "skyrl-megatron; the critic trains with the host's value loss (trainer.algorithm.value_clip)"
             )
-        metrics = self._train_mini_batch(data)
+        with self._watched("training"):
+            metrics = self._train_mini_batch(data)
         metrics["critic_lr"] = self.get_lr()  # the rate the coming optim_step applies
         return host_api.training_status(metrics)
 
@@ -142,5 +144,5 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         """The host's critic layout: the trunk under its HF names and `<value_head_prefix>.weight`
         (no LM head), which a later run's `trainer.critic.model.path` loads the head from. An offloaded
         model (a colocated run's last save) is brought back for the export and parked again."""
-        with self.model_resident():
+        with self._watched("HF export", long_waits=True), self.model_resident():
             save_hf_model(export_dir, self.built, tokenizer, value_head_name=f"{self._value_head_prefix()}.weight")

@@ -34,11 +34,13 @@ class EngineBroadcastSender:
         self.group = group
 
     @classmethod
-    async def connect(cls, client, *, on_gpu: bool) -> EngineBroadcastSender:
-        """Collective over the policy's ranks: rank 0 and the engines form the broadcast group."""
+    async def connect(cls, client, *, on_gpu: bool, timeout_s: float = 600.0) -> EngineBroadcastSender:
+        """Collective over the policy's ranks: rank 0 and the engines form the broadcast group, whose
+        broadcasts give up on an engine after `timeout_s` (the policy's collective timeout)."""
         group = None
         if torch.distributed.get_rank() == 0:
-            rendezvous = BroadcastRendezvous.on_this_host(client.num_engines + 1, backend="nccl" if on_gpu else "gloo")
+            rendezvous = BroadcastRendezvous.on_this_host(client.num_engines + 1, backend="nccl" if on_gpu else "gloo",
+                                                          timeout_s=timeout_s)
             joined = client.join_weight_broadcast(rendezvous)
             group = await asyncio.to_thread(BroadcastGroup, rendezvous, 0)
             await asyncio.gather(*joined)
@@ -60,6 +62,9 @@ class EngineBroadcastSender:
         )
         received = self.client.receive_broadcast(announcement)
         device = self.group.device
-        for tensor in bucket.tensors:
-            self.group.broadcast(tensor.to(device).contiguous())
-        await asyncio.gather(*received)
+        try:
+            for tensor in bucket.tensors:
+                self.group.broadcast(tensor.to(device).contiguous())
+            await asyncio.gather(*received)
+        except Exception as error:  # noqa: BLE001 - an engine that died (or failed its check): named
+            raise await self.client.engine_failure("a weight sync", error) from error

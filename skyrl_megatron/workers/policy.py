@@ -102,13 +102,14 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         scored_routes = self._scored_routes(train_data)
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
-        for _ in range(int(trainer.update_epochs_per_batch)):
-            for start in range(0, rows, mini):
-                metrics = self._train_mini_batch(train_data, start, start + mini, scored_routes)
-                metrics.update(self._optimizer_step())
-                steps += 1
-                for name, value in metrics.items():
-                    history[name].append(value)
+        with self._watched("training"):
+            for _ in range(int(trainer.update_epochs_per_batch)):
+                for start in range(0, rows, mini):
+                    metrics = self._train_mini_batch(train_data, start, start + mini, scored_routes)
+                    metrics.update(self._optimizer_step())
+                    steps += 1
+                    for name, value in metrics.items():
+                        history[name].append(value)
         # the step is applied: until the next ppo_train the gradients are dead weight (4 B/param)
         self.runner.gradients.release()
         if self.route_store is not None:
@@ -126,7 +127,8 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 "forward_backward with a loss_fn/loss_fn_config override (the Tinker API) is not implemented "
                 "by skyrl-megatron; the policy trains with trainer.algorithm.policy_loss_type"
             )
-        metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
+        with self._watched("training"):
+            metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
         metrics.update(self.lora_metrics)
         return host_api.training_status(metrics)
@@ -204,12 +206,14 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
     async def init_weight_sync_state(self, inference_engine_client, *host_args, **host_kwargs):
         """Our HF engines (skyrl 0.4's ``generator.engine=cpu``) get our broadcast sender; any other
         client gets the host's own sender set-up (skyrl-train 0.3.1: its transfer strategies)."""
-        if is_engine_client(inference_engine_client):
-            self._engine_sender = await EngineBroadcastSender.connect(
-                inference_engine_client, on_gpu=self.runtime.torch_device.type == "cuda"
-            )
-            return
-        return await super().init_weight_sync_state(inference_engine_client, *host_args, **host_kwargs)
+        with self._watched("weight sync set-up", long_waits=True):
+            if is_engine_client(inference_engine_client):
+                self._engine_sender = await EngineBroadcastSender.connect(
+                    inference_engine_client, on_gpu=self.runtime.torch_device.type == "cuda",
+                    timeout_s=self.watchdog.group_timeout(),
+                )
+                return
+            return await super().init_weight_sync_state(inference_engine_client, *host_args, **host_kwargs)
 
     async def broadcast_to_inference_engines(self, inference_engine_client, inference_engine_cfg=None, model_id=None):
         """Send the current weights, HF-named full tensors, through the sender ``init_weight_sync_state`` made.
@@ -219,6 +223,10 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         from ``generator.weight_sync_backend`` and the placement). skyrl 0.4 passes the client once, at
         ``init_weight_sync_state``, and None here.
         """
+        with self._watched("weight sync"):
+            return await self._broadcast_to_inference_engines(inference_engine_client, inference_engine_cfg)
+
+    async def _broadcast_to_inference_engines(self, inference_engine_client, inference_engine_cfg):
         if self._engine_sender is not None:
             inference_engine_client = self._engine_sender.client
         elif inference_engine_client is None:
@@ -311,5 +319,5 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
 
     def save_hf_model(self, export_dir: str, tokenizer=None):
         """The HF checkpoint of the current weights (offloaded ones brought back for the export)."""
-        with self.model_resident():
+        with self._watched("HF export", long_waits=True), self.model_resident():
             save_hf_model(export_dir, self.built, tokenizer)

@@ -1,6 +1,7 @@
 """What the roles that train (policy, critic) share: their optimizer and schedule, one optimizer step
 with its metrics (and skyrl 0.4's ``optim_step`` / ``get_lr`` on it), and distributed checkpoints of
-weights, optimizer, schedule and skipped steps."""
+weights, optimizer, schedule and skipped steps, written in the background with ``megatron_config.async_save``
+(published by ``finalize_pending_saves``: the next save, the end of training, the trainer's step end)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+from skyrl_megatron.checkpoint import AsyncCheckpointSaver, load_checkpoint, save_checkpoint
 from skyrl_megatron.master_weights import masters_materialised
 from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
@@ -31,6 +32,7 @@ class TrainedRoleMixin(MegatronWorkerMixin):
         self.scheduler = settings.build_scheduler(self.optimizer)
         self.runner.attach_optimizer(self.optimizer)
         self.skipped_steps = 0
+        self.background_saves = AsyncCheckpointSaver()
 
     def _optimizer_step(self) -> dict[str, float]:
         """Apply the accumulated gradients: the host's grad-norm metric and ``<role>_lr``."""
@@ -46,7 +48,8 @@ class TrainedRoleMixin(MegatronWorkerMixin):
     def optim_step(self) -> float | None:
         """skyrl 0.4's contract: apply the gradients of the last ``forward_backward``; the grad norm
         (None for a skipped step)."""
-        metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
+        with self._watched("optimizer step"):
+            metrics = self._optimizer_step()  # gradients stay allocated for the next mini-batch; scoring frees them
         grad_norm = metrics["raw_grad_norm"]
         return None if grad_norm != grad_norm else float(grad_norm)
 
@@ -56,17 +59,35 @@ class TrainedRoleMixin(MegatronWorkerMixin):
     # -- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, ckpt_dir, tokenizer=None):
-        save_checkpoint(
-            ckpt_dir,
-            self.built.chunks,
-            self.optimizer,
-            self.scheduler,
+        """The checkpoint of the current state at `ckpt_dir`: written before returning, or with
+        ``async_save`` staged and written in the background (`finalize_pending_saves` publishes it).
+        State a colocated run parked in host memory comes back for the save."""
+        arguments = dict(
             step=int(self.scheduler.num_steps),
             extra={"skipped_steps": self.skipped_steps},
             tokenizer=tokenizer,  # inside the atomic save
         )
+        with self._watched("checkpoint save", long_waits=True), self.model_resident(optimizer=True):
+            if self.megatron_cfg.async_save:
+                self.background_saves.save(ckpt_dir, self.built.chunks, self.optimizer, self.scheduler, **arguments)
+            else:
+                self.background_saves.finalize()  # (none is in flight unless async_save changed)
+                save_checkpoint(ckpt_dir, self.built.chunks, self.optimizer, self.scheduler, **arguments)
+
+    def finalize_pending_saves(self) -> str | None:
+        """Wait for the checkpoint written in the background and publish it (collective); its path, or None
+        when none was in flight. skyrl 0.4's trainer calls it when training ends; ours
+        (`trainer_faults.py`) before it points the host at a checkpoint."""
+        with self._watched("checkpoint save", long_waits=True):
+            path = self.background_saves.finalize()
+        return None if path is None else str(path)
 
     def load_checkpoint(self, ckpt_dir, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True):
+        self.finalize_pending_saves()  # a save of this worker in flight is complete before anything loads
+        with self._watched("checkpoint load", long_waits=True):
+            return self._load_checkpoint(ckpt_dir, load_optimizer_states, load_lr_scheduler_states)
+
+    def _load_checkpoint(self, ckpt_dir, load_optimizer_states: bool, load_lr_scheduler_states: bool):
         # compact master weights: present while the model weights they are relative to change
         with masters_materialised(self.optimizer):
             state = load_checkpoint(

@@ -126,6 +126,17 @@ def test_the_hosts_moe_and_lora_fields_keep_their_meaning(base):
     assert MegatronWorkerConfig.from_host_config(current().our_view(cfg), "policy").moe_config.token_dispatcher == "alltoall"
 
 
+def test_the_hosts_async_checkpoint_keys_turn_on_ours(base):
+    """skyrl 0.4's `async_dist_ckpt_save` is our `async_save`; its `async_save_prestage_to_cpu` is what ours
+    always does (the training process copies the state to host memory), so it is taken and has no effect."""
+    for extra in ([f"{MC}.async_dist_ckpt_save=true"], [f"{MC}.async_save=true"],
+                  [f"{MC}.async_dist_ckpt_save=true", f"{MC}.async_save_prestage_to_cpu=true"]):
+        cfg = compose_config(base + extra)
+        validate_config(cfg)
+        assert MegatronWorkerConfig.from_host_config(current().our_view(cfg), "policy").async_save is True
+    assert MegatronWorkerConfig.from_host_config(current().our_view(compose_config(base)), "policy").async_save is False
+
+
 def test_a_good_config_passes_ours_and_the_hosts_validation(base):
     validate_config(compose_config(base))
 

@@ -1,0 +1,102 @@
+"""Step times with checkpoints written synchronously and in the background (`megatron_config.async_save`).
+
+Runs the demo (`python -m skyrl_megatron.demo --gpu`: a Qwen3-0.6B-shaped policy, its reference and our HF
+engine colocated on one GPU) once per mode, saving every `--ckpt-interval` steps, and prints per mode the
+median time of a step without a save, of a step with one (its `save_checkpoints` part too), and how much
+longer a save step is. The first step (warm-up) and the last (its save is the run's final one) are left out.
+The second run trains the first run's model (`--model`), so the weights are written once.
+
+    python bench/checkpoint_steps.py --out $OUT            # on one GPU; a few minutes
+    python bench/checkpoint_steps.py --cpu --steps 6       # the CPU demo (a smoke run of this script)
+
+Writes $OUT/checkpoint_steps.json and $OUT/checkpoint_steps.md (the table), and each run's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = {"sync": "false", "async": "true"}
+
+
+def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> float:
+    command = [sys.executable, "-m", "skyrl_megatron.demo", "--out", str(run_dir), "--fresh",
+               "--steps", str(args.steps), "--ckpt-interval", str(args.ckpt_interval)]
+    command += [] if args.cpu else ["--gpu"]
+    command += ["--model", str(model)] if model else []
+    command += [f"trainer.policy.megatron_config.async_save={MODES[mode]}", "trainer.hf_save_interval=-1",
+                *args.overrides]
+    started = time.perf_counter()
+    with log.open("w") as out:
+        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout)
+    if result.returncode != 0:
+        raise SystemExit(f"{mode} run failed (exit {result.returncode}); see {log}")
+    return time.perf_counter() - started
+
+
+def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    by_step = {r["step"]: r for r in records if "trainer/global_step" in r}
+    middle = [s for s in sorted(by_step) if 1 < s < steps]
+    saving = [s for s in middle if s % interval == 0]
+    plain = [s for s in middle if s % interval]
+    if not saving or not plain:
+        raise SystemExit(f"need steps with and without a save between the first and the last: --steps {steps}, "
+                         f"--ckpt-interval {interval}")
+    normal = statistics.median(by_step[s]["timing/step"] for s in plain)
+    save = statistics.median(by_step[s]["timing/step"] for s in saving)
+    return {
+        "normal_step_s": normal,
+        "save_step_s": save,
+        "save_checkpoints_s": statistics.median(by_step[s].get("timing/save_checkpoints", 0.0) for s in saving),
+        "save_step_overhead": save / normal - 1,
+        "tokens_per_s": {s: by_step[s].get("throughput/tokens_per_second") for s in sorted(by_step)},
+        "save_steps": saving,
+        "plain_steps": plain,
+    }
+
+
+def table(results: dict) -> str:
+    lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | save step vs normal |",
+             "|---|---|---|---|---|"]
+    for mode, r in results.items():
+        lines.append(f"| {mode} | {r['normal_step_s']:.2f} | {r['save_step_s']:.2f} | {r['save_checkpoints_s']:.2f} "
+                     f"| {r['save_step_overhead']:+.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/checkpoint_steps"))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--ckpt-interval", type=int, default=2)
+    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--cpu", action="store_true", help="the CPU demo instead of --gpu")
+    parser.add_argument("--timeout", type=int, default=280, help="seconds per run")
+    parser.add_argument("overrides", nargs="*", help="more overrides for both runs")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/checkpoint_steps_runs")
+    model = None
+    results = {}
+    for mode in args.modes.split(","):
+        run_dir = work / mode
+        seconds = run_demo(run_dir, mode, args, model, args.out / f"{mode}.log")
+        model = model or run_dir / "model"
+        results[mode] = step_times(run_dir / "metrics.jsonl", args.ckpt_interval, args.steps)
+        results[mode]["run_s"] = seconds
+        print(f"{mode}: {json.dumps({k: v for k, v in results[mode].items() if k != 'tokens_per_s'})}", flush=True)
+    (args.out / "checkpoint_steps.json").write_text(json.dumps(results, indent=2))
+    rendered = table(results)
+    (args.out / "checkpoint_steps.md").write_text(rendered + "\n")
+    print(rendered)
+
+
+if __name__ == "__main__":
+    main()

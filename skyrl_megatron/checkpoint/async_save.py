@@ -1,0 +1,205 @@
+"""Checkpoints written in the background (`megatron_config.async_save`): training goes on while the files are written.
+
+A save has three parts, as in Megatron-Core's own asynchronous path (whose pieces this uses:
+`dist_checkpointing.save(async_sharded_save=True)` plans the save and returns the write and its
+finalisation as separate steps):
+
+1. `save` (collective, in the training step): the sharded state and the save plan, made exactly as
+   for a synchronous save; then every tensor that the next step could change is copied to host
+   memory (device tensors into pinned buffers, kept for the next save, with no wait on the device;
+   host tensors that belong to the model or optimizer by a plain copy; tensors made for the save,
+   such as the distributed optimizer's gathered state, as they are). The write then starts in a
+   thread of this process, and `save` returns.
+2. the write: each rank's shard files, with fsync, from the copies (Megatron's file writer).
+3. `finalize` (collective; before the next save and when training ends): waits for the write, then
+   the steps a synchronous save ends with: the shard index, the metadata file, the check of the index
+   against the files, and the rename into place. Only then is the checkpoint at its final path.
+
+So a checkpoint saved in the background is the same files as a synchronous save of the same state,
+and loads like one. Until `finalize` it exists only as the hidden `.<name>.partial` directory: a
+crash (or a kill) during the write leaves the previous checkpoint at the final path, and the next
+save discards the partial one. The write runs in a thread, not a helper process, so a killed rank
+leaves nothing running behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from skyrl_megatron.checkpoint.errors import CheckpointError
+from skyrl_megatron.checkpoint.integrity import CheckpointMetadata
+from skyrl_megatron.checkpoint.training import SaveTarget, begin_save, captured_state, finish_save, write_shards
+from skyrl_megatron.optim import torch_optimizers
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncCheckpointSaver:
+    """One rank's background saves: at most one in flight; `finalize` publishes it."""
+
+    def __init__(self) -> None:
+        self._pending: _PendingSave | None = None
+        self._pinned = _PinnedBuffers()
+
+    def write_done(self) -> bool:
+        """Whether this rank's files of the save in flight are written (True when none is in flight)."""
+        return self._pending is None or not self._pending.thread.is_alive()
+
+    def save(
+        self,
+        ckpt_dir: str | os.PathLike,
+        chunks: Sequence[torch.nn.Module],
+        optimizer=None,
+        scheduler=None,
+        *,
+        step: int,
+        extra: dict[str, Any] | None = None,
+        tokenizer=None,
+    ) -> Path:
+        """Start saving to `ckpt_dir` (collective); the arguments and the checks are `save_checkpoint`'s.
+        The save in flight before, if any, is finalized first. Returns the final path, which exists
+        once `finalize` has returned."""
+        self.finalize()
+        target = begin_save(ckpt_dir, extra, tokenizer)
+        started = time.perf_counter()
+        with captured_state(chunks, optimizer, scheduler, step, extra) as (metadata, sharded):
+            request = write_shards(sharded, target, in_background=True)
+            write_args, copied = self._stage(request, chunks, optimizer)  # inside: compact masters exist here only
+        pending = _PendingSave(target, metadata, request)
+        pending.thread = threading.Thread(
+            target=pending.write, args=(write_args,), name=f"checkpoint-write-{target.final.name}", daemon=True
+        )
+        pending.thread.start()
+        self._pending = pending
+        logger.info("checkpoint %s: state captured in %.2f s (%.1f MiB copied to host memory), written in the "
+                    "background", target.final, time.perf_counter() - started, copied / 2**20)
+        return target.final
+
+    def finalize(self) -> Path | None:
+        """Wait for the save in flight, finish it and publish it (collective); its final path, or None
+        when none was in flight. A failed write raises CheckpointError on every rank and publishes
+        nothing."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.thread.join()
+        self._pinned.release()
+        # every rank's files are written; Megatron's finalisation gathers the write results, writes the
+        # shard index and fails on every rank when one rank's write failed
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        dist.barrier()
+        try:
+            for finalize_fn in pending.request.finalize_fns:
+                finalize_fn()
+        # torch.distributed.checkpoint reports write failures as a BaseException subclass
+        except (Exception, CheckpointException) as exc:
+            local = f" (this rank's writer: {pending.error})" if pending.error else ""
+            raise CheckpointError(f"background save of {pending.target.final} failed: {exc}{local}; "
+                                  "the previous checkpoint stays in place") from None
+        return finish_save(pending.target, pending.metadata)
+
+    def _stage(self, request, chunks, optimizer) -> tuple[list, int]:
+        """The write's arguments with every tensor the training could change replaced by a host copy."""
+        if request.async_fn is None:  # nothing to write on this rank
+            return [], 0
+        args = list(request.async_fn_args)
+        live = _live_storages(chunks, optimizer)
+        staged, copied, device_copies = [], 0, False
+        for path, name, (bytes_data, tensor_data) in args[1]:
+            tensors = []
+            for item, tensor in tensor_data:
+                tensor = tensor.detach()
+                if tensor.device.type != "cpu":
+                    host = self._pinned.take(tensor)
+                    host.copy_(tensor, non_blocking=True)
+                    device_copies = True
+                elif _storage_of(tensor) in live:
+                    host = tensor.clone()
+                else:
+                    tensors.append((item, tensor))  # made for this save: nothing else holds it
+                    continue
+                tensors.append((item, host))
+                copied += tensor.numel() * tensor.element_size()
+            staged.append((path, name, (bytes_data, tensors)))
+        args[1] = staged
+        # device copies are queued on the current stream; the writer waits for them, not the training
+        ready = None
+        if device_copies:
+            ready = torch.cuda.Event()
+            ready.record()
+        return [request.async_fn, args, request.async_fn_kwargs, ready], copied
+
+
+@dataclass
+class _PendingSave:
+    target: SaveTarget
+    metadata: CheckpointMetadata  # its files filled in when published
+    request: Any  # Megatron's AsyncRequest: the write (async_fn) and its finalisation
+    thread: threading.Thread | None = None
+    error: str | None = None
+
+    def write(self, write_args: list) -> None:
+        if not write_args:
+            return
+        write_fn, args, kwargs, ready = write_args
+        try:
+            if ready is not None:
+                ready.synchronize()
+            write_fn(*args, **kwargs)  # reports its own failures through the writer's results
+        except Exception as exc:  # noqa: BLE001 - finalize fails on every rank and names it
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.error("checkpoint %s: background write failed: %s", self.target.final, self.error)
+
+
+class _PinnedBuffers:
+    """Pinned host buffers for device tensors, kept from one save to the next (the same model saves
+    the same shapes; pinning host memory costs far more than copying into it)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._used: list[tuple[tuple[torch.dtype, int], torch.Tensor]] = []
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.dtype, like.numel())
+        free = self._free.get(key)
+        buffer = free.pop() if free else torch.empty(like.numel(), dtype=like.dtype, device="cpu", pin_memory=True)
+        self._used.append((key, buffer))
+        return buffer.view(like.shape)
+
+    def release(self) -> None:
+        for key, buffer in self._used:
+            self._free.setdefault(key, []).append(buffer)
+        self._used.clear()
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _live_storages(chunks, optimizer) -> set[int]:
+    """The host storages that the model and the optimizer keep and change (parameters, buffers,
+    gradients, master weights, optimizer state): a tensor of the save that shares one must be copied
+    before training goes on."""
+    tensors: list[torch.Tensor] = []
+    for chunk in chunks:
+        # nn.Module's own methods: Megatron's DDP wrapper has a `buffers` attribute of its own
+        params = list(torch.nn.Module.parameters(chunk))
+        tensors += params + list(torch.nn.Module.buffers(chunk))
+        tensors += [grad for param in params if (grad := getattr(param, "main_grad", None)) is not None]
+    for torch_optimizer in torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            tensors += list(group["params"])
+        for state in torch_optimizer.state.values():
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    return {_storage_of(t) for t in tensors if t.device.type == "cpu" and _storage_of(t) != 0}

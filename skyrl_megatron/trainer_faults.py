@@ -1,0 +1,170 @@
+"""The host's trainer with our fault handling: background checkpoints made the latest only once complete,
+preemption at a step's end, and the latest pointer put right before a resume.
+
+`launch.run_experiment` gives every trainer the host builds (the host's own or a subclass, e.g. the demo's)
+these behaviours by subclassing its class (`with_fault_handling`); they override methods both hosts'
+`RayPPOTrainer`s share:
+
+- ``save_checkpoints``: with ``megatron_config.async_save`` the workers' saves return while their files are
+  written. The save before is finished first (the workers' ``finalize_pending_saves``); the host's own
+  pointer (``latest_ckpt_global_step.txt``), which it writes as soon as the save calls returned, is put
+  back to the last complete checkpoint, and its deletion of old checkpoints (``max_ckpts_to_keep``) waits:
+  both happen once the workers have published the save (at the next save, at the end of training, or on
+  preemption).
+- ``load_checkpoints``: a job killed between the host's pointer and ours may name a checkpoint that never
+  completed; before resuming, the pointer is made to name the newest complete one
+  (`checkpoint.latest.repair_latest`).
+- preemption (`preemption.py`): once a stop was requested, the step's checkpoint is saved where the host
+  saves its own (after training, before the weight sync) or, when the request came later, at the step's
+  end; at the end of the step the save is finished and `failures.Preempted` ends the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+from skyrl_megatron.checkpoint.latest import publish_latest, read_latest, repair_latest
+from skyrl_megatron.failures import Preempted
+from skyrl_megatron.hosts import current
+from skyrl_megatron.preemption import stop_reason
+
+logger = logging.getLogger(__name__)
+
+STEP_METRIC = "trainer/global_step"  # both hosts log it once per step, at the step's end
+
+
+class FaultHandling:
+    """Mixed in before the host trainer's class (see the module docstring)."""
+
+    def _setup_fault_handling(self) -> None:
+        view = current().our_view(self.cfg)
+        trainer = view.trainer
+        self._ours = trainer.strategy == "megatron"
+        self._ckpt_root = str(trainer.ckpt_path)
+        self._roles = ["policy"] + (["critic"] if trainer.critic.model.get("path") else [])
+        self._background_saves = self._ours and any(
+            bool((trainer[role].get("megatron_config") or {}).get("async_save")) for role in self._roles
+        )
+        self._in_flight_step: int | None = None  # the step whose save the workers still write
+        self._saved: tuple[int, Any] | None = None  # (step, what save_checkpoints returned)
+        self._deferring_cleanup = False
+        self._preempted = False
+        self.tracker = _StepEndTracker(self.tracker, self._at_step_end)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoints(self):
+        if self._saved is not None and self._saved[0] == self.global_step:
+            return self._saved[1]  # this step's is saved already (on preemption)
+        if not self._background_saves:
+            result = super().save_checkpoints()
+        else:
+            self.finish_background_saves()
+            complete = read_latest(self._ckpt_root)
+            self._deferring_cleanup = True
+            try:
+                result = super().save_checkpoints()
+            finally:
+                self._deferring_cleanup = False
+            publish_latest(self._ckpt_root, complete)  # the host pointed at the save in flight
+            self._in_flight_step = self.global_step
+        self._saved = (self.global_step, result)
+        return result
+
+    def _cleanup_old_checkpoints(self):
+        if not self._deferring_cleanup:  # with a save in flight, the last complete one must stay
+            super()._cleanup_old_checkpoints()
+
+    def finish_background_saves(self) -> None:
+        """Wait until the workers have published the save in flight, then point the host at it and delete
+        what `max_ckpts_to_keep` retires (nothing when no save is in flight)."""
+        if self._in_flight_step is None:
+            return
+        import ray
+
+        for group in (self.policy_model, getattr(self, "critic_model", None)):
+            if group is not None:
+                ray.get(group.async_run_ray_method("pass_through", "finalize_pending_saves"))
+        publish_latest(self._ckpt_root, self._in_flight_step)
+        logger.info("checkpoint of step %d complete", self._in_flight_step)
+        self._in_flight_step = None
+        super()._cleanup_old_checkpoints()
+
+    def load_checkpoints(self):
+        if self._ours and getattr(self.resume_mode, "value", self.resume_mode) == "latest":
+            repair_latest(self._ckpt_root, self._roles)
+        return super().load_checkpoints()
+
+    # -- preemption --------------------------------------------------------------------------------
+
+    def train_critic_and_policy(self, data):
+        status = super().train_critic_and_policy(data)
+        if stop_reason() is not None:
+            self.save_checkpoints()  # where the host saves its own: the state it expects for a save
+        return status
+
+    def _at_step_end(self) -> None:
+        reason = stop_reason()
+        if reason is None or self._preempted:
+            return
+        self.save_checkpoints()  # (already saved when the request came before training ended)
+        self.finish_background_saves()
+        step = self.global_step
+        self._preempted = True
+        # the step's metrics are logged: nothing is pending (skyrl 0.4 logs what is left when a run fails)
+        self.all_metrics, self.all_timings = {}, {}
+        raise Preempted(f"stopped after step {step} ({reason}); its checkpoint is "
+                        f"{self._ckpt_root}/global_step_{step}: rerun the same command to resume from it", step)
+
+
+class _StepEndTracker:
+    """The host's tracker, calling `at_step_end` after the step's metrics are logged."""
+
+    def __init__(self, tracker, at_step_end):
+        self._tracker = tracker
+        self._at_step_end = at_step_end
+
+    def log(self, data, *args, **kwargs):
+        result = self._tracker.log(data, *args, **kwargs)
+        if STEP_METRIC in data:
+            self._at_step_end()
+        return result
+
+    def __getattr__(self, name: str):
+        return getattr(self._tracker, name)
+
+
+@functools.cache
+def _with_fault_handling_class(trainer_class: type) -> type:
+    if inspect.iscoroutinefunction(trainer_class.train):  # skyrl 0.4
+        async def train(self):
+            result = await trainer_class.train(self)
+            self.finish_background_saves()
+            return result
+    else:
+        def train(self):
+            result = trainer_class.train(self)
+            self.finish_background_saves()
+            return result
+    return type(f"{trainer_class.__name__}WithFaultHandling", (FaultHandling, trainer_class), {"train": train})
+
+
+def with_fault_handling(trainer):
+    """`trainer` (built by the host) with the behaviours above."""
+    trainer.__class__ = _with_fault_handling_class(type(trainer))
+    trainer._setup_fault_handling()
+    return trainer
+
+
+def fault_handling_experiment(experiment_class: type) -> type:
+    """`experiment_class` (the host's BasePPOExp or a subclass) whose trainer gets the behaviours above."""
+
+    class FaultHandlingExperiment(experiment_class):
+        def get_trainer(self, *args, **kwargs):
+            return with_fault_handling(super().get_trainer(*args, **kwargs))
+
+    FaultHandlingExperiment.__name__ = f"{experiment_class.__name__}WithFaultHandling"
+    return FaultHandlingExperiment

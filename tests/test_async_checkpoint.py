@@ -1,0 +1,196 @@
+"""Checkpoints written in the background (`checkpoint/async_save.py`, `megatron_config.async_save`).
+
+A tiny Qwen3 trains with the plain (non-distributed) optimizer, whose Adam moments are the live tensors a
+background write could read after the next step changed them. Asserted:
+* training goes on while a save is in flight: with the writer held back, the next step runs before the
+  write finishes, and the checkpoint still holds the state of the step it was taken at, bitwise equal to
+  a synchronous save of that state (two background saves in a row, the second finalizing the first);
+* a rank killed (SIGKILL) during a background write leaves the previous checkpoint published and the
+  host's pointer naming it; the run resumed from it repeats the next step bitwise;
+* a checkpoint saved in the background under TP=2 loads under another layout (world 1) and saves there
+  (synchronously) to the same global tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from skyrl_megatron.testing import DistributedTestError, run_on_ranks
+from skyrl_megatron.testing.checkpoint_steps import (
+    TP2_SP,
+    WORLD1,
+    global_tensors,
+    local_params,
+    setup_training,
+    train_step,
+)
+
+pytestmark = pytest.mark.slow
+
+HOLD_S = 120  # a held writer gives up after this long (a broken test, never reached when it passes)
+
+
+def _hold_writer(release):
+    """Megatron's file writer, held until `release` is set (after writing, when `write_first`)."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original = FileSystemWriterAsync.write_preloaded_data
+
+    def held(*args, **kwargs):
+        assert release.wait(HOLD_S), "the test never released the checkpoint writer"
+        return original(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(held)
+
+
+def _saves_while_training(rank, world, hf_dir, root, layout):
+    """Step 1; sync save; background save with the writer held; step 2 (the save still in flight);
+    release; background save 2 (finalizes 1); sync save 2."""
+    import threading
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver, save_checkpoint
+
+    root = Path(root)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, layout, distributed_optimizer=False)
+    train_step(built.chunks, optimizer, scheduler, batches)
+    save_checkpoint(root / "sync1", built.chunks, optimizer, scheduler, step=1)
+    release = threading.Event()
+    _hold_writer(release)
+    saver = AsyncCheckpointSaver()
+    saver.save(root / "async1", built.chunks, optimizer, scheduler, step=1, extra={"tag": "b"})
+    in_flight_before_step = not saver.write_done()
+    train_step(built.chunks, optimizer, scheduler, batches)
+    in_flight_after_step = not saver.write_done()
+    published_while_in_flight = (root / "async1").exists()
+    release.set()
+    saver.save(root / "async2", built.chunks, optimizer, scheduler, step=2)
+    async1_published_by_second_save = (root / "async1").exists()
+    save_checkpoint(root / "sync2", built.chunks, optimizer, scheduler, step=2)
+    saver.finalize()
+    return {
+        "in_flight_before_step": in_flight_before_step,
+        "in_flight_after_step": in_flight_after_step,
+        "published_while_in_flight": published_while_in_flight,
+        "async1_published_by_second_save": async1_published_by_second_save,
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    return str(make_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=5))
+
+
+@pytest.fixture(scope="module")
+def tp2_saves(hf_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp2_saves")
+    results = run_on_ranks(_saves_while_training, 2, hf_dir, str(root), TP2_SP, timeout=300)
+    return root, results
+
+
+def test_training_goes_on_while_a_save_is_written_and_the_save_holds_its_step(tp2_saves, tmp_path):
+    from skyrl_megatron.checkpoint import read_checkpoint_metadata, verify_checkpoint
+
+    root, results = tp2_saves
+    for result in results:
+        assert result == {"in_flight_before_step": True, "in_flight_after_step": True,
+                          "published_while_in_flight": False, "async1_published_by_second_save": True}
+    for step in (1, 2):
+        background, synchronous = root / f"async{step}", root / f"sync{step}"
+        verify_checkpoint(background)
+        assert read_checkpoint_metadata(background).step == step
+        written = global_tensors(background, tmp_path / f"a{step}.pt")
+        expected = global_tensors(synchronous, tmp_path / f"s{step}.pt")
+        assert written.keys() == expected.keys()
+        assert any(".exp_avg" in key for key in written)  # the optimizer's moments are in it
+        for key, tensor in expected.items():
+            assert torch.equal(written[key], tensor), (step, key)
+    # the two steps differ: a save that read the live state after step 2 would not match sync1
+    assert not torch.equal(*(global_tensors(root / f"sync{s}", tmp_path / f"d{s}.pt")["decoder.final_layernorm.weight"]
+                             for s in (1, 2)))
+    assert read_checkpoint_metadata(root / "async1").extra == {"tag": "b"}
+    assert not list(root.glob(".*"))  # no partial directory left
+
+
+def _killed_during_a_background_write(rank, world, hf_dir, root, reference_file):
+    """In the host's layout: step 1 saved in the background and published (the trainer writes the
+    pointer); step 2 trained (its weights kept for the test); its save started, the pointer written
+    too early (the window a trainer's kill can hit), then the process is killed mid-write."""
+    import threading
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver
+    from skyrl_megatron.checkpoint.latest import TRAINER_STATE_FILE, publish_latest, step_dir
+
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=False)
+    saver = AsyncCheckpointSaver()
+    train_step(built.chunks, optimizer, scheduler, batches)
+    saver.save(step_dir(root, 1) / "policy", built.chunks, optimizer, scheduler, step=1)
+    (step_dir(root, 1) / TRAINER_STATE_FILE).write_bytes(b"host state")
+    saver.finalize()
+    publish_latest(root, 1)
+    loss, _ = train_step(built.chunks, optimizer, scheduler, batches)
+    torch.save({"loss": loss, "params": local_params(built.chunks)}, reference_file)
+    _hold_writer(threading.Event())  # never released
+    saver.save(step_dir(root, 2) / "policy", built.chunks, optimizer, scheduler, step=2)
+    (step_dir(root, 2) / TRAINER_STATE_FILE).write_bytes(b"host state")
+    publish_latest(root, 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resume_latest_and_step(rank, world, hf_dir, root):
+    from skyrl_megatron.checkpoint import load_checkpoint
+    from skyrl_megatron.checkpoint.latest import read_latest, repair_latest, step_dir
+
+    repaired = repair_latest(root, ["policy"])
+    latest = read_latest(root)
+    assert repair_latest(root, ["policy"]) is None  # a pointer at a complete checkpoint stays
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=False)
+    state = load_checkpoint(step_dir(root, latest) / "policy", built.chunks, optimizer, scheduler)
+    loss, _ = train_step(built.chunks, optimizer, scheduler, batches)
+    return {"repaired": repaired, "latest": latest, "step": state.step, "loss": loss,
+            "params": local_params(built.chunks)}
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_bitwise(hf_dir, tmp_path):
+    from skyrl_megatron.checkpoint.latest import INCOMPLETE_SUFFIX
+
+    root, reference_file = tmp_path / "ckpts", tmp_path / "step2.pt"
+    with pytest.raises(DistributedTestError, match="rank 0: exited without reporting a result \\(killed by signal SIGKILL\\)"):
+        run_on_ranks(_killed_during_a_background_write, 1, hf_dir, str(root), str(reference_file), timeout=300)
+    assert not (root / "global_step_2" / "policy").exists()  # never published
+    assert (root / "global_step_2" / ".policy.partial").is_dir()
+
+    (resumed,) = run_on_ranks(_resume_latest_and_step, 1, hf_dir, str(root), timeout=300)
+    assert resumed["latest"] == 1 and resumed["step"] == 1
+    assert "2 -> 1" in resumed["repaired"] and "step 2 (policy: no checkpoint" in resumed["repaired"]
+    assert (root / f".global_step_2{INCOMPLETE_SUFFIX}").is_dir() and not (root / "global_step_2").exists()
+    reference = torch.load(reference_file)
+    assert resumed["loss"] == reference["loss"]
+    for name, param in reference["params"].items():
+        assert torch.equal(resumed["params"][name], param), name
+
+
+def _load_and_save_again(rank, world, hf_dir, ckpt_dir, resave_dir):
+    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+
+    built, optimizer, scheduler, _ = setup_training(hf_dir, WORLD1, distributed_optimizer=False)
+    state = load_checkpoint(ckpt_dir, built.chunks, optimizer, scheduler)
+    save_checkpoint(resave_dir, built.chunks, optimizer, scheduler, step=state.step, extra=state.extra)
+    return {"saved_layout_tensor": state.saved_layout.tensor, "rng_restored": state.rng_restored}
+
+
+def test_a_background_save_loads_under_another_layout(hf_dir, tp2_saves, tmp_path):
+    root, _ = tp2_saves
+    (result,) = run_on_ranks(_load_and_save_again, 1, hf_dir, str(root / "async2"), str(tmp_path / "world1"),
+                             timeout=300)
+    assert result == {"saved_layout_tensor": 2, "rng_restored": False}
+    saved, resaved = global_tensors(root / "async2", tmp_path / "a.pt"), global_tensors(tmp_path / "world1", tmp_path / "b.pt")
+    assert saved.keys() == resaved.keys()
+    for key, tensor in saved.items():
+        assert torch.equal(tensor, resaved[key]), key
