@@ -1,12 +1,15 @@
 """Step times with checkpoints written synchronously and in the background (`megatron_config.async_save`).
 
-Runs the demo (`python -m skyrl_megatron.demo --gpu`: a Qwen3-0.6B-shaped policy, its reference and our HF
-engine colocated on one GPU) once per mode, saving every `--ckpt-interval` steps, and prints per mode the
+Runs the demo (`python -m skyrl_megatron.demo --gpu`: a Qwen3-0.6B-shaped policy, its reference and the
+inference engine, vLLM where installed, colocated on one GPU) once per mode, saving every `--ckpt-interval` steps, and prints per mode the
 median time of a step without a save, of a step with one (its `save_checkpoints` part too), and how much
 longer a save step is. The first step (warm-up) and the last (its save is the run's final one) are left out.
-The second run trains the first run's model (`--model`), so the weights are written once.
+The second run trains the first run's model (`--model`), so the weights are written once. `--shape NAME` trains
+a random-weight checkpoint of a published shape (examples/megatron/model_configs, written once by
+bench/policy_bench.py's writer) instead of the demo's 0.6B-shaped one.
 
     python bench/checkpoint_steps.py --out $OUT            # on one GPU; a few minutes
+    python bench/checkpoint_steps.py --out $OUT --shape Qwen3-4B   # Qwen3-4B's widths (random weights)
     python bench/checkpoint_steps.py --cpu --steps 6       # the CPU demo (a smoke run of this script)
 
 Writes $OUT/checkpoint_steps.json and $OUT/checkpoint_steps.md (the table), and each run's log.
@@ -79,11 +82,18 @@ def main() -> None:
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--cpu", action="store_true", help="the CPU demo instead of --gpu")
     parser.add_argument("--timeout", type=int, default=280, help="seconds per run")
+    parser.add_argument("--shape", help="a shape in examples/megatron/model_configs (default: the demo's model)")
     parser.add_argument("overrides", nargs="*", help="more overrides for both runs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/checkpoint_steps_runs")
     model = None
+    if args.shape:
+        from policy_bench import write_checkpoint  # bench/ is this script's directory
+
+        model = work / f"model_{args.shape}"
+        if not (model / "config.json").is_file():
+            write_checkpoint(args.shape, model, cpu=args.cpu)
     results = {}
     for mode in args.modes.split(","):
         run_dir = work / mode

@@ -8,7 +8,7 @@ a hard timeout (which are killed, so a stuck collective never wedges the test se
 
 Ranks are forked from a server process (multiprocessing's "forkserver") that imported the heavy
 libraries once (`testing/rank_preload.py`), instead of each starting a fresh interpreter: a rank
-otherwise spends seconds importing before it runs anything. The server itself runs nothing, so
+otherwise spends seconds importing before it runs anything. NCCL ranks (GPUs) are spawned instead. The server itself runs nothing, so
 each rank still starts from a clean state; it gets the caller's current environment variables.
 """
 
@@ -84,7 +84,9 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _rank_server()
+    # NCCL ranks are spawned: importing Megatron-Bridge in the rank server initialises CUDA on a GPU machine,
+    # and CUDA does not survive a fork
+    ctx = _rank_server() if backend == "gloo" else mp.get_context("spawn")
     reports: Queue = ctx.Queue()
     port = free_port()
     # the caller's environment as it is now: the rank server's own dates from the server's start
