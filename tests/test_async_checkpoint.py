@@ -8,7 +8,10 @@ background write could read after the next step changed them. Asserted:
 * a rank killed (SIGKILL) during a background write leaves the previous checkpoint published and the
   host's pointer naming it; the run resumed from it repeats the next step bitwise;
 * a checkpoint saved in the background under TP=2 loads under another layout (world 1) and saves there
-  (synchronously) to the same global tensors.
+  (synchronously) to the same global tensors;
+* with Megatron's distributed optimizer and one rank per data-parallel group, the save that takes the
+  optimizer state from its own tensors (no gather) writes what Megatron's gather writes, bitwise, in the
+  foreground and in the background.
 """
 
 from __future__ import annotations
@@ -194,3 +197,46 @@ def test_a_background_save_loads_under_another_layout(hf_dir, tp2_saves, tmp_pat
     assert saved.keys() == resaved.keys()
     for key, tensor in saved.items():
         assert torch.equal(tensor, resaved[key]), key
+
+
+def _distributed_optimizer_saves(rank, world, hf_dir, root):
+    """TP=2 (one rank per data-parallel group) with Megatron's distributed optimizer: a save through
+    Megatron's own gather of the optimizer state, one without it (the default there), and a background
+    save taken at step 1 whose write runs while step 2 changes the optimizer's tensors it was taken from."""
+    import contextlib
+    import threading
+
+    import skyrl_megatron.checkpoint.megatron_state as megatron_state
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver, save_checkpoint
+
+    root = Path(root)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, TP2_SP, distributed_optimizer=True)
+    train_step(built.chunks, optimizer, scheduler, batches)
+    without_gather = megatron_state.state_without_gather
+    megatron_state.state_without_gather = lambda optimizer: contextlib.nullcontext()
+    save_checkpoint(root / "gathered", built.chunks, optimizer, scheduler, step=1)
+    megatron_state.state_without_gather = without_gather
+    save_checkpoint(root / "direct", built.chunks, optimizer, scheduler, step=1)
+    release = threading.Event()
+    _hold_writer(release)
+    saver = AsyncCheckpointSaver()
+    saver.save(root / "background", built.chunks, optimizer, scheduler, step=1)
+    train_step(built.chunks, optimizer, scheduler, batches)
+    release.set()
+    saver.finalize()
+    return [len(megatron_state.distributed_optimizers(optimizer))]
+
+
+def test_a_sole_data_parallel_rank_saves_the_distributed_optimizer_without_a_gather(hf_dir, tmp_path):
+    """The optimizer's state taken from its own tensors is the checkpoint Megatron's gather writes, key by
+    key and bit by bit, also when written in the background while the next step runs."""
+    root = tmp_path / "saves"
+    results = run_on_ranks(_distributed_optimizer_saves, 2, hf_dir, str(root), timeout=300)
+    assert all(count >= 1 for (count,) in results)
+    gathered = global_tensors(root / "gathered", tmp_path / "g.pt")
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in gathered)
+    for name in ("direct", "background"):
+        written = global_tensors(root / name, tmp_path / f"{name}.pt")
+        assert written.keys() == gathered.keys(), name
+        for key, tensor in gathered.items():
+            assert torch.equal(written[key], tensor), (name, key)
