@@ -27,7 +27,7 @@
 #        the megatron and fsdp2_sdpa cases. The fsdp2 case of bench/policy_bench.py assembles
 #        bench/flash_attn_standin (flash-attn's API on PyTorch's FlashAttention-2 kernels, plus these
 #        files) in its work directory and puts it first on that case's PYTHONPATH only.
-# vLLM 0.24.0 for the GPU demo and bench/rl_vllm.py (after calls 1 and 2, each call at once after the last):
+# vLLM 0.24.0 for the GPU demo and bench/rl_step_bench.py (after calls 1 and 2, each call at once after the last):
 #   calls v1, v2, v3 (carry .whlv1 / .whlv2 / .whlv3):  bash bench/device_setup.sh v1 (v2, v3)
 #   call v4 (carry .whlv4):                             source bench/device_setup.sh v4 && python -m skyrl_megatron.demo --gpu ...
 # .whlv1-4 (`bash bench/fetch_wheels.sh vllm`): four parts of one tar, vLLM's wheel without its FlashAttention-2

@@ -272,9 +272,13 @@ def case_environment(case: Case, s: Settings) -> dict[str, str]:
     pairs = (o[len(ENV_PREFIX):].partition("=") for o in s.variants.get(case.variant, []) if o.startswith(ENV_PREFIX))
     values = {name: value for name, _, value in pairs}
     if case.backend == "fsdp2" and s.flash_attn_site:
-        rest = values.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-        values["PYTHONPATH"] = os.pathsep.join(p for p in (s.flash_attn_site, rest) if p)
+        values["PYTHONPATH"] = pythonpath_first(s.flash_attn_site, values.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")))
     return values
+
+
+def pythonpath_first(site: str, rest: str) -> str:
+    """A PYTHONPATH value with `site` before `rest` (fsdp2's flash_attn stand-in before anything installed)."""
+    return os.pathsep.join(p for p in (site, rest) if p)
 
 
 @contextlib.contextmanager
@@ -317,13 +321,7 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
     if case.backend == "fsdp2":
         rows = min(s.fsdp_packed_rows, rows_per_gpu)
         forward_rows = min(s.fsdp_forward_rows or s.fsdp_packed_rows, rows_per_gpu)
-        return common + [
-            "trainer.strategy=fsdp2",
-            "trainer.flash_attn=true",  # FlashAttention-2 varlen kernels
-            "trainer.use_sample_packing=true",  # each micro-batch's rows unpadded into one sequence
-            f"trainer.micro_train_batch_size_per_gpu={rows}",
-            f"trainer.micro_forward_batch_size_per_gpu={forward_rows}",
-        ]
+        return common + fsdp2_best_overrides(rows, forward_rows)
     if case.backend == "fsdp2_sdpa":
         return common + [
             "trainer.strategy=fsdp2",
@@ -348,6 +346,21 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
             "+trainer.policy.megatron_config.transformer_config_kwargs.recompute_num_layers=1",
         ]
     return common + megatron + LAYOUTS[case.layout][1]
+
+
+def fsdp2_best_overrides(train_rows: int, forward_rows: int) -> list[str]:
+    """The host's FSDP2 workers at their best (`fsdp2`): FlashAttention-2 varlen kernels on each micro-batch's
+    rows packed into one sequence, `train_rows` / `forward_rows` rows per training / scoring micro-batch. Activation
+    checkpointing follows `trainer.gradient_checkpointing` (the host's default is on: set it off where memory
+    allows). Their workers need flash_attn importable: the installed CUDA build or `flash_attn_for_fsdp2`'s
+    stand-in first on PYTHONPATH."""
+    return [
+        "trainer.strategy=fsdp2",
+        "trainer.flash_attn=true",  # FlashAttention-2 varlen kernels
+        "trainer.use_sample_packing=true",  # each micro-batch's rows unpadded into one sequence
+        f"trainer.micro_train_batch_size_per_gpu={train_rows}",
+        f"trainer.micro_forward_batch_size_per_gpu={forward_rows}",
+    ]
 
 
 def compose(case: Case, s: Settings):
@@ -952,9 +965,13 @@ def token_budget_rows(attention_mask: torch.Tensor, token_budget: int) -> int:
     accumulates gradients over rows / micro rows micro-batches) whose mean packed size is nearest,
     by ratio, to our token budget."""
     rows = attention_mask.shape[0]
-    target = token_budget / (float(attention_mask.sum()) / rows)
+    return nearest_divisor(rows, token_budget / (float(attention_mask.sum()) / rows))
+
+
+def nearest_divisor(rows: int, target: float) -> int:
+    """The divisor of `rows` nearest to `target` by ratio (the smaller one on a tie)."""
     divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-    return min(divisors, key=lambda d: (abs(math.log(d / target)), d))
+    return min(divisors, key=lambda d: (abs(math.log(d / max(target, 1e-9))), d))
 
 
 def packed_micro_batch_tokens(attention_mask: torch.Tensor, rows: int) -> dict[str, float]:

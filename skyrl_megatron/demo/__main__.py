@@ -244,7 +244,7 @@ def prepare(run_dir: Path, steps: int, gpu: bool = False, model: Path | None = N
     return model_dir, prompts
 
 
-def _quiet_console() -> None:
+def quiet_console() -> None:
     """One line per step and nothing a user cannot act on; each setting is read where the noise starts,
     so it is set before those libraries load."""
     _disable_progress_bars_here()
@@ -259,6 +259,16 @@ def _quiet_console() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*not installed")
 
 
+def host_log_warnings_only() -> None:
+    """The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its first
+    import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back."""
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    from loguru import logger  # the host's logger in this process (the trainer runs here)
+
+    logger.remove()
+    logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
+
+
 def _disable_progress_bars_here() -> None:
     """tqdm's bars off in this process (the host trainer's, datasets' and transformers'), but not through
     TQDM_DISABLE, which Ray's workers would inherit: vLLM's ``LLM.generate`` divides by its bar's elapsed
@@ -271,7 +281,7 @@ def _disable_progress_bars_here() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_console()
+    quiet_console()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("outputs/demo"), help="run directory (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="GRPO steps of a fresh run (default: %(default)s)")
@@ -314,13 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = sum(1 for _ in prompts.open()) // PROMPTS_PER_STEP  # the prompt file fixes a run's length
     overrides = run_overrides(run_dir, model_dir, prompts, steps, args.ckpt_interval, gpus=gpus, ppo=args.ppo,
                               extra=args.overrides, engine=engine)
-    # The host logs every phase of every step at INFO (its loguru set-up reads LOG_LEVEL), from its
-    # first import on; the demo prints its own line per step. LOG_LEVEL=INFO brings the host's log back.
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    from loguru import logger  # the host's logger in this process (the trainer runs here)
-
-    logger.remove()
-    logger.add(sys.stderr, level=os.environ["LOG_LEVEL"])
+    host_log_warnings_only()
     try:
         cfg = checked_config(overrides)
     except ConfigError as err:

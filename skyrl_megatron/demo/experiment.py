@@ -19,6 +19,10 @@ Nothing here changes what the host trainer does; it observes:
   used and again after the critic's update (``critic/value_loss_before_update``, ``..._after_update``);
 * a tracker prints one line per step, keeps every metric in ``metrics.jsonl`` and draws the reward
   curve at the end.
+
+The token count, the train-inference gap and the prompt ids are read from what the driver holds anyway, so
+they work whatever the workers (``experiment_class(run_dir, checked=False)``: the host's FSDP2 workers too,
+as ``bench/rl_step_bench.py`` runs them); the weight, transfer and memory checks ask our workers.
 """
 
 from __future__ import annotations
@@ -182,9 +186,33 @@ def engine_weight_digests(actors: list, names: list[str]) -> list[dict[str, str]
     return ray.get([actor.weight_digests.remote(names) for actor in actors])
 
 
+def _observed_trainer_class():
+    class ObservedTrainer(current().trainer_class()):
+        """The host trainer plus what the driver sees of each step whatever the workers (any strategy): the
+        step's prompt ids, its token count and the train-inference logprob gap. Cheap: tensors the driver
+        holds anyway."""
+
+        def postprocess_generator_output(self, generator_output, uids):
+            self.all_metrics["data/prompt_uids"] = sorted(set(uids), key=int)
+            return super().postprocess_generator_output(generator_output, uids)
+
+        def fwd_logprobs_values_reward(self, training_input):
+            training_input = super().fwd_logprobs_values_reward(training_input)
+            self.all_metrics["throughput/tokens"] = int(training_input["attention_mask"].sum())
+            rollout = training_input["rollout_logprobs"]
+            if rollout is not None:
+                mask = training_input["loss_mask"].bool()
+                diff = (rollout - training_input["action_log_probs"]).abs()[mask]
+                self.all_metrics["sync/rollout_logprob_max_diff"] = float(diff.max()) if diff.numel() else 0.0
+                self.all_metrics[MEAN_GAP] = float(diff.mean()) if diff.numel() else 0.0
+            return training_input
+
+    return ObservedTrainer
+
+
 def _trainer_class():
-    class CheckedTrainer(current().trainer_class()):
-        """The host trainer plus the demo's observations (see the module docstring)."""
+    class CheckedTrainer(_observed_trainer_class()):
+        """The host trainer plus the demo's observations (see the module docstring); they ask our workers."""
 
         def _engines_are_vllm(self) -> bool:
             actors = engine_actors(self.inference_engine_client)
@@ -230,10 +258,6 @@ def _trainer_class():
                         name = f"memory/{role}_{key}"
                         self.all_metrics[name] = max(value, self.all_metrics.get(name, 0.0))
 
-        def postprocess_generator_output(self, generator_output, uids):
-            self.all_metrics["data/prompt_uids"] = sorted(set(uids), key=int)
-            return super().postprocess_generator_output(generator_output, uids)
-
         def train_critic_and_policy(self, data):
             status = super().train_critic_and_policy(data)
             self._report_memory_peaks()
@@ -265,23 +289,16 @@ def _trainer_class():
             if not self._engines_are_vllm():
                 self._check_engine_weights()  # the policy is still where the last sync left it
             self._report_transfers()
-            training_input = super().fwd_logprobs_values_reward(training_input)
-            self.all_metrics["throughput/tokens"] = int(training_input["attention_mask"].sum())
-            rollout = training_input["rollout_logprobs"]
-            if rollout is not None:
-                mask = training_input["loss_mask"].bool()
-                diff = (rollout - training_input["action_log_probs"]).abs()[mask]
-                self.all_metrics["sync/rollout_logprob_max_diff"] = float(diff.max()) if diff.numel() else 0.0
-                self.all_metrics[MEAN_GAP] = float(diff.mean()) if diff.numel() else 0.0
-            return training_input
+            return super().fwd_logprobs_values_reward(training_input)
 
     return CheckedTrainer
 
 
-def experiment_class(run_dir: Path):
-    """A BasePPOExp whose trainer is the checked one and whose tracker is the step reporter."""
+def experiment_class(run_dir: Path, checked: bool = True):
+    """A BasePPOExp whose trainer is the checked one (`checked=False`: the observed one, which asks the
+    workers nothing, for any strategy) and whose tracker is the step reporter."""
     base = current().base_experiment_class()
-    trainer_class = _trainer_class()
+    trainer_class = _trainer_class() if checked else _observed_trainer_class()
 
     class DemoExperiment(base):
         def __init__(self, cfg):
