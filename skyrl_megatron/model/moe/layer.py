@@ -198,29 +198,25 @@ def _ep_moe_layers(chunks: list):
                 yield name, module
 
 
-def _refuse_where(key: str, problems: list[tuple[str, str]]) -> None:
-    """A configuration error naming `key` for the first (name, why) of `problems`, if any (every layer has
-    the same reason)."""
-    if problems:
-        name, why = problems[0]
-        raise ConfigError([Problem(f"megatron_config.moe_config.{key}", f"{name}: {why}", f"meet that, or set {key}=false")])
-
-
-_NOT_OURS = "is not our grouped MoE layer (Transformer Engine's spec, or moe_grouped_gemm=false)"
+def _apply_to_ep_layers(chunks: list, key: str, apply) -> list:
+    """`apply(layer)` (why it cannot, or None once it has) on every MoE layer of the chunks at EP > 1; the
+    first that cannot is a configuration error naming ``megatron_config.moe_config.<key>`` (every layer has
+    the same reason; the config checks catch these cases before any worker starts)."""
+    for name, module in _ep_moe_layers(chunks):
+        if isinstance(module, grouped_moe_layer_class()):
+            why = apply(module)
+        else:
+            why = f"{type(module).__name__} is not our grouped MoE layer (Transformer Engine's spec, or moe_grouped_gemm=false)"
+        if why is not None:
+            raise ConfigError([Problem(f"megatron_config.moe_config.{key}", f"{name}: {why}", f"meet that, or set {key}=false")])
+    return chunks
 
 
 def use_split_overlap(chunks: list) -> list:
     """Pre-wrap hook of ``moe_config.overlap_all_to_all``: every MoE layer at EP > 1 runs its forward in
     two halves whose all-to-alls overlap expert compute (`model/moe/split_overlap.py`). At EP1 there is no
     all-to-all and nothing changes. A layer it cannot apply to is a configuration error naming the key."""
-    problems = []
-    for name, module in _ep_moe_layers(chunks):
-        if not isinstance(module, grouped_moe_layer_class()):
-            problems.append((name, f"{type(module).__name__} {_NOT_OURS}"))
-        elif (why := module.use_split_overlap()) is not None:
-            problems.append((name, why))
-    _refuse_where("overlap_all_to_all", problems)
-    return chunks
+    return _apply_to_ep_layers(chunks, "overlap_all_to_all", lambda layer: layer.use_split_overlap())
 
 
 def set_split_overlap(model: nn.Module | list, on: bool) -> int:
@@ -239,12 +235,5 @@ def use_device_all_to_all(chunks: list) -> list:
     """Pre-wrap hook of ``moe_config.device_all_to_all``: every MoE layer at EP > 1 exchanges its tokens
     with the sizes on the device (`model/moe/exchange_dispatcher.py`). At EP1 there is no all-to-all
     (`DeviceCountsDispatcher` already reads nothing on the host). A layer it cannot apply to is a
-    configuration error naming the key (the config checks catch these cases before any worker starts)."""
-    problems = []
-    for name, module in _ep_moe_layers(chunks):
-        if not isinstance(module, grouped_moe_layer_class()):
-            problems.append((name, f"{type(module).__name__} {_NOT_OURS}"))
-        elif (why := module.use_device_all_to_all()) is not None:
-            problems.append((name, why))
-    _refuse_where("device_all_to_all", problems)
-    return chunks
+    configuration error naming the key."""
+    return _apply_to_ep_layers(chunks, "device_all_to_all", lambda layer: layer.use_device_all_to_all())
