@@ -2,7 +2,7 @@
 all-to-all in flight while the other half's experts compute (model/moe/split_overlap.py), on CPU over gloo.
 
 A tiny Qwen3-MoE built with the key on, under EP2 (DP4, packed micro-batches), TP2 x EP2 (sequence
-parallel, expert TP 2) and PP2 x EP2, scores and trains one mini-batch through the real runner with the
+parallel, expert TP 2, the MoE module recomputed) and PP2 x EP2 (full layers recomputed), scores and trains one mini-batch through the real runner with the
 halves, then again with them switched off on the same model (Megatron's own forward): the response
 logprobs, the loss and every parameter's gradient must agree. Not bitwise: the expert GEMMs run on
 half the rows (for a single row the CPU takes a matrix-vector kernel, which rounds differently) and
@@ -21,10 +21,13 @@ import torch
 from skyrl_megatron.testing import make_rl_batch, make_tiny_hf_model, run_on_ranks
 
 WORLD = 4
-LAYOUTS = {  # name: (ParallelConfig fields, micro-batching)
-    "ep2": ({"expert": 2}, {"max_tokens": 24}),  # packed micro-batches
-    "tp2_ep2": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, {"micro_batch_size": 2}),
-    "pp2_ep2": ({"pipeline": 2, "expert": 2}, {"micro_batch_size": 1}),
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+MOE_RECOMPUTE = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+LAYOUTS = {  # name: (ParallelConfig fields, micro-batching, transformer_config_kwargs)
+    "ep2": ({"expert": 2}, {"max_tokens": 24}, {}),  # packed micro-batches
+    # the halves inside the MoE module's own recompute, and inside whole layers recomputed (skyrl 0.4's default)
+    "tp2_ep2": ({"tensor": 2, "expert": 2, "sequence_parallel": True}, {"micro_batch_size": 2}, MOE_RECOMPUTE),
+    "pp2_ep2": ({"pipeline": 2, "expert": 2}, {"micro_batch_size": 1}, FULL_RECOMPUTE),
 }
 ROWS, PROMPT, RESPONSE, SEED = 8, 6, 6, 5
 # |halves - Megatron's| <= REL x max |Megatron's| for every tensor compared (see the module docstring)
@@ -46,7 +49,7 @@ def _score_and_train(runner, chunks, batch, batching) -> dict:
     return {"logprobs": logprobs, "loss": metrics["loss"], "grads": _gradients(chunks)}
 
 
-def _layout(rank, hf_dir: str, layout: dict, batching: dict) -> tuple[dict, list]:
+def _layout(rank, hf_dir: str, layout: dict, batching: dict, recompute: dict) -> tuple[dict, list]:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
@@ -61,7 +64,7 @@ def _layout(rank, hf_dir: str, layout: dict, batching: dict) -> tuple[dict, list
     initialize_model_parallel(parallel, seed=SEED)
     spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True,
                      ddp_config={"grad_reduce_in_fp32": True, "average_in_collective": True},
-                     moe=MoeSettings(overlap_all_to_all=True))
+                     moe=MoeSettings(overlap_all_to_all=True), transformer_overrides=recompute)
     chunks = build_model(spec).chunks
     get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
     runner = ModelRunner(chunks, parallel)
@@ -146,8 +149,8 @@ def _all(rank, world_size, hf_dir: str) -> dict:
 
     init_distributed("cpu")
     out = {}
-    for name, (layout, batching) in LAYOUTS.items():
-        out[name], chunks = _layout(rank, hf_dir, layout, batching)
+    for name, (layout, batching, recompute) in LAYOUTS.items():
+        out[name], chunks = _layout(rank, hf_dir, layout, batching, recompute)
         if name == "ep2":  # its model once more: one layer alone, then the build's refusal
             out["one_layer"] = _one_layer(rank, chunks)
             out["refused"] = _refused_with_a_capacity_factor(chunks)
