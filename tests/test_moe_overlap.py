@@ -2,15 +2,16 @@
 all-to-all in flight while the other half's experts compute (model/moe/split_overlap.py), on CPU over gloo.
 
 A tiny Qwen3-MoE built with the key on, under EP2 (DP4, packed micro-batches), TP2 x EP2 (sequence
-parallel, expert TP 2, the MoE module recomputed) and PP2 x EP2 (full layers recomputed), scores and trains one mini-batch through the real runner with the
-halves, then again with them switched off on the same model (Megatron's own forward): the response
-logprobs, the loss and every parameter's gradient must agree. Not bitwise: the expert GEMMs run on
-half the rows (for a single row the CPU takes a matrix-vector kernel, which rounds differently) and
-each expert weight gradient is the sum of two halves' GEMMs; fp32, so every tensor must agree to
-1e-5 of its largest magnitude (seen: at most 1.1e-6, the roundings of 4 layers). One MoE layer alone
-with 1, 3, 5 and 7 tokens on the four ranks (one token leaves the second half empty) gives the same
-output and input gradient, and each half's experts run while an exchange is in flight, forward and
-backward. Then the build's backstop and the config checks.
+parallel, expert TP 2, the MoE module recomputed) and PP2 x EP2 (full layers recomputed), scores and
+trains one mini-batch through the real runner with the halves, then again with them switched off on
+the same model (Megatron's own forward): the response logprobs, the loss and every parameter's
+gradient must agree. Not bitwise: the expert GEMMs run on half the rows (for a single row the CPU
+takes a matrix-vector kernel, which rounds differently) and each expert weight gradient is the sum
+of two halves' GEMMs; in fp32 every tensor must agree to 1e-5 of its largest magnitude (seen: at
+most 1.1e-6, the roundings of 4 layers). One MoE layer alone with 1, 3, 5 and 7 tokens on the four
+ranks (one token leaves the second half empty) gives the same output and input gradient, and each
+half's experts run while an exchange is in flight, forward and backward. Then the build's backstop
+and the config checks.
 """
 
 from __future__ import annotations
