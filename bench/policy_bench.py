@@ -36,6 +36,10 @@ active experts only, plus causal attention, times 3 for training; recompute not 
     # EP2 with the all-to-alls' sizes on the device (moe_config.device_all_to_all) against without:
     python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:ep2@a2a_dev \
         --variant a2a_dev='trainer.policy.megatron_config.moe_config.device_all_to_all=true'
+    # EP2 with each MoE layer's tokens in two halves, one half's all-to-all under the other half's experts
+    # (moe_config.overlap_all_to_all) against without; tp2ep2 the same way:
+    python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --cases megatron:ep2,megatron:ep2@overlap \
+        --variant overlap='trainer.policy.megatron_config.moe_config.overlap_all_to_all=true'
 
 `--markdown FILE` writes (or replaces) this run's section in FILE (docs/benchmarks.md), and `--chart`
 a PNG of tokens/s/GPU per case and phase.

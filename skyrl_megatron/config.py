@@ -117,6 +117,9 @@ class MoeSettings:
     routing_replay: str | None = None  # null | r2 | r3 (compute/route_replay.py); the policy's only
     # EP > 1: all-to-alls with the split sizes on the device (torch's NVSHMEM op; model/moe/exchange_dispatcher.py)
     device_all_to_all: bool = False
+    # EP > 1: each MoE layer's tokens in two halves, one half's all-to-all under the other's experts
+    # (model/moe/split_overlap.py)
+    overlap_all_to_all: bool = False
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -161,6 +164,14 @@ class MoeSettings:
         if self.device_all_to_all is True and self.token_dispatcher != "alltoall":
             found.append(Problem(f"{prefix}.device_all_to_all", f"it replaces the alltoall dispatcher's exchange, and "
                                  f"token_dispatcher is {self.token_dispatcher!r}", "set token_dispatcher=alltoall, or device_all_to_all=false"))
+        boolean("overlap_all_to_all", self.overlap_all_to_all)
+        if self.overlap_all_to_all is True and self.token_dispatcher != "alltoall":
+            found.append(Problem(f"{prefix}.overlap_all_to_all", f"it runs the alltoall dispatcher's exchange in two "
+                                 f"halves, and token_dispatcher is {self.token_dispatcher!r}",
+                                 "set token_dispatcher=alltoall, or overlap_all_to_all=false"))
+        if self.overlap_all_to_all is True and self.device_all_to_all is True:
+            found.append(Problem(f"{prefix}.overlap_all_to_all", "it runs Megatron's all-to-all in two halves, which "
+                                 "device_all_to_all replaces", "set device_all_to_all=false, or overlap_all_to_all=false"))
         if self.routing_replay is not None and self.load_balancing_type in ("sinkhorn", "quantile_balancing"):
             found.append(
                 Problem(
@@ -546,6 +557,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
         problems += _moe_backend_problems(f"{prefix}.moe_config", mc.moe_config)
         problems += _routing_replay_problems(cfg, role, prefix, mc)
         problems += _device_all_to_all_problems(cfg, role, prefix, mc)
+        problems += _split_overlap_problems(cfg, role, prefix, mc)
     elif mc.moe_config.routing_replay == "r3":  # (it would have the engines return routes they do not have)
         problems.append(Problem(f"{prefix}.moe_config.routing_replay", f"r3 replays MoE routes, but {shape.model_type} "
                                 "at the model path has no experts", "set routing_replay=null for a dense model"))
@@ -662,6 +674,35 @@ def _device_all_to_all_problems(cfg, role: str, prefix: str, mc: MegatronWorkerC
     if int((cfg.trainer[role].model.get("lora") or {}).get("rank") or 0) > 0:
         problems.append(Problem(key, "LoRA keeps the experts per-expert modules (no grouped experts), which read the counts on the host",
                                 "set device_all_to_all=false with LoRA"))
+    return problems
+
+
+def _split_overlap_problems(cfg, role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """Where `moe_config.overlap_all_to_all` can apply (model/moe/split_overlap.split_overlap_can_apply at
+    build time is the backstop): dropless routing, our grouped MoE layer, no other overlap of the exchange.
+    At EP1 it changes nothing (there is no all-to-all)."""
+    key = f"{prefix}.moe_config.overlap_all_to_all"
+    if mc.moe_config.overlap_all_to_all is not True:
+        return []
+    off = "or set overlap_all_to_all=false"
+    problems = []
+    kwargs = mc.transformer_config_kwargs
+    dropping = [name for name in ("moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                                  "moe_router_padding_for_quantization") if kwargs.get(name) not in (None, False)]
+    if dropping:
+        problems.append(Problem(key, f"a capacity or padding computed per half would drop or pad other tokens, and "
+                                f"transformer_config_kwargs sets {', '.join(dropping)}", f"drop {', '.join(dropping)}, {off}"))
+    for name, why in (("moe_shared_expert_overlap", "runs the shared experts inside the exchange the halves replace"),
+                      ("overlap_moe_expert_parallel_comm", "(Megatron's own overlap) calls the layer's steps one by one, "
+                                                           "not its forward")):
+        if kwargs.get(name):
+            problems.append(Problem(key, f"transformer_config_kwargs.{name} {why}", f"drop {name}, {off}"))
+    if kwargs.get("moe_grouped_gemm") is False:
+        problems.append(Problem(key, "it runs in our grouped MoE layer, and transformer_config_kwargs.moe_grouped_gemm "
+                                "is false", f"drop moe_grouped_gemm, {off}"))
+    if int((cfg.trainer[role].model.get("lora") or {}).get("rank") or 0) > 0:
+        problems.append(Problem(key, "LoRA keeps Megatron's MoE layer with per-expert modules, which has no halves",
+                                "set overlap_all_to_all=false with LoRA"))
     return problems
 
 

@@ -32,7 +32,7 @@ from skyrl_megatron.model.conversion.cache import ConversionCacheSettings, LoadR
 from skyrl_megatron.model.layers import rope, swiglu, wgrad
 from skyrl_megatron.model.layers.fusions import DEFAULT_FUSED_KERNELS
 from skyrl_megatron.model.moe import experts, token_sort
-from skyrl_megatron.model.moe.layer import use_device_all_to_all
+from skyrl_megatron.model.moe.layer import use_device_all_to_all, use_split_overlap
 from skyrl_megatron.model.moe.settings import freeze_routers, moe_transformer_settings
 from skyrl_megatron.parallel import ParallelConfig
 from skyrl_megatron.runtime import Runtime, current_runtime
@@ -188,6 +188,8 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         provider.register_pre_wrap_hook(freeze_routers)  # after the bridge's weight loading
     if spec.moe.device_all_to_all and getattr(provider, "num_moe_experts", None):
         provider.register_pre_wrap_hook(use_device_all_to_all)  # EP > 1: model/moe/exchange_dispatcher.py
+    if spec.moe.overlap_all_to_all and getattr(provider, "num_moe_experts", None):
+        provider.register_pre_wrap_hook(use_split_overlap)  # EP > 1: model/moe/split_overlap.py
     settings.update(runtime.transformer_config_overrides())
     if not have_transformer_engine():
         # Bridge providers turn on fused MoE token permutation (Qwen3-MoE does), which Megatron-Core

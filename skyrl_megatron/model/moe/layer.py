@@ -26,6 +26,9 @@ and unpermutes its tokens by gathers (`model/moe/token_permute.py`) instead of M
 At EP > 1, `use_device_all_to_all(chunks)` (a pre-wrap hook, on with
 ``moe_config.device_all_to_all``) gives every such layer `DeviceAllToAllDispatcher`
 (`model/moe/exchange_dispatcher.py`): the all-to-alls take their sizes on the device as well.
+`use_split_overlap(chunks)` (``moe_config.overlap_all_to_all``) makes every such layer run its forward
+in two halves of its tokens whose all-to-alls overlap the other half's experts
+(`model/moe/split_overlap.py`); `set_split_overlap` switches it for comparisons.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch import nn
 from skyrl_megatron.config import ConfigError, Problem
 from skyrl_megatron.model.moe import token_permute, token_sort
 from skyrl_megatron.model.moe.exchange_dispatcher import device_all_to_all_dispatcher_class, exchange_can_apply
+from skyrl_megatron.model.moe.split_overlap import forward_in_halves, split_overlap_can_apply
 
 _classes: dict[str, type] = {}
 
@@ -104,6 +108,10 @@ def grouped_moe_layer_class() -> type:
         from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 
         class GroupedMoELayer(MoELayer):
+            # set by `use_split_overlap`: the forward in two halves, the second half's dispatcher
+            split_overlap = False
+            _second_half_dispatcher = None
+
             def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kwargs):
                 if pg_collection is None:
                     pg_collection = get_default_pg_collection()
@@ -120,10 +128,31 @@ def grouped_moe_layer_class() -> type:
                         self.token_dispatcher.set_shared_experts(self.shared_experts)
                 self._route_regularly_if_possible()
 
-            def _route_regularly_if_possible(self):
-                if routing_is_regular(self.config, self.token_dispatcher):
+            def _route_regularly_if_possible(self, dispatcher=None):
+                dispatcher = dispatcher or self.token_dispatcher
+                if routing_is_regular(self.config, dispatcher):
                     token_permute.install()
-                    token_permute.route_regularly(self.token_dispatcher, self.config.moe_router_topk)
+                    token_permute.route_regularly(dispatcher, self.config.moe_router_topk)
+
+            def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+                if self.split_overlap and intermediate_tensors is None:
+                    dispatchers = [self.token_dispatcher, self._second_half_dispatcher]
+                    return forward_in_halves(self, dispatchers, hidden_states, padding_mask)
+                return super().forward(hidden_states, intermediate_tensors, padding_mask)
+
+            def use_split_overlap(self) -> str | None:
+                """Run the forward in two overlapped halves (EP > 1); why it cannot, or None once it does."""
+                why = split_overlap_can_apply(self.config, self.token_dispatcher)
+                if why is not None:
+                    return why
+                if self._second_half_dispatcher is None:
+                    self._second_half_dispatcher = type(self.token_dispatcher)(
+                        self.num_local_experts, self.local_expert_indices, config=self.config,
+                        pg_collection=self.dispatcher_pg_collection,
+                    )
+                    self._route_regularly_if_possible(self._second_half_dispatcher)
+                self.split_overlap = True
+                return None
 
             def use_device_all_to_all(self) -> str | None:
                 """Swap in `DeviceAllToAllDispatcher` (EP > 1); why it cannot apply, or None once it has."""
@@ -159,25 +188,52 @@ def set_counts_on_device(model: nn.Module | list, on: bool) -> int:
     return switched
 
 
+def _ep_moe_layers(chunks: list):
+    """(name, layer) for every MoE layer of the chunks with more than one expert-parallel rank."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, MoELayer) and getattr(module.token_dispatcher, "ep_size", 1) > 1:
+                yield name, module
+
+
+def _apply_to_ep_layers(chunks: list, key: str, apply) -> list:
+    """`apply(layer)` (why it cannot, or None once it has) on every MoE layer of the chunks at EP > 1; the
+    first that cannot is a configuration error naming ``megatron_config.moe_config.<key>`` (every layer has
+    the same reason; the config checks catch these cases before any worker starts)."""
+    for name, module in _ep_moe_layers(chunks):
+        if isinstance(module, grouped_moe_layer_class()):
+            why = apply(module)
+        else:
+            why = f"{type(module).__name__} is not our grouped MoE layer (Transformer Engine's spec, or moe_grouped_gemm=false)"
+        if why is not None:
+            raise ConfigError([Problem(f"megatron_config.moe_config.{key}", f"{name}: {why}", f"meet that, or set {key}=false")])
+    return chunks
+
+
+def use_split_overlap(chunks: list) -> list:
+    """Pre-wrap hook of ``moe_config.overlap_all_to_all``: every MoE layer at EP > 1 runs its forward in
+    two halves whose all-to-alls overlap expert compute (`model/moe/split_overlap.py`). At EP1 there is no
+    all-to-all and nothing changes. A layer it cannot apply to is a configuration error naming the key."""
+    return _apply_to_ep_layers(chunks, "overlap_all_to_all", lambda layer: layer.use_split_overlap())
+
+
+def set_split_overlap(model: nn.Module | list, on: bool) -> int:
+    """Switch the halves of every MoE layer that `use_split_overlap` prepared (a module or chunks);
+    returns how many there are. Off, each runs Megatron's forward (the previous path)."""
+    chunks = model if isinstance(model, list) else [model]
+    switched = 0
+    for _, module in _ep_moe_layers(chunks):
+        if getattr(module, "_second_half_dispatcher", None) is not None:
+            module.split_overlap = on
+            switched += 1
+    return switched
+
+
 def use_device_all_to_all(chunks: list) -> list:
     """Pre-wrap hook of ``moe_config.device_all_to_all``: every MoE layer at EP > 1 exchanges its tokens
     with the sizes on the device (`model/moe/exchange_dispatcher.py`). At EP1 there is no all-to-all
     (`DeviceCountsDispatcher` already reads nothing on the host). A layer it cannot apply to is a
-    configuration error naming the key (the config checks catch these cases before any worker starts)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    problems = []
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if not isinstance(module, MoELayer) or getattr(module.token_dispatcher, "ep_size", 1) == 1:
-                continue
-            if not isinstance(module, grouped_moe_layer_class()):
-                why = f"{type(module).__name__} is not our grouped MoE layer (Transformer Engine's spec, or moe_grouped_gemm=false)"
-            else:
-                why = module.use_device_all_to_all()
-            if why is not None:
-                problems.append(Problem("megatron_config.moe_config.device_all_to_all", f"{name}: {why}",
-                                        "meet that, or set device_all_to_all=false"))
-    if problems:
-        raise ConfigError(problems[:1])  # every layer has the same reason
-    return chunks
+    configuration error naming the key."""
+    return _apply_to_ep_layers(chunks, "device_all_to_all", lambda layer: layer.use_device_all_to_all())

@@ -19,6 +19,7 @@ expert_bias                 moe_router_enable_expert_bias      null keeps the ch
 expert_bias_update_rate     moe_router_bias_update_rate        0: the bias stays as loaded
 freeze_router               (requires_grad=False on routers)   before DDP wraps the chunks
 device_all_to_all           (DeviceAllToAllDispatcher, EP > 1) before DDP wraps the chunks
+overlap_all_to_all          (forward in two halves, EP > 1)    before DDP wraps the chunks
 =========================== ================================== ==================================
 
 Frozen router weights never reach Megatron's DDP buffers or optimizer: both take only parameters

@@ -38,7 +38,8 @@ _originals: dict[str, object] = {}
 
 def rows_by_token(token_of_row: Tensor, num_tokens: int) -> Tensor:
     """[num_tokens, k]: the permuted rows of each token, in row (= expert) order."""
-    return torch.argsort(token_of_row, stable=True).view(num_tokens, -1)
+    k = token_of_row.numel() // num_tokens if num_tokens else 0  # no tokens (an empty half): no rows
+    return torch.argsort(token_of_row, stable=True).view(num_tokens, k)
 
 
 class _GatherRows(torch.autograd.Function):
