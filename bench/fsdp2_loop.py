@@ -223,6 +223,8 @@ class PlainFSDP2Loop:
 
     def path(self) -> dict:
         gpu = self.device.type == "cuda"
+        if gpu and _flash_varlen() is None:  # imports it: the attention's first call may not have run yet
+            raise RuntimeError("fsdp2_loop on GPU needs flash-attn (or bench/flash_attn_standin first on sys.path)")
         flash = sys.modules.get("flash_attn.flash_attn_interface")
         kernel = ("SDPA per row (CPU)" if not gpu else
                   "stand-in: torch FA2 varlen" if hasattr(flash, "UnsupportedByStandIn") else

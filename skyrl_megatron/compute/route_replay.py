@@ -350,3 +350,33 @@ def host_columns(routes: Sequence[torch.Tensor], attention_mask: torch.Tensor) -
             raise ValueError(f"routing replay: row {i} has {real} real tokens but {row_routes.shape[0]} routes")
         out[i, mask[i]] = row_routes.to(out.dtype)
     return out
+
+
+def training_routes(store: RouteStore, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                    engine_rows: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The routes training replays for a batch's rows, [B, S, L, k] in the host's columns, resolved once
+    for all its rows (the mini-batches slice it).
+
+    R2 (`engine_rows` None): what this step's scoring recorded for each row (`store`, by the row's tokens;
+    a row never scored is an error). R3: the engine's routes of each row (`engine_routes`: each row its
+    own, also for rows with the same tokens), and where the engine gave none, the route scoring chose.
+    Scoring replayed exactly the engine's routes, so training replays exactly what scoring used. Where
+    nothing was scored (a loss on rollout logprobs alone) the engine's routes stand and the tokens it
+    did not route are routed as usual."""
+    if engine_rows is None:
+        try:
+            rows = store.lookup(sequences, attention_mask)
+        except KeyError as missing:
+            raise RuntimeError(
+                f"{missing.args[0]}; with megatron_config.moe_config.routing_replay=r2 the policy's forward must "
+                "score the rows of a step before training on them"
+            ) from None
+        return host_columns(rows, attention_mask)
+    try:
+        scored = store.lookup(sequences, attention_mask)
+    except KeyError:
+        scored = None
+    for given, chosen in zip(engine_rows, scored or ()):
+        unrouted = given[:, :, 0] == NO_ROUTE
+        given[unrouted] = chosen.to(given.dtype)[unrouted]
+    return host_columns(engine_rows, attention_mask)

@@ -10,7 +10,13 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import save_hf_model
 from skyrl_megatron.compute.losses import ObjectiveSettings, PolicyObjective
-from skyrl_megatron.compute.route_replay import NO_ROUTE, RouteReplay, RouteStore, engine_routes, host_columns
+from skyrl_megatron.compute.route_replay import (
+    RouteReplay,
+    RouteStore,
+    engine_routes,
+    host_columns,
+    training_routes,
+)
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.runner import RESPONSE_KEYS
 from skyrl_megatron.engines.weight_updates import torch_dtype
@@ -59,19 +65,18 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
 
     # -- training: one mini-batch, then one optimizer step ----------------------------------------
 
-    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None, scored_routes=None) -> dict[str, float]:
+    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None,
+                          routes: torch.Tensor | None = None) -> dict[str, float]:
         """Forward + backward of rows [start, stop) of `data`; gradients stay for `_optimizer_step`.
 
-        `scored_routes`: every row of `data`'s MoE routes from this step's scoring (routing replay).
+        `routes`: the MoE routes training replays for every row of `data`, [B, S, L, k] in the host's
+        columns (`_training_routes`), or None without routing replay.
         """
         from megatron.core import parallel_state as ps
 
         rows = slice(start, stop)
         self._trained_since_scoring = True
         response = {k: data[k][rows] for k in RESPONSE_KEYS if k in data and data[k] is not None}
-        routes = None
-        if scored_routes is not None:
-            routes = host_columns(scored_routes[rows], data["attention_mask"][rows])
         self.router_metrics.reset()
         with self._step_guard("training"):
             metrics = self.runner.train_mini_batch(
@@ -82,7 +87,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
                 temperature=float(self.host_cfg.generator.sampling_params.temperature),
                 dp_group=ps.get_data_parallel_group(),
-                routes=routes,
+                routes=None if routes is None else routes[rows],
             )
         metrics.update(self.router_metrics.summary())  # collective: every rank
         return metrics
@@ -99,13 +104,13 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 "trainer.train_batch_size or trainer.policy_mini_batch_size"
             )
         # every row's routes from this step's scoring, matched by its tokens (rows may come reordered)
-        scored_routes = self._scored_routes(train_data)
+        routes = self._training_routes(train_data)
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         with self._watched("training"):
             for _ in range(int(trainer.update_epochs_per_batch)):
                 for start in range(0, rows, mini):
-                    metrics = self._train_mini_batch(train_data, start, start + mini, scored_routes)
+                    metrics = self._train_mini_batch(train_data, start, start + mini, routes)
                     metrics.update(self._optimizer_step())
                     steps += 1
                     for name, value in metrics.items():
@@ -128,7 +133,7 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 "by skyrl-megatron; the policy trains with trainer.algorithm.policy_loss_type"
             )
         with self._watched("training"):
-            metrics = self._train_mini_batch(data, scored_routes=self._scored_routes(data))
+            metrics = self._train_mini_batch(data, routes=self._training_routes(data))
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
         metrics.update(self.lora_metrics)
         return host_api.training_status(metrics)
@@ -162,35 +167,13 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
             )
         return engine_routes(*given, data["attention_mask"], self.route_replay)
 
-    def _scored_routes(self, train_data) -> list[torch.Tensor] | None:
-        """The routes training replays for `train_data`'s rows: what this step's scoring used."""
+    def _training_routes(self, train_data) -> torch.Tensor | None:
+        """The routes training replays for `train_data`'s rows (`route_replay.training_routes`), or None
+        without routing replay."""
         if self.route_store is None or not self.runner.replays_routes:
             return None  # (a pipeline stage without MoE layers has no routes)
-        if self.routing_replay == "r3":
-            return self._engine_routes_for_training(train_data)
-        try:
-            return self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
-        except KeyError as missing:
-            raise RuntimeError(
-                f"{missing.args[0]}; with megatron_config.moe_config.routing_replay=r2 the policy's forward must score "
-                "the rows of a step before training on them"
-            ) from None
-
-    def _engine_routes_for_training(self, train_data) -> list[torch.Tensor]:
-        """R3: the engine's routes from the batch itself (each row its own, also for rows with the same
-        tokens), and where the engine gave none, the route scoring chose. Scoring replayed exactly the
-        engine's routes, so training replays exactly what scoring used. Where the host skipped the
-        policy's scoring (a loss on rollout logprobs alone) there is nothing to match: those tokens are
-        routed as usual."""
-        rows = self._engine_routes(train_data)
-        try:
-            scored = self.route_store.lookup(train_data["sequences"], train_data["attention_mask"])
-        except KeyError:
-            return rows
-        for given, chosen in zip(rows, scored):
-            unrouted = given[:, :, 0] == NO_ROUTE
-            given[unrouted] = chosen.to(given.dtype)[unrouted]
-        return rows
+        engine_rows = self._engine_routes(train_data) if self.routing_replay == "r3" else None
+        return training_routes(self.route_store, train_data["sequences"], train_data["attention_mask"], engine_rows)
 
     def recorded_routes(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
         """The routes this step's scoring recorded for these rows, [B, S, L, k] in the host's columns
