@@ -9,9 +9,9 @@ background write could read after the next step changed them. Asserted:
   host's pointer naming it; the run resumed from it repeats the next step bitwise;
 * a checkpoint saved in the background under TP=2 loads under another layout (world 1) and saves there
   (synchronously) to the same global tensors;
-* with Megatron's distributed optimizer and one rank per data-parallel group, the save that takes the
-  optimizer state from its own tensors (no gather) writes what Megatron's gather writes, bitwise, in the
-  foreground and in the background.
+* with Megatron's distributed optimizer (one rank per data-parallel group, and DP2, where the ranks'
+  ranges cut parameters), the save that describes the optimizer state where it is (no gather) writes what
+  Megatron's gather writes, bitwise, in the foreground and in the background.
 """
 
 from __future__ import annotations
@@ -199,18 +199,20 @@ def test_a_background_save_loads_under_another_layout(hf_dir, tp2_saves, tmp_pat
         assert torch.equal(tensor, resaved[key]), key
 
 
-def _distributed_optimizer_saves(rank, world, hf_dir, root):
-    """TP=2 (one rank per data-parallel group) with Megatron's distributed optimizer: a save through
-    Megatron's own gather of the optimizer state, one without it (the default there), and a background
-    save taken at step 1 whose write runs while step 2 changes the optimizer's tensors it was taken from."""
+def _distributed_optimizer_saves(rank, world, hf_dir, root, layout):
+    """Megatron's distributed optimizer: a save through Megatron's own gather of the optimizer state, one
+    without it (the default), and a background save taken at step 1 whose write runs while step 2 changes
+    the optimizer's tensors it was taken from. Returns how many parameters this rank's data-parallel
+    ranges cut (their state is assembled from pieces)."""
     import contextlib
     import threading
 
     import skyrl_megatron.checkpoint.megatron_state as megatron_state
     from skyrl_megatron.checkpoint import AsyncCheckpointSaver, save_checkpoint
+    from skyrl_megatron.checkpoint.optimizer_state import distributed_optimizers, pieces_of
 
     root = Path(root)
-    built, optimizer, scheduler, batches = setup_training(hf_dir, TP2_SP, distributed_optimizer=True)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, layout, distributed_optimizer=True)
     train_step(built.chunks, optimizer, scheduler, batches)
     without_gather = megatron_state.state_without_gather
     megatron_state.state_without_gather = lambda optimizer: contextlib.nullcontext()
@@ -224,15 +226,27 @@ def _distributed_optimizer_saves(rank, world, hf_dir, root):
     train_step(built.chunks, optimizer, scheduler, batches)
     release.set()
     saver.finalize()
-    return [len(megatron_state.distributed_optimizers(optimizer))]
+    buffers = [buffer for dist_optimizer in distributed_optimizers(optimizer) for buffer in dist_optimizer.buffers]
+    return sum(len(pieces_of(buffer, where)) > 1 for buffer in buffers for where in buffer.param_index_map.values())
 
 
-def test_a_sole_data_parallel_rank_saves_the_distributed_optimizer_without_a_gather(hf_dir, tmp_path):
-    """The optimizer's state taken from its own tensors is the checkpoint Megatron's gather writes, key by
-    key and bit by bit, also when written in the background while the next step runs."""
+@pytest.fixture(scope="module")
+def three_layer_hf_dir(tmp_path_factory) -> str:
+    """Three layers: the middle of the gradient buffer, where DP2 splits it, falls inside a parameter."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    return str(make_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3_3"), seed=5, num_hidden_layers=3))
+
+
+@pytest.mark.parametrize("layout", [TP2_SP, WORLD1], ids=["tp2_one_rank_per_dp_group", "dp2"])
+def test_the_distributed_optimizer_is_saved_without_a_gather(hf_dir, three_layer_hf_dir, tmp_path, layout):
+    """The optimizer's state described where it is (whole on one rank, or a parameter cut by the data-
+    parallel ranges joined from its pieces) is the checkpoint Megatron's gather writes, key by key and bit
+    by bit, also when written in the background while the next step runs."""
     root = tmp_path / "saves"
-    results = run_on_ranks(_distributed_optimizer_saves, 2, hf_dir, str(root), timeout=300)
-    assert all(count >= 1 for (count,) in results)
+    model = three_layer_hf_dir if layout is WORLD1 else hf_dir
+    cut = run_on_ranks(_distributed_optimizer_saves, 2, model, str(root), layout, timeout=300)
+    assert (sum(cut) > 0) == (layout is WORLD1)  # DP2 cuts a parameter here; TP2 (one rank per group) none
     gathered = global_tensors(root / "gathered", tmp_path / "g.pt")
     assert any(key.startswith("optimizer.state.exp_avg_sq.") for key in gathered)
     for name in ("direct", "background"):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_ADAPTERS, MODEL_STATE_FULL, unwrap
+from skyrl_megatron.checkpoint.optimizer_state import state_without_gather
 from skyrl_megatron.dist_io import replica_group
 from skyrl_megatron.model.adapters.lora import is_adapter_name
 from skyrl_megatron.optim import torch_optimizers, use_fused_torch_adam
@@ -152,73 +153,6 @@ def sharded_training_state(
     if with_rng:
         state["rng_state"] = _rng_sharded_object(None if is_loading else _capture_rng())
     return state
-
-
-def distributed_optimizers(optimizer) -> list:
-    """The Megatron distributed optimizers inside `optimizer` (chained or not)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if hasattr(optimizer, "chained_optimizers"):
-        return [o for chained in optimizer.chained_optimizers for o in distributed_optimizers(chained)]
-    return [optimizer] if isinstance(optimizer, DistributedOptimizer) else []
-
-
-@contextlib.contextmanager
-def state_without_gather(optimizer):
-    """Saving: the distributed optimizers whose data-parallel group is one rank describe their state from
-    the tensors they hold, instead of through Megatron's gather.
-
-    Megatron's `fully_reshardable` save first gathers each buffer's state on DP rank 0 into new host
-    tensors: per parameter a pageable device-to-host copy, then zero-filled world buffers, the gather,
-    a concatenation and a copy, all before the save can start (on one H200 about 20 s of a 0.6B model's
-    save). With one rank in the group that rank holds every parameter's whole state already, so the same
-    sharded tensors (same keys, shapes, dtype and replica ids, so the same checkpoint) are views of the
-    optimizer's own tensors, copied once by the writer (or into pinned buffers by a background save)."""
-    patched = []
-    for dist_optimizer in distributed_optimizers(optimizer):
-        group = dist_optimizer.data_parallel_group_gloo or dist_optimizer.data_parallel_group
-        if group.size() != 1:
-            continue
-        dist_optimizer.sharded_param_state_fully_reshardable = _model_space_state_of_sole_rank.__get__(dist_optimizer)
-        patched.append(dist_optimizer)
-    try:
-        yield
-    finally:
-        for dist_optimizer in patched:
-            del dist_optimizer.sharded_param_state_fully_reshardable  # the class's method again
-
-
-def _model_space_state_of_sole_rank(dist_optimizer, model_sharded_state_dict, is_loading=False, metadata=None):
-    """`DistributedOptimizer.sharded_param_state_fully_reshardable`'s result for a save by the only rank of
-    its data-parallel group: per model parameter (in the buffers' order) a sharded tensor per state key
-    ("param": the fp32 main weight, then the optimizer's moments), keyed `optimizer.state.<key>.<model
-    key>`, shaped and replicated like the model parameter, in fp32."""
-    import dataclasses
-
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
-
-    assert not is_loading, "a save-only path"
-    sharded_tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
-    metadata_of = {sharded.data: sharded for sharded in nested_values(sharded_tensors)}
-    state_keys = ("param", *dist_optimizer.optimizer_state_keys)
-    model_space_state, index = {}, 0
-    for buffer in dist_optimizer.buffers:
-        for model_param in buffer.param_index_map:
-            sharded = metadata_of[model_param]
-            tensors = dist_optimizer._get_main_param_and_optimizer_states(model_param)
-            entry = {}
-            for key in state_keys:
-                data = tensors[key].detach().float().reshape(sharded.data.shape)
-                fields = dict(key=f"optimizer.state.{key}.{sharded.key}", data=data)
-                if not isinstance(sharded, ShardedTensorFactory):  # a factory takes its dtype from `data`
-                    fields["dtype"] = data.dtype
-                entry[key] = dataclasses.replace(sharded, **fields)
-                entry[key].validate_metadata_integrity()
-            model_space_state[index] = entry
-            index += 1
-    return model_space_state
 
 
 def model_state_of(chunks) -> str:
