@@ -114,8 +114,7 @@ def _whole_states(dist_optimizer, state_keys) -> dict:
         me = group.rank()
         for model_param, param_range in buffer.param_index_map.items():
             pieces = pieces_of(buffer, param_range)
-            mine = next((piece for piece in pieces if piece.rank == me), None)
-            if mine is None:
+            if all(piece.rank != me for piece in pieces):
                 continue
             local = dist_optimizer._get_main_param_and_optimizer_states(model_param)
             local = {key: local[key].detach().float().reshape(-1) for key in state_keys}

@@ -8,8 +8,9 @@ a hard timeout (which are killed, so a stuck collective never wedges the test se
 
 Ranks are forked from a server process (multiprocessing's "forkserver") that imported the heavy
 libraries once (`testing/rank_preload.py`), instead of each starting a fresh interpreter: a rank
-otherwise spends seconds importing before it runs anything. NCCL ranks (GPUs) are spawned instead. The server itself runs nothing, so
-each rank still starts from a clean state; it gets the caller's current environment variables.
+otherwise spends seconds importing before it runs anything. The server itself runs nothing, so each
+rank still starts from a clean state; it gets the caller's current environment variables. NCCL ranks
+(GPUs) are spawned instead.
 """
 
 from __future__ import annotations
