@@ -6,6 +6,8 @@
 #
 #   call 1 (carry .whl .whl3):            bash bench/device_setup.sh 1
 #   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
+#   call 5 (carry .whl9), at once after call 2: bash bench/device_setup.sh 5 (ray[default]'s dependencies: without
+#        them Ray's dashboard agent runs minimal and every Ray process logs that the metrics exporter is missing)
 #   for flash-attn-4 (attention_kernel=auto takes it; bench/gpu_fa4_check.py) also (flash-attn-4 and the CuTe DSL, about 97 MiB):
 #   call 3 (carry .whl7): bash bench/device_setup.sh 3;  call 4 (carry .whl8): source bench/device_setup.sh 4 && ...
 #
@@ -20,6 +22,7 @@
 # .whl5: annotated-types, sniffio, py-spy (stack dumps of a stalled run)
 # .whl7, .whl8: flash-attn-4 4.0.0b36 (flash_attn.cute), quack-kernels, the CuTe DSL (its CUDA 13 library wheel
 #        in two halves, its libs-core), apache-tvm-ffi, torch-c-dlpack-ext
+# .whl9: aiohttp, aiohttp_cors, opencensus, prometheus_client, smart_open, virtualenv, ... (ray[default]'s extras)
 # .whl6: botocore, jmespath, datasets, multiprocess, dill, torchdata, skyrl-gym (imported by the host
 #        trainer), and flash_attn_pkg: flash-attn 2.8.3's own pure-Python padding helpers and Triton
 #        cross entropy, unchanged (the host imports both). No CUDA extension: its __init__ here is a
@@ -63,6 +66,11 @@ case "$1" in
     echo '__version__ = "2.8.3"' > /tmp/site/flash_attn/__init__.py
     _device_env
     echo "device_setup: part 2 done"
+    ;;
+  5)
+    test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }
+    $PIP .whl9/*.whl >/dev/null 2>&1
+    echo "device_setup: part 5 done"
     ;;
   v1|v2|v3)
     test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }

@@ -40,8 +40,8 @@ download_in_halves() {  # SPEC WHEEL PART_SIZE PREFIX DIR_A DIR_B: a wheel too l
 
 ONLY=${1:-all}
 if [[ $ONLY == all ]]; then
-rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8
-mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8
+rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8 .whl9
+mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8 .whl9
 
 # .whl (call 1): the training stack
 download .whl $(pinned megatron-core megatron-bridge transformers tokenizers omegaconf hydra-core)
@@ -60,6 +60,11 @@ download .whl2 $(pinned skyrl-train loguru pydantic pydantic_core typing-inspect
     jsonschema jsonschema-specifications referencing rpds-py)
 # .whl5 (call 2); py-spy (not in the venv: pinned here) dumps the stacks of a run that stalls on the machine
 download .whl5 $(pinned annotated-types sniffio)
+# ray[default]'s own dependencies: with them Ray's dashboard agent serves the metrics exporter (a minimal Ray
+# logs an error in every process); a call of their own (call 5) for the 64 MiB limit
+download .whl9 $(pinned aiohttp aiohttp_cors aiosignal aiohappyeyeballs frozenlist multidict propcache yarl wrapt colorful \
+    opencensus opencensus-context opentelemetry-exporter-prometheus prometheus_client smart_open virtualenv distlib \
+    google-api-core google-auth proto-plus pyasn1 pyasn1-modules)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl5 py-spy==0.4.3
 # .whl6 (call 2): imported by the host trainer's modules
@@ -98,6 +103,7 @@ echo "  call 1 (.whl .whl3):             $(du -cm .whl .whl3 | tail -1 | cut -f1
 echo "  call 2 (.whl2 .whl4 .whl5 .whl6): $(du -cm .whl2 .whl4 .whl5 .whl6 | tail -1 | cut -f1)"
 echo "  call 3 (.whl7):                   $(du -cm .whl7 | tail -1 | cut -f1)"
 echo "  call 4 (.whl8):                   $(du -cm .whl8 | tail -1 | cut -f1)"
+echo "  call 5 (.whl9):                   $(du -cm .whl9 | tail -1 | cut -f1)"
 fi
 
 # .whlv1 ... .whlv4 (calls v1-v4 of device_setup.sh): vLLM 0.24.0 (the release built for the machines' torch
