@@ -3,14 +3,15 @@
 Runs the demo (`python -m skyrl_megatron.demo --gpu`: a Qwen3-0.6B-shaped policy, its reference and the
 inference engine, vLLM where installed, colocated on one GPU) once per mode, saving every `--ckpt-interval` steps, and prints per mode the
 median time of a step without a save, of a step with one (its `save_checkpoints` part too), and how much
-longer a save step is. The first step (warm-up) and the last (its save is the run's final one) are left out.
+longer a save step is. The first step and the first save (warm-ups) and the last step (its save is the run's final
+one) are left out of the medians; the first save is reported on its own.
 The second run trains the first run's model (`--model`), so the weights are written once. `--shape NAME` trains
 a random-weight checkpoint of a published shape (examples/megatron/model_configs, written once by
 bench/policy_bench.py's writer) instead of the demo's 0.6B-shaped one.
 
     python bench/checkpoint_steps.py --out $OUT            # on one GPU; a few minutes
     python bench/checkpoint_steps.py --out $OUT --shape Qwen3-4B   # Qwen3-4B's widths (random weights)
-    python bench/checkpoint_steps.py --cpu --steps 6       # the CPU demo (a smoke run of this script)
+    python bench/checkpoint_steps.py --cpu --steps 8 --ckpt-interval 2   # the CPU demo (a smoke run of this script)
 
 Writes $OUT/checkpoint_steps.json and $OUT/checkpoint_steps.md (the table), and each run's log.
 """
@@ -47,10 +48,12 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     by_step = {r["step"]: r for r in records if "trainer/global_step" in r}
     middle = [s for s in sorted(by_step) if 1 < s < steps]
-    saving = [s for s in middle if s % interval == 0]
+    # the first save is a warm-up as the first step is: it allocates the pinned staging buffers, and the host's
+    # first clean-up of old checkpoints starts a Ray task on each node
+    first_save, *saving = [s for s in middle if s % interval == 0]
     plain = [s for s in middle if s % interval]
     if not saving or not plain:
-        raise SystemExit(f"need steps with and without a save between the first and the last: --steps {steps}, "
+        raise SystemExit(f"need two saves and a step without one between the first step and the last: --steps {steps}, "
                          f"--ckpt-interval {interval}")
     normal = statistics.median(by_step[s]["timing/step"] for s in plain)
     save = statistics.median(by_step[s]["timing/step"] for s in saving)
@@ -62,6 +65,8 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
         "tokens_per_s": {s: by_step[s].get("throughput/tokens_per_second") for s in sorted(by_step)},
         "save_steps": saving,
         "plain_steps": plain,
+        "first_save": {"step": first_save, "step_s": by_step[first_save]["timing/step"],
+                       "save_checkpoints_s": by_step[first_save].get("timing/save_checkpoints", 0.0)},
     }
 
 
@@ -77,8 +82,9 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/checkpoint_steps"))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--ckpt-interval", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ckpt-interval", type=int, default=3,
+                        help="steps between saves: far enough apart for a background write to finish")
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--cpu", action="store_true", help="the CPU demo instead of --gpu")
     parser.add_argument("--timeout", type=int, default=280, help="seconds per run")

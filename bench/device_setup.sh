@@ -6,7 +6,7 @@
 #
 #   call 1 (carry .whl .whl3):            bash bench/device_setup.sh 1
 #   call 2 (carry .whl2 .whl4 .whl5 .whl6): source bench/device_setup.sh 2 && python bench/...
-#   call 5 (carry .whl9), at once after call 2: bash bench/device_setup.sh 5 (ray[default]'s dependencies: without
+#   call 5 (carry .whl2 .whl9), at once after call 2: bash bench/device_setup.sh 5 (ray[default]'s dependencies: without
 #        them Ray's dashboard agent runs minimal and every Ray process logs that the metrics exporter is missing)
 #   for flash-attn-4 (attention_kernel=auto takes it; bench/gpu_fa4_check.py) also (flash-attn-4 and the CuTe DSL, about 97 MiB):
 #   call 3 (carry .whl7): bash bench/device_setup.sh 3;  call 4 (carry .whl8): source bench/device_setup.sh 4 && ...
@@ -69,7 +69,9 @@ case "$1" in
     ;;
   5)
     test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }
-    $PIP .whl9/*.whl >/dev/null 2>&1
+    # with .whl2 in the same pip call: --target replaces a top-level folder that exists (opentelemetry/, google/),
+    # so namespace packages must land together
+    $PIP .whl2/*.whl .whl9/*.whl >/dev/null 2>&1
     echo "device_setup: part 5 done"
     ;;
   v1|v2|v3)

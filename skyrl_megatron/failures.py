@@ -109,13 +109,16 @@ class _Registry:
         return self.stop_request
 
 
-_DRIVER_HANDLE = None  # the driver owns the registry: it lives exactly as long as the job's driver
+# the driver owns the registry (it lives exactly as long as the job's driver); its handle, with the Ray cluster
+# it belongs to (a test may start several clusters in one process)
+_DRIVER_HANDLE: tuple[str, object] | None = None
 
 
 def start_registry() -> None:
     """Create the registry (driver side, after ray.init). Workers find it by name."""
     global _DRIVER_HANDLE
-    _DRIVER_HANDLE = _Registry.options(name=REGISTRY_NAME, get_if_exists=True).remote()
+    handle = _Registry.options(name=REGISTRY_NAME, get_if_exists=True).remote()
+    _DRIVER_HANDLE = (ray.get_runtime_context().gcs_address, handle)
 
 
 def register_current_worker(role: str, rank: int, world_size: int, coordinates: str) -> None:
@@ -141,9 +144,12 @@ def register_current_worker(role: str, rank: int, world_size: int, coordinates: 
 
 
 def _registry():
-    """The registry's handle, or None (no Ray, or no driver started one)."""
+    """The registry's handle, or None (no Ray, or no driver started one). The driver keeps its own handle:
+    once the registry's actor has died, its name is gone, but calls through the handle say that it died."""
     if not ray.is_initialized():
         return None
+    if _DRIVER_HANDLE is not None and _DRIVER_HANDLE[0] == ray.get_runtime_context().gcs_address:
+        return _DRIVER_HANDLE[1]
     try:
         return ray.get_actor(REGISTRY_NAME)
     except ValueError:
@@ -199,12 +205,18 @@ def stop_requested() -> str | None:
         return None
 
 
-def dead_workers() -> list[WorkerIdentity]:
-    """Registered workers whose actor is dead, in role and rank order."""
-    try:
-        entries = ray.get(ray.get_actor(REGISTRY_NAME).entries.remote(), timeout=_PROBE_SECONDS)
-    except (ValueError, ray.exceptions.GetTimeoutError):  # no worker ever registered
+def dead_workers() -> list[WorkerIdentity] | None:
+    """Registered workers whose actor is dead, in role and rank order; None when the registry's own actor
+    died (then nothing is left that knows who registered)."""
+    registry = _registry()
+    if registry is None:  # no registry was started
         return []
+    try:
+        entries = ray.get(registry.entries.remote(), timeout=_PROBE_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        return []
+    except ray.exceptions.RayActorError:
+        return None
     registered = list(entries.values())
     dead = _dead([handle for _, handle in registered])
     return sorted((identity for (identity, _), is_dead in zip(registered, dead) if is_dead),
@@ -256,11 +268,18 @@ def explain(error: BaseException) -> ReportedFailure | None:
     processes died (WorkerFailure naming them); else None."""
     reports = reported_failures()
     dead = dead_workers()
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if dead is None:
+        # the registry holds no training state and does no work: it dies with the others only when something
+        # outside the training ends Ray's processes
+        return WorkerFailure(
+            "Ray's worker processes died together, the failure registry's among them: something outside the "
+            "training ended them, most often the host running out of memory (see `dmesg` and Ray's logs under "
+            f"/tmp/ray/session_latest/logs). First error seen: {first_line}")
     names = "; ".join(str(identity) for identity in dead)
     if reports:
         died = f" Dead processes: {names}." if dead else ""
         return CollectiveHang(" ".join(reports) + died)
     if not dead:
         return None
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return WorkerFailure(f"{len(dead)} process(es) died: {names}. First error seen: {first_line}")

@@ -10,7 +10,14 @@ import time
 import pytest
 import ray
 
-from skyrl_megatron.failures import REGISTRY_NAME, register_current_worker
+from skyrl_megatron.failures import (
+    REGISTRY_NAME,
+    WorkerFailure,
+    dead_workers,
+    explain,
+    register_current_worker,
+    start_registry,
+)
 
 GATE_TIMEOUT_S = 120  # how long the held registry waits for its gate before giving up (a broken test, not a pass)
 
@@ -56,5 +63,24 @@ def test_a_worker_registers_without_waiting_for_the_registry(tmp_path):
         assert identity is not None, "the registration never reached the registry"
         assert (identity.role, identity.rank, identity.world_size) == ("policy", 1, 2)
         assert identity.pid != os.getpid()  # the worker's own process
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_registry_that_died_with_the_workers_is_named_not_raised():
+    """When Ray's processes are ended from outside (the host's OOM killer), the registry dies with the
+    workers; explaining the failure must not fail on the registry in turn."""
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        start_registry()
+        registry = ray.get_actor(REGISTRY_NAME)
+        assert ray.get(registry.entries.remote()) == {}
+        assert dead_workers() == []
+        ray.kill(registry, no_restart=True)
+        failure = explain(RuntimeError("The actor died unexpectedly before finishing this task."))
+        assert isinstance(failure, WorkerFailure)
+        assert "failure registry's among them" in str(failure)
+        assert "First error seen: The actor died unexpectedly" in str(failure)
     finally:
         ray.shutdown()

@@ -18,7 +18,7 @@ tensor exists. The host-facing workers (policy, ref, critic) wrap a runner.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -44,6 +44,24 @@ _mark = torch.profiler.record_function
 RESPONSE_KEYS = ("loss_mask", "action_log_probs", "base_action_log_probs", "advantages", "rollout_logprobs")
 # ... and that the critic's value loss reads
 VALUE_KEYS = ("loss_mask", "values", "returns")
+
+
+class MiniBatchRows(NamedTuple):
+    """Rows of the host's training batch as `ModelRunner.train_mini_batch` takes them."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    response: dict[str, torch.Tensor]  # the response columns the batch carries, [B, A] each
+    routes: torch.Tensor | None  # the rows' replayed MoE routes, [B, S, L, k], or None
+
+
+def mini_batch_rows(batch: Mapping[str, torch.Tensor], rows: slice, routes: torch.Tensor | None = None,
+                    keys: tuple[str, ...] = RESPONSE_KEYS) -> MiniBatchRows:
+    """Rows `rows` of the host's training `batch` (and of its replayed `routes`), with the response
+    columns among `keys`."""
+    response = {k: batch[k][rows] for k in keys if batch.get(k) is not None}
+    return MiniBatchRows(batch["sequences"][rows], batch["attention_mask"][rows], response,
+                         None if routes is None else routes[rows])
 
 
 class ModelRunner:
@@ -261,14 +279,20 @@ class ModelRunner:
         """Forward + backward of one mini-batch with the policy objective; returns its metrics summed
         over micro-batches and DP ranks (each micro-batch's metrics are already its share of the
         mini-batch). `routes` [B, S, L, k] (host columns): MoE routes every micro-batch replays (an
-        attached `route_replay`)."""
+        attached `route_replay`). With attached router metrics, the mini-batch's MoE load joins the
+        metrics (collective: every rank)."""
 
         def loss(values: torch.Tensor, mb: MicroBatch, totals: MiniBatchTotals):
             return objective(values[..., 0], values[..., 1], mb.response, totals)
 
+        if self.router_metrics is not None:
+            self.router_metrics.reset()  # this mini-batch's load alone, not the scoring before it
         # the host always reports policy_entropy
         forward_fn = self._forward_fn(temperature, with_entropy=True)
-        return self._train(sequences, attention_mask, response, batching, forward_fn, loss, dp_group, routes)
+        metrics = self._train(sequences, attention_mask, response, batching, forward_fn, loss, dp_group, routes)
+        if self.router_metrics is not None:
+            metrics.update(self.router_metrics.summary())
+        return metrics
 
     def train_value_mini_batch(
         self,

@@ -147,8 +147,6 @@ def policy_steps(
     history = []
     response = {k: v for k, v in batch.items() if k not in ("sequences", "attention_mask")}
     for _ in range(steps):
-        if collector is not None:
-            collector.reset()
         metrics = runner.train_mini_batch(
             batch["sequences"],
             batch["attention_mask"],
@@ -160,8 +158,6 @@ def policy_steps(
         )
         result = optimizer_step(optimizer, scheduler)
         metrics["grad_norm"] = result.grad_norm
-        if collector is not None:
-            metrics.update(collector.summary())
         history.append(metrics)
     if inspect is not None:
         inspected.append(inspect(built.chunks))

@@ -18,7 +18,7 @@ import torch
 from skyrl_megatron import host_api
 from skyrl_megatron.checkpoint import save_hf_model
 from skyrl_megatron.compute.losses import ValueObjective
-from skyrl_megatron.compute.runner import VALUE_KEYS
+from skyrl_megatron.compute.runner import VALUE_KEYS, mini_batch_rows
 from skyrl_megatron.model.adapters.value_head import DEFAULT_VALUE_HEAD_PREFIX, ValueHeadInit
 from skyrl_megatron.model.build import ModelSpec
 from skyrl_megatron.workers.training import TrainedRoleMixin
@@ -80,12 +80,12 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         missing = [k for k in VALUE_KEYS if k not in data or data[k] is None]
         if missing:
             raise ValueError(f"critic training needs {', '.join(missing)} in the training batch (GAE computes them)")
-        rows = slice(start, stop)
+        batch = mini_batch_rows(data, slice(start, stop), keys=VALUE_KEYS)
         with self._step_guard("training"):
             return self.runner.train_value_mini_batch(
-                data["sequences"][rows],
-                data["attention_mask"][rows],
-                {k: data[k][rows] for k in VALUE_KEYS},
+                batch.sequences,
+                batch.attention_mask,
+                batch.response,
                 self.objective,
                 self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
                 dp_group=ps.get_data_parallel_group(),

@@ -18,7 +18,7 @@ from skyrl_megatron.compute.route_replay import (
     training_routes,
 )
 from skyrl_megatron.compute.router_metrics import RouterMetrics
-from skyrl_megatron.compute.runner import RESPONSE_KEYS
+from skyrl_megatron.compute.runner import mini_batch_rows
 from skyrl_megatron.engines.weight_updates import torch_dtype
 from skyrl_megatron.model.adapters.lora import measure_footprint
 from skyrl_megatron.digests import tensor_sha256
@@ -65,32 +65,16 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
 
     # -- training: one mini-batch, then one optimizer step ----------------------------------------
 
-    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None,
-                          routes: torch.Tensor | None = None) -> dict[str, float]:
-        """Forward + backward of rows [start, stop) of `data`; gradients stay for `_optimizer_step`.
-
-        `routes`: the MoE routes training replays for every row of `data`, [B, S, L, k] in the host's
-        columns (`_training_routes`), or None without routing replay.
-        """
+    def _mini_batch_settings(self) -> dict:
+        """How each training mini-batch runs (`ModelRunner.train_mini_batch`'s settings) on this worker."""
         from megatron.core import parallel_state as ps
 
-        rows = slice(start, stop)
-        self._trained_since_scoring = True
-        response = {k: data[k][rows] for k in RESPONSE_KEYS if k in data and data[k] is not None}
-        self.router_metrics.reset()
-        with self._step_guard("training"):
-            metrics = self.runner.train_mini_batch(
-                data["sequences"][rows],
-                data["attention_mask"][rows],
-                response,
-                self.objective,
-                self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
-                temperature=float(self.host_cfg.generator.sampling_params.temperature),
-                dp_group=ps.get_data_parallel_group(),
-                routes=None if routes is None else routes[rows],
-            )
-        metrics.update(self.router_metrics.summary())  # collective: every rank
-        return metrics
+        return dict(
+            objective=self.objective,
+            batching=self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
+            temperature=float(self.host_cfg.generator.sampling_params.temperature),
+            dp_group=ps.get_data_parallel_group(),
+        )
 
     def ppo_train(self, train_data):
         """skyrl-train 0.3.1's contract: epochs x mini-batches of the rank's rows, one optimizer step each."""
@@ -103,14 +87,20 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 "(trainer.policy_mini_batch_size x generator.n_samples_per_prompt / DP size); adjust "
                 "trainer.train_batch_size or trainer.policy_mini_batch_size"
             )
+        settings = self._mini_batch_settings()
         # every row's routes from this step's scoring, matched by its tokens (rows may come reordered)
         routes = self._training_routes(train_data)
+        self._trained_since_scoring = True
         history: dict[str, list[float]] = defaultdict(list)
         steps = 0
         with self._watched("training"):
             for _ in range(int(trainer.update_epochs_per_batch)):
                 for start in range(0, rows, mini):
-                    metrics = self._train_mini_batch(train_data, start, start + mini, routes)
+                    batch = mini_batch_rows(train_data, slice(start, start + mini), routes)
+                    with self._step_guard("training"):
+                        metrics = self.runner.train_mini_batch(
+                            batch.sequences, batch.attention_mask, batch.response, **settings, routes=batch.routes
+                        )
                     metrics.update(self._optimizer_step())
                     steps += 1
                     for name, value in metrics.items():
@@ -132,8 +122,14 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 "forward_backward with a loss_fn/loss_fn_config override (the Tinker API) is not implemented "
                 "by skyrl-megatron; the policy trains with trainer.algorithm.policy_loss_type"
             )
-        with self._watched("training"):
-            metrics = self._train_mini_batch(data, routes=self._training_routes(data))
+        settings = self._mini_batch_settings()
+        routes = self._training_routes(data)
+        self._trained_since_scoring = True
+        batch = mini_batch_rows(data, slice(None), routes)
+        with self._watched("training"), self._step_guard("training"):
+            metrics = self.runner.train_mini_batch(
+                batch.sequences, batch.attention_mask, batch.response, **settings, routes=batch.routes
+            )
         metrics["policy_lr"] = self.get_lr()  # the rate the coming optim_step applies
         metrics.update(self.lora_metrics)
         return host_api.training_status(metrics)
