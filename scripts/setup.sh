@@ -52,7 +52,14 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 # -q: one progress line per step instead of pip's log; pip still prints its warnings and, on a failure, its
 # error (set -e then stops here with pip's exit status).
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+PIP_INSTALL=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+# A machine's pip configuration may name local package indexes (file://...) that lack most projects; pip then
+# warns once per project and index. Those lines say nothing about this install and are left out; everything
+# else pip prints passes through, and its exit status stays the step's.
+pip_install() {
+  "${PIP_INSTALL[@]}" "$@" 2>&1 | { grep -v "^WARNING: Location 'file://.*' is ignored: it is neither a file nor a directory\.$" || true; }
+}
+PIP=(pip_install)
 step() { echo "setup: $*"; }
 "${PIP[@]}" --upgrade pip
 
