@@ -55,6 +55,10 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     if not saving or not plain:
         raise SystemExit(f"need two saves and a step without one between the first step and the last: --steps {steps}, "
                          f"--ckpt-interval {interval}")
+    # the workers' account of each save (trainer_faults.py) and the host's deferred clean-up
+    parts = sorted({k for s in saving for k in by_step[s] if k.startswith("timing/checkpoint_")}
+                   | {"timing/cleanup_old_checkpoints"})
+    breakdown = {k.removeprefix("timing/"): statistics.median(by_step[s].get(k, 0.0) for s in saving) for k in parts}
     normal = statistics.median(by_step[s]["timing/step"] for s in plain)
     save = statistics.median(by_step[s]["timing/step"] for s in saving)
     return {
@@ -62,6 +66,8 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
         "save_step_s": save,
         "save_checkpoints_s": statistics.median(by_step[s].get("timing/save_checkpoints", 0.0) for s in saving),
         "save_step_overhead": save / normal - 1,
+        "save_breakdown_s": breakdown,
+        "staged_gib": statistics.median(by_step[s].get("checkpoint/staged_gib", 0.0) for s in saving),
         "tokens_per_s": {s: by_step[s].get("throughput/tokens_per_second") for s in sorted(by_step)},
         "save_steps": saving,
         "plain_steps": plain,
@@ -71,11 +77,12 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | save step vs normal |",
-             "|---|---|---|---|---|"]
+    lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | of which (s) | save step vs normal |",
+             "|---|---|---|---|---|---|"]
     for mode, r in results.items():
+        parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in r["save_breakdown_s"].items() if seconds)
         lines.append(f"| {mode} | {r['normal_step_s']:.2f} | {r['save_step_s']:.2f} | {r['save_checkpoints_s']:.2f} "
-                     f"| {r['save_step_overhead']:+.0%} |")
+                     f"| {parts or '-'} | {r['save_step_overhead']:+.0%} |")
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ What makes the comparison fair: both strategies run the same command but for the
   with the test tokenizer padded to its vocabulary), created once in `--workdir`; the same prompt file; the
   same seed.
 - Same generation: the same vLLM engine configuration (the demo's `vllm_overrides`: one engine per GPU,
-  tensor parallel 1, sleep mode, `gpu_memory_utilization` 0.5, eager), the same batch (`--prompts` x
+  tensor parallel 1, sleep mode, `gpu_memory_utilization` 0.5; with CUDA graphs, where the demo runs
+  eager), the same batch (`--prompts` x
   `--samples`), the same sampling (temperature 1, top-p 1), and every reply exactly `--max-tokens` long
   (`ignore_eos`: random weights end a few replies early, at different places on each side), so both sides
   train on the same number of tokens (checked: `tokens` per strategy).
@@ -51,14 +52,14 @@ A device call has 10 minutes. Qwen3-0.6B runs both strategies in one call; at Qw
 the same warm machine (the checkpoint and our conversion cache stay in --workdir), the two reports merged
 afterwards (the merge refuses reports whose settings or device differ):
 
-    python bench/rl_step_bench.py --model Qwen3-4B --steps 4 --strategies megatron --timeout 480 --out $OUT
-    python bench/rl_step_bench.py --model Qwen3-4B --steps 4 --strategies fsdp2 --timeout 480 --out $OUT
+    python bench/rl_step_bench.py --model Qwen3-4B --steps 2 --strategies megatron --timeout 560 --out $OUT
+    python bench/rl_step_bench.py --model Qwen3-4B --steps 2 --strategies fsdp2 --timeout 560 --out $OUT
     python bench/rl_step_bench.py --render megatron_out/rl_step.json fsdp2_out/rl_step.json --out merged
 
 (`--strategies megatron,fsdp2` at 4B where a call may run 15 minutes.) A strategy past `--timeout` is stopped
 (its processes' stacks to `<strategy>/stacks_at_timeout.txt`) and the steps it finished still count, flagged as
 incomplete. `--gpus 2` puts policy and reference on both GPUs (data parallel) with one engine per GPU. Extra
-arguments are Hydra overrides for both strategies (e.g. generator.enforce_eager=false).
+arguments are Hydra overrides for both strategies (e.g. generator.enforce_eager=true for the demo's eager engines).
 
 What Qwen3-4B needs on one H200 (141 GiB; estimates from bench/policy_bench.py's measured peaks, not yet
 measured colocated): while vLLM samples, its pool of gpu_memory_utilization 0.5 (about 70 GiB: 8 GB of bf16
@@ -218,6 +219,8 @@ def shared_overrides(b: BenchSettings, run_dir: Path, model_dir: Path) -> list[s
         "trainer.policy.megatron_config.tensor_model_parallel_size=1",
         "trainer.ref.megatron_config.tensor_model_parallel_size=1",
     ]
+    if b.engine == "vllm":  # generation at its best for both sides: CUDA graphs (the demo runs eager to start sooner)
+        bench.append("generator.enforce_eager=false")
     if b.smoke:  # CI's start-up: the policy on one rank, no reference worker (no KL loss)
         bench += ["trainer.placement.policy_num_gpus_per_node=1", "trainer.algorithm.use_kl_loss=false"]
     return run_overrides(run_dir, model_dir, run_dir / DEMO_PROMPTS, b.warmup + b.steps, 0, gpus=b.gpus, extra=bench,
@@ -553,7 +556,7 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen3-0.6B", help="a dense shape in examples/megatron/model_configs")
     parser.add_argument("--strategies", default="megatron,fsdp2", help="comma-separated: " + ", ".join(STRATEGIES))
-    parser.add_argument("--steps", type=int, default=6, help="measured steps per strategy")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per strategy")
     parser.add_argument("--warmup", type=int, default=1, help="steps before them, not measured")
     parser.add_argument("--prompts", type=int, default=StepShape.prompts, help="prompts per step")
     parser.add_argument("--samples", type=int, default=StepShape.samples, help="replies per prompt")

@@ -11,6 +11,10 @@ these behaviours by subclassing its class (`with_fault_handling`); they override
   back to the last complete checkpoint, and its deletion of old checkpoints (``max_ckpts_to_keep``) waits:
   both happen once the workers have published the save (at the next save, at the end of training, or on
   preemption).
+- every save step with our workers: their own account of it (`checkpoint.SaveTimings`, the slowest rank's)
+  joins the step's timings beside the host's ``save_checkpoints``: ``checkpoint_finish_previous``,
+  ``checkpoint_previous_write``, ``checkpoint_capture`` (background saves), ``checkpoint_write`` (synchronous
+  ones), and ``checkpoint/staged_gib``; the deferred deletion of old checkpoints is timed as the host's own.
 - ``load_checkpoints``: a job killed between the host's pointer and ours may name a checkpoint that never
   completed; before resuming, the pointer is made to name the newest complete one
   (`checkpoint.latest.repair_latest`).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from typing import Any
 
 from skyrl_megatron.checkpoint.latest import publish_latest, read_latest, repair_latest
@@ -71,8 +76,26 @@ class FaultHandling:
                 self._deferring_cleanup = False
             publish_latest(self._ckpt_root, complete)  # the host pointed at the save in flight
             self._in_flight_step = self.global_step
+        if self._ours:
+            self._record_save_timings()
         self._saved = (self.global_step, result)
         return result
+
+    def _trained_groups(self) -> list:
+        return [group for group in (self.policy_model, getattr(self, "critic_model", None)) if group is not None]
+
+    def _record_save_timings(self) -> None:
+        """The workers' `SaveTimings` of this save, the slowest rank's of each (the step waits for it)."""
+        import ray
+
+        slowest: dict[str, float] = {}
+        for group in self._trained_groups():
+            for timings in ray.get(group.async_run_ray_method("pass_through", "save_timings")):
+                for name, value in timings.items():
+                    slowest[name] = max(slowest.get(name, 0.0), value)
+        self.all_metrics["checkpoint/staged_gib"] = slowest.pop("staged_gib", 0.0)
+        for name, seconds in slowest.items():
+            self.all_timings[f"checkpoint_{name.removesuffix('_s')}"] = seconds
 
     def _cleanup_old_checkpoints(self):
         if not self._deferring_cleanup:  # with a save in flight, the last complete one must stay
@@ -85,13 +108,15 @@ class FaultHandling:
             return
         import ray
 
-        for group in (self.policy_model, getattr(self, "critic_model", None)):
-            if group is not None:
-                ray.get(group.async_run_ray_method("pass_through", "finalize_pending_saves"))
+        for group in self._trained_groups():
+            ray.get(group.async_run_ray_method("pass_through", "finalize_pending_saves"))
         publish_latest(self._ckpt_root, self._in_flight_step)
         logger.info("checkpoint of step %d complete", self._in_flight_step)
         self._in_flight_step = None
+        started = time.perf_counter()
         super()._cleanup_old_checkpoints()
+        # the host times its own call, which found the deletion deferred
+        self.all_timings["cleanup_old_checkpoints"] = time.perf_counter() - started
 
     def load_checkpoints(self):
         if self._ours and getattr(self.resume_mode, "value", self.resume_mode) == "latest":

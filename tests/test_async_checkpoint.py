@@ -16,8 +16,10 @@ background write could read after the next step changed them. Asserted:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -66,10 +68,13 @@ def _saves_while_training(rank, world, hf_dir, root, layout):
     _hold_writer(release)
     saver = AsyncCheckpointSaver()
     saver.save(root / "async1", built.chunks, optimizer, scheduler, step=1, extra={"tag": "b"})
+    first = saver.last_timings
+    held_from = time.perf_counter()
     in_flight_before_step = not saver.write_done()
     train_step(built.chunks, optimizer, scheduler, batches)
     in_flight_after_step = not saver.write_done()
     published_while_in_flight = (root / "async1").exists()
+    held_s = time.perf_counter() - held_from
     release.set()
     saver.save(root / "async2", built.chunks, optimizer, scheduler, step=2)
     async1_published_by_second_save = (root / "async1").exists()
@@ -80,6 +85,8 @@ def _saves_while_training(rank, world, hf_dir, root, layout):
         "in_flight_after_step": in_flight_after_step,
         "published_while_in_flight": published_while_in_flight,
         "async1_published_by_second_save": async1_published_by_second_save,
+        "timings": (dataclasses.asdict(first), dataclasses.asdict(saver.last_timings)),
+        "held_s": held_s,
     }
 
 
@@ -102,8 +109,17 @@ def test_training_goes_on_while_a_save_is_written_and_the_save_holds_its_step(tp
 
     root, results = tp2_saves
     for result in results:
+        timings, held_s = result.pop("timings"), result.pop("held_s")
         assert result == {"in_flight_before_step": True, "in_flight_after_step": True,
                           "published_while_in_flight": False, "async1_published_by_second_save": True}
+        # each save's account (the trainer logs it): the first had none before it; the second finished the
+        # first, whose write was held while the step trained
+        first, second = timings
+        assert first["previous_write_s"] == first["finish_previous_s"] == 0.0
+        assert second["previous_write_s"] >= held_s > 0
+        assert second["finish_previous_s"] > 0
+        for save in timings:
+            assert save["capture_s"] > 0 and save["staged_gib"] > 0 and save["write_s"] == 0.0
     for step in (1, 2):
         background, synchronous = root / f"async{step}", root / f"sync{step}"
         verify_checkpoint(background)

@@ -126,6 +126,22 @@ def test_sigterm_saves_the_steps_checkpoint_and_exits_75(runs):
     assert saved.step == verify_checkpoint(uninterrupted / "ckpts" / "global_step_2" / "policy").step == 4
 
 
+def test_each_background_save_step_logs_the_workers_account_of_it(runs):
+    """`timing/checkpoint_*` and `checkpoint/staged_gib` beside the host's `timing/save_checkpoints`: run A
+    saves in the background at every step, so from step 2 on each save first finished the one before."""
+    uninterrupted, _, _ = runs
+    steps = _steps(uninterrupted)
+    assert steps[1]["timing/checkpoint_previous_write"] == 0.0  # nothing was in flight before the first save
+    for step in range(1, STEPS + 1):
+        record = steps[step]
+        assert record["timing/checkpoint_capture"] > 0 and record["checkpoint/staged_gib"] > 0, step
+        assert record["timing/checkpoint_capture"] <= record["timing/save_checkpoints"], step
+        assert record["timing/checkpoint_write"] == 0.0, step  # (a synchronous save's figure)
+    for step in range(2, STEPS + 1):
+        assert steps[step]["timing/checkpoint_previous_write"] > 0, step
+        assert steps[step]["timing/checkpoint_finish_previous"] > 0, step
+
+
 def test_the_checkpoint_written_on_the_signal_equals_the_uninterrupted_runs_background_one(runs, tmp_path):
     from skyrl_megatron.checkpoint.latest import read_latest
     from skyrl_megatron.testing.checkpoint_steps import global_tensors

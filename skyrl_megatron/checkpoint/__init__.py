@@ -14,7 +14,7 @@ One job per module, imports only downward::
 The low-level Megatron write strategy is `skyrl_megatron.dist_io`, shared with the conversion cache.
 """
 
-from skyrl_megatron.checkpoint.async_save import AsyncCheckpointSaver
+from skyrl_megatron.checkpoint.async_save import AsyncCheckpointSaver, SaveTimings
 from skyrl_megatron.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -37,6 +37,7 @@ __all__ = [
     "AsyncCheckpointSaver",
     "DIST_SUBDIR",
     "METADATA_FILE",
+    "SaveTimings",
     "TOKENIZER_SUBDIR",
     "CheckpointError",
     "CheckpointMetadata",

@@ -24,6 +24,7 @@ leaves nothing running behind it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -44,12 +45,25 @@ from skyrl_megatron.optim import torch_optimizers
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SaveTimings:
+    """Where one save call's time went on this rank, in seconds (the trainer logs them per save step)."""
+
+    finish_previous_s: float = 0.0  # finishing the background save before it: waiting for its write, publishing it
+    previous_write_s: float = 0.0  # how long that background write ran (against the steps between saves)
+    capture_s: float = 0.0  # background save: the state described and copied to host memory, the write started
+    write_s: float = 0.0  # synchronous save: the whole save
+    staged_gib: float = 0.0  # background save: what was copied to host memory
+
+
 class AsyncCheckpointSaver:
     """One rank's background saves: at most one in flight; `finalize` publishes it."""
 
     def __init__(self) -> None:
         self._pending: _PendingSave | None = None
         self._pinned = _PinnedBuffers()
+        self.last_timings = SaveTimings()
+        self._finished = SaveTimings()  # the last finalize of a save in flight: until the next save reports it
 
     def write_done(self) -> bool:
         """Whether this rank's files of the save in flight are written (True when none is in flight)."""
@@ -70,8 +84,8 @@ class AsyncCheckpointSaver:
         The save in flight before, if any, is finalized first. Returns the final path, which exists
         once `finalize` has returned."""
         self.finalize()
-        target = begin_save(ckpt_dir, extra, tokenizer)
         started = time.perf_counter()
+        target = begin_save(ckpt_dir, extra, tokenizer)
         with captured_state(chunks, optimizer, scheduler, step, extra) as (metadata, sharded):
             request = write_shards(sharded, target, in_background=True)
             write_args, copied = self._stage(request, chunks, optimizer)  # inside: compact masters exist here only
@@ -81,8 +95,12 @@ class AsyncCheckpointSaver:
         )
         pending.thread.start()
         self._pending = pending
+        self.last_timings = dataclasses.replace(
+            self._finished, capture_s=time.perf_counter() - started, staged_gib=copied / 2**30
+        )
+        self._finished = SaveTimings()
         logger.info("checkpoint %s: state captured in %.2f s (%.1f MiB copied to host memory), written in the "
-                    "background", target.final, time.perf_counter() - started, copied / 2**20)
+                    "background", target.final, self.last_timings.capture_s, copied / 2**20)
         return target.final
 
     def finalize(self) -> Path | None:
@@ -92,6 +110,14 @@ class AsyncCheckpointSaver:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        started = time.perf_counter()
+        try:
+            return self._finish(pending)
+        finally:
+            self._finished = SaveTimings(finish_previous_s=time.perf_counter() - started,
+                                         previous_write_s=pending.write_s)
+
+    def _finish(self, pending: "_PendingSave") -> Path:
         pending.thread.join()
         self._pinned.release()
         # every rank's files are written; Megatron's finalisation gathers the write results, writes the
@@ -148,11 +174,13 @@ class _PendingSave:
     request: Any  # Megatron's AsyncRequest: the write (async_fn) and its finalisation
     thread: threading.Thread | None = None
     error: str | None = None
+    write_s: float = 0.0
 
     def write(self, write_args: list) -> None:
         if not write_args:
             return
         write_fn, args, kwargs, ready = write_args
+        started = time.perf_counter()
         try:
             if ready is not None:
                 ready.synchronize()
@@ -160,6 +188,8 @@ class _PendingSave:
         except Exception as exc:  # noqa: BLE001 - finalize fails on every rank and names it
             self.error = f"{type(exc).__name__}: {exc}"
             logger.error("checkpoint %s: background write failed: %s", self.target.final, self.error)
+        finally:
+            self.write_s = time.perf_counter() - started
 
 
 class _PinnedBuffers:

@@ -5,11 +5,13 @@ weights, optimizer, schedule and skipped steps, written in the background with `
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import torch
 
-from skyrl_megatron.checkpoint import AsyncCheckpointSaver, load_checkpoint, save_checkpoint
+from skyrl_megatron.checkpoint import AsyncCheckpointSaver, SaveTimings, load_checkpoint, save_checkpoint
 from skyrl_megatron.master_weights import masters_materialised
 from skyrl_megatron.optim import OptimizerSettings, current_lr, optimizer_step
 from skyrl_megatron.workers.base import MegatronWorkerMixin
@@ -70,9 +72,16 @@ class TrainedRoleMixin(MegatronWorkerMixin):
         with self._watched("checkpoint save", long_waits=True), self.model_resident(optimizer=True):
             if self.megatron_cfg.async_save:
                 self.background_saves.save(ckpt_dir, self.built.chunks, self.optimizer, self.scheduler, **arguments)
+                self.last_save_timings = self.background_saves.last_timings
             else:
                 self.background_saves.finalize()  # (none is in flight unless async_save changed)
+                started = time.perf_counter()
                 save_checkpoint(ckpt_dir, self.built.chunks, self.optimizer, self.scheduler, **arguments)
+                self.last_save_timings = SaveTimings(write_s=time.perf_counter() - started)
+
+    def save_timings(self) -> dict[str, float]:
+        """This rank's `SaveTimings` of its last `save_checkpoint` (all zero before the first)."""
+        return dataclasses.asdict(getattr(self, "last_save_timings", SaveTimings()))
 
     def finalize_pending_saves(self) -> str | None:
         """Wait for the checkpoint written in the background and publish it (collective); its path, or None
