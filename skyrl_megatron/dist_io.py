@@ -34,13 +34,19 @@ def writer_results_in_process():
         filesystem_async._results_queue = previous
 
 
-def save_strategy():
-    """Megatron's default save strategy; where ranks replicate shards, the save is spread over the
-    replicas (each writes a share) instead of falling to the first replica."""
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+# Each rank writes its shards through this many threads (one file each). Megatron's default is one: a
+# single writer reached 1.05 GiB/s with fsync on an H200 machine's disk, four reached 1.83 GiB/s.
+WRITE_THREADS = 4
 
-    strategy = get_default_save_sharded_strategy()
+
+def save_strategy():
+    """Megatron's torch_dist save strategy with `WRITE_THREADS` writers per rank; where ranks replicate
+    shards, the save is spread over the replicas (each writes a share) instead of falling to the first
+    replica."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy(thread_count=WRITE_THREADS)
     replicas = replica_group()
     return strategy if replicas is None else FullyParallelSaveStrategyWrapper(strategy, replicas)
 

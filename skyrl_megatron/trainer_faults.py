@@ -8,13 +8,16 @@ these behaviours by subclassing its class (`with_fault_handling`); they override
 - ``save_checkpoints``: with ``megatron_config.async_save`` the workers' saves return while their files are
   written. The save before is finished first (the workers' ``finalize_pending_saves``); the host's own
   pointer (``latest_ckpt_global_step.txt``), which it writes as soon as the save calls returned, is put
-  back to the last complete checkpoint, and its deletion of old checkpoints (``max_ckpts_to_keep``) waits:
-  both happen once the workers have published the save (at the next save, at the end of training, or on
-  preemption).
+  back to the last complete checkpoint; both happen once the workers have published the save (at the next
+  save, at the end of training, or on preemption).
+- old checkpoints (``max_ckpts_to_keep``): with our workers, deleted in a background thread once the newest
+  save is complete (`checkpoint.retention`), instead of by the host's per-node Ray tasks inside the save
+  step; the run waits for the deletion at its end.
 - every save step with our workers: their own account of it (`checkpoint.SaveTimings`, the slowest rank's)
   joins the step's timings beside the host's ``save_checkpoints``: ``checkpoint_finish_previous``,
   ``checkpoint_previous_write``, ``checkpoint_capture`` (background saves), ``checkpoint_write`` (synchronous
-  ones), and ``checkpoint/staged_gib``; the deferred deletion of old checkpoints is timed as the host's own.
+  ones), and ``checkpoint/staged_gib``; the host's ``cleanup_old_checkpoints`` is the wait for the deletion
+  before (normally none).
 - ``load_checkpoints``: a job killed between the host's pointer and ours may name a checkpoint that never
   completed; before resuming, the pointer is made to name the newest complete one
   (`checkpoint.latest.repair_latest`).
@@ -28,10 +31,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import time
 from typing import Any
 
 from skyrl_megatron.checkpoint.latest import publish_latest, read_latest, repair_latest
+from skyrl_megatron.checkpoint.retention import BackgroundRetention
 from skyrl_megatron.failures import Preempted
 from skyrl_megatron.hosts import current
 from skyrl_megatron.preemption import stop_reason
@@ -55,6 +58,8 @@ class FaultHandling:
         )
         self._in_flight_step: int | None = None  # the step whose save the workers still write
         self._saved: tuple[int, Any] | None = None  # (step, what save_checkpoints returned)
+        # our workers' runs delete old checkpoints in the background (`checkpoint.retention`), never the host
+        self._retention = BackgroundRetention(self._ckpt_root, int(trainer.max_ckpts_to_keep)) if self._ours else None
         self._deferring_cleanup = False
         self._preempted = False
         self.tracker = _StepEndTracker(self.tracker, self._at_step_end)
@@ -65,7 +70,13 @@ class FaultHandling:
         if self._saved is not None and self._saved[0] == self.global_step:
             return self._saved[1]  # this step's is saved already (on preemption)
         if not self._background_saves:
-            result = super().save_checkpoints()
+            self._deferring_cleanup = self._ours
+            try:
+                result = super().save_checkpoints()
+            finally:
+                self._deferring_cleanup = False
+            if self._ours:
+                self._retire_old_checkpoints(newest_complete=self.global_step)
         else:
             self.finish_background_saves()
             complete = read_latest(self._ckpt_root)
@@ -98,8 +109,13 @@ class FaultHandling:
             self.all_timings[f"checkpoint_{name.removesuffix('_s')}"] = seconds
 
     def _cleanup_old_checkpoints(self):
-        if not self._deferring_cleanup:  # with a save in flight, the last complete one must stay
+        if not self._deferring_cleanup:  # ours: `_retire_old_checkpoints`, once the save is complete
             super()._cleanup_old_checkpoints()
+
+    def _retire_old_checkpoints(self, newest_complete: int) -> None:
+        """Start deleting what `max_ckpts_to_keep` retires, in the background; the step waits only for the
+        deletion before it, if that still runs (timed as the host's own deletion)."""
+        self.all_timings["cleanup_old_checkpoints"] = self._retention.start(newest_complete)
 
     def finish_background_saves(self) -> None:
         """Wait until the workers have published the save in flight, then point the host at it and delete
@@ -112,11 +128,14 @@ class FaultHandling:
             ray.get(group.async_run_ray_method("pass_through", "finalize_pending_saves"))
         publish_latest(self._ckpt_root, self._in_flight_step)
         logger.info("checkpoint of step %d complete", self._in_flight_step)
+        self._retire_old_checkpoints(newest_complete=self._in_flight_step)
         self._in_flight_step = None
-        started = time.perf_counter()
-        super()._cleanup_old_checkpoints()
-        # the host times its own call, which found the deletion deferred
-        self.all_timings["cleanup_old_checkpoints"] = time.perf_counter() - started
+
+    def finish_checkpoint_work(self) -> None:
+        """At the end of a run: the save in flight published, the deletion of old checkpoints done."""
+        self.finish_background_saves()
+        if self._retention is not None:
+            self._retention.wait()
 
     def load_checkpoints(self):
         if self._ours and getattr(self.resume_mode, "value", self.resume_mode) == "latest":
@@ -136,7 +155,7 @@ class FaultHandling:
         if reason is None or self._preempted:
             return
         self.save_checkpoints()  # (already saved when the request came before training ended)
-        self.finish_background_saves()
+        self.finish_checkpoint_work()
         step = self.global_step
         self._preempted = True
         # the step's metrics are logged: nothing is pending (skyrl 0.4 logs what is left when a run fails)
@@ -167,12 +186,12 @@ def _with_fault_handling_class(trainer_class: type) -> type:
     if inspect.iscoroutinefunction(trainer_class.train):  # skyrl 0.4
         async def train(self):
             result = await trainer_class.train(self)
-            self.finish_background_saves()
+            self.finish_checkpoint_work()
             return result
     else:
         def train(self):
             result = trainer_class.train(self)
-            self.finish_background_saves()
+            self.finish_checkpoint_work()
             return result
     return type(f"{trainer_class.__name__}WithFaultHandling", (FaultHandling, trainer_class), {"train": train})
 

@@ -7,11 +7,13 @@ so two runs of the same steps train bitwise alike. Two runs of the demo command:
 * A, uninterrupted: 3 steps, a checkpoint after every step, written in the background
   (`megatron_config.async_save`);
 * B, a rerun from A's checkpoint of step 1 (A's run directory as it was then) that receives SIGTERM during
-  step 2 (sent by the driver to itself as the step's generation starts), saving synchronously.
+  step 2 (sent by the driver to itself as the step's generation starts), saving synchronously and keeping
+  one checkpoint (`max_ckpts_to_keep=1`).
 
 Asserted: B exits with `exit_codes.PREEMPTED`, saying which checkpoint to resume; it finished step 2 (its
 metrics equal A's) and started no step 3; the host's pointer names step 2, whose checkpoint (written on
-the signal) holds the same tensors, bitwise, as A's background checkpoint of step 2, and verifies; A's
+the signal) holds the same tensors, bitwise, as A's background checkpoint of step 2, and verifies, and step
+1's was deleted before B exited; A's
 pointer names its last checkpoint and no partial directory is left.
 """
 
@@ -102,7 +104,8 @@ def runs(tmp_path_factory):
     a = _run(uninterrupted, "--ckpt-interval", "1", "trainer.policy.megatron_config.async_save=true")
     assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-5000:]
     _as_it_was_after_step_1(uninterrupted, preempted)
-    b = _run(preempted, "--ckpt-interval", "100", script=SIGNALLED_DEMO)
+    # B keeps one checkpoint: step 1's is deleted (in the background) once step 2's is written
+    b = _run(preempted, "--ckpt-interval", "100", "trainer.max_ckpts_to_keep=1", script=SIGNALLED_DEMO)
     return uninterrupted, preempted, b
 
 
@@ -121,6 +124,8 @@ def test_sigterm_saves_the_steps_checkpoint_and_exits_75(runs):
     for key in ("reward/avg_raw_reward", "policy/final_loss", "data/prompt_uids"):
         assert steps[2][key] == expected[key], key
     assert read_latest(preempted / "ckpts") == 2
+    # max_ckpts_to_keep=1: the run waited for the deletion of step 1's checkpoint before it exited
+    assert sorted(p.name for p in (preempted / "ckpts").iterdir() if p.is_dir()) == ["global_step_2"]
     # (a checkpoint's own step counts optimizer steps: two mini-batches per step here)
     saved = verify_checkpoint(preempted / "ckpts" / "global_step_2" / "policy")
     assert saved.step == verify_checkpoint(uninterrupted / "ckpts" / "global_step_2" / "policy").step == 4

@@ -1,0 +1,111 @@
+"""Old checkpoints deleted in the background (``trainer.max_ckpts_to_keep``), off the training step.
+
+The hosts delete old checkpoints inside `save_checkpoints`, by a Ray task on every node that holds
+workers. Ray keeps no idle worker for such a task, so each deletion starts a Python process that imports
+the host: 7.6 s per save on an H200 machine (median of a 0.6B run), more than the rest of a background save.
+Here the deletion runs in a thread of the driver, on the driver's node by a plain call and on every other
+node by a Ray task, while training goes on.
+
+Only complete checkpoints are counted (steps up to the newest complete one the caller names: a save in
+flight is never one of them), and a retired checkpoint is first renamed out of the hosts' ``global_step_<N>``
+pattern, then removed: a deletion cut short leaves a hidden ``.global_step_<N>.removing`` that nothing
+resumes, never a half-deleted checkpoint under its own name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from skyrl_megatron.checkpoint.latest import STEP_PREFIX, saved_steps, step_dir
+
+logger = logging.getLogger(__name__)
+
+REMOVING_SUFFIX = ".removing"
+
+
+def retired_steps(root: str | os.PathLike, keep: int, newest_complete: int) -> list[int]:
+    """The steps whose checkpoints `keep` retires: the complete ones (steps up to `newest_complete`) but
+    the newest `keep` (the hosts' meaning of ``max_ckpts_to_keep``: negative keeps all, 0 keeps none)."""
+    if keep < 0:
+        return []
+    complete = [step for step in saved_steps(root) if step <= newest_complete]
+    return complete[: max(len(complete) - keep, 0)]
+
+
+def remove_retired(root: str | os.PathLike, keep: int, newest_complete: int) -> list[int]:
+    """Delete the checkpoints `retired_steps` names under `root` on this machine; the steps deleted. Runs
+    wherever the files are (a Ray task on another node): it imports nothing heavy."""
+    removed = []
+    for step in retired_steps(root, keep, newest_complete):
+        directory = step_dir(root, step)
+        aside = directory.with_name(f".{STEP_PREFIX}{step}{REMOVING_SUFFIX}")
+        try:
+            os.rename(directory, aside)
+        except FileNotFoundError:  # another node's task removed it from a shared file system
+            continue
+        shutil.rmtree(aside, ignore_errors=True)
+        removed.append(step)
+    # a deletion an earlier process left unfinished
+    for leftover in Path(root).glob(f".{STEP_PREFIX}*{REMOVING_SUFFIX}"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return removed
+
+
+class BackgroundRetention:
+    """The driver's deletions of old checkpoints, one at a time, in a thread."""
+
+    def __init__(self, root: str | os.PathLike, keep: int) -> None:
+        self.root = str(root)
+        self.keep = keep
+        self._thread: threading.Thread | None = None
+        self.last_s = 0.0  # how long the last deletion ran
+        self.removed: list[int] = []
+
+    def start(self, newest_complete: int) -> float:
+        """Start deleting what `max_ckpts_to_keep` retires once `newest_complete` is complete; the seconds
+        spent waiting for the deletion before it (normally none)."""
+        waited = self.wait()
+        if self.keep >= 0:
+            self._thread = threading.Thread(target=self._run, args=(newest_complete,), name="checkpoint-retention",
+                                            daemon=True)
+            self._thread.start()
+        return waited
+
+    def wait(self) -> float:
+        """Wait for the deletion in progress, if any; the seconds waited."""
+        started = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return time.perf_counter() - started
+
+    def _run(self, newest_complete: int) -> None:
+        started = time.perf_counter()
+        try:
+            self.removed = remove_retired(self.root, self.keep, newest_complete)
+            _on_other_nodes(remove_retired, self.root, self.keep, newest_complete)
+        except Exception as exc:  # noqa: BLE001 - a failed deletion must not end the training
+            logger.warning("deleting checkpoints older than step %d under %s failed: %s", newest_complete, self.root,
+                           exc)
+        self.last_s = time.perf_counter() - started
+
+
+def _on_other_nodes(fn, *args) -> None:
+    """`fn(*args)` on every other alive node of the Ray cluster (where a node-local `ckpt_path` keeps
+    copies), waiting for all."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    others = [node["NodeID"] for node in ray.nodes() if node.get("Alive") and node["NodeID"] != here]
+    task = ray.remote(num_cpus=0)(fn)
+    ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
+             for node in others])
