@@ -4,6 +4,7 @@ nothing under a checkpoint's own name."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from skyrl_megatron.checkpoint import retention
 from skyrl_megatron.checkpoint.latest import saved_steps
-from skyrl_megatron.checkpoint.retention import BackgroundRetention, remove_retired, retired_steps
+from skyrl_megatron.checkpoint.retention import BackgroundRetention, being_removed, remove_retired, retired_steps
 
 
 def _checkpoints(root: Path, *steps: int) -> Path:
@@ -47,33 +48,36 @@ def test_a_deletion_cut_short_leaves_no_checkpoint_under_its_own_name(tmp_path, 
     with pytest.raises(SystemExit):
         remove_retired(root, keep=1, newest_complete=3)
     # the renamed directory is what was left: nothing resumes it, and the next deletion removes it
-    assert saved_steps(root) == [2, 3]
-    assert (root / ".global_step_1.removing").is_dir()
+    assert saved_steps(root) == [3]
+    assert [p.name for p in being_removed(root)] == [".global_step_1.removing", ".global_step_2.removing"]
     monkeypatch.undo()
-    assert remove_retired(root, keep=1, newest_complete=3) == [2]
+    assert remove_retired(root, keep=1, newest_complete=3) == []
     assert sorted(p.name for p in root.iterdir()) == ["global_step_3", "latest_ckpt_global_step.txt"]
 
 
-def test_background_deletion_runs_off_the_callers_thread_and_one_at_a_time(tmp_path, monkeypatch):
+def test_retired_checkpoints_are_set_aside_at_once_and_deleted_in_the_background(tmp_path, monkeypatch):
     root = _checkpoints(tmp_path, 1, 2, 3, 4)
     release = threading.Event()
-    calls = []
+    deleted = []
+    rmtree = shutil.rmtree
 
-    def held(root_, keep, newest_complete):
-        calls.append(newest_complete)
+    def held(path, *args, **kwargs):
         release.wait(timeout=30)
-        return remove_retired(root_, keep, newest_complete)
+        deleted.append(Path(path).name)
+        return rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(retention, "remove_retired", held)
+    monkeypatch.setattr(retention.shutil, "rmtree", held)
     cleanup = BackgroundRetention(root, keep=1)
     assert cleanup.start(newest_complete=2) < 1.0  # returns while the deletion is held
-    assert saved_steps(root) == [1, 2, 3, 4]
+    assert saved_steps(root) == [2, 3, 4] and cleanup.removed == [1]  # step 1 no longer looks like a checkpoint
+    assert [p.name for p in being_removed(root)] == [".global_step_1.removing"]
     timer = threading.Timer(0.5, release.set)
     timer.start()
-    waited = cleanup.start(newest_complete=4)  # waits for the first deletion before starting the next
-    assert waited >= 0.3
+    waited = cleanup.start(newest_complete=4)  # waits for the first deletion before the next
+    assert waited >= 0.3 and cleanup.removed == [2, 3]
     cleanup.wait()
-    assert calls == [2, 4] and saved_steps(root) == [4] and cleanup.removed == [2, 3]
+    assert deleted == [".global_step_1.removing", ".global_step_2.removing", ".global_step_3.removing"]
+    assert saved_steps(root) == [4] and not being_removed(root)
 
 
 def test_keeping_all_starts_nothing(tmp_path):
@@ -86,11 +90,12 @@ def test_keeping_all_starts_nothing(tmp_path):
 def test_a_failed_deletion_is_logged_not_raised(tmp_path, monkeypatch, caplog):
     root = _checkpoints(tmp_path, 1, 2)
 
-    def fails(*args):
+    def fails(path, *args, **kwargs):
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr(retention, "remove_retired", fails)
+    monkeypatch.setattr(retention.shutil, "rmtree", fails)
     cleanup = BackgroundRetention(root, keep=1)
     cleanup.start(newest_complete=2)
     cleanup.wait()
     assert "deleting checkpoints older than step 2" in caplog.text and "read-only file system" in caplog.text
+    assert saved_steps(root) == [2]  # set aside all the same: never resumed

@@ -410,7 +410,9 @@ def test_force_reconvert_converts_and_replaces_the_entry(forced_at_tp2_dp2, conc
     assert after["key"] == before["key"] and after["created"] >= before["created"]
     assert (before["writer_world_size"], after["writer_world_size"], after["writer_layout"]["tensor"]) == (1, 4, 2)
     # every rank wrote a share: the save is spread over the data-parallel replicas, not left to the first
-    assert sorted(name for name in after["files"] if name.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    # (files are named __<rank>_<writer thread>.distcp)
+    writers = {int(name[2:].split("_")[0]) for name in after["files"] if name.endswith(".distcp")}
+    assert writers == {0, 1, 2, 3}
     for result in results:
         assert result["report"].hit is False and result["report"].reason == "force_reconvert"
         assert result["conversions"] == 1
@@ -436,7 +438,7 @@ def test_entry_written_at_tp2_dp2_loads_at_pp2_vpp2_into_ddp_buffers(
 def test_truncated_cache_file_is_reported_and_rebuilt(concurrent_first_starts, checkpoint, tmp_path):
     root = _copy_root(concurrent_first_starts[0], tmp_path / "cache")
     entry = root / Path(concurrent_first_starts[1]["report"].entry).name
-    (shard,) = (entry / CHECKPOINT_DIRNAME).glob("*.distcp")
+    shard = max((entry / CHECKPOINT_DIRNAME).glob("*.distcp"), key=lambda path: path.stat().st_size)
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size // 2)

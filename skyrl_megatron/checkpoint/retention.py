@@ -7,9 +7,10 @@ Here the deletion runs in a thread of the driver, on the driver's node by a plai
 node by a Ray task, while training goes on.
 
 Only complete checkpoints are counted (steps up to the newest complete one the caller names: a save in
-flight is never one of them), and a retired checkpoint is first renamed out of the hosts' ``global_step_<N>``
-pattern, then removed: a deletion cut short leaves a hidden ``.global_step_<N>.removing`` that nothing
-resumes, never a half-deleted checkpoint under its own name.
+flight is never one of them). A retired checkpoint is first renamed out of the hosts' ``global_step_<N>``
+pattern (at once, by the caller), then removed (in the thread): a deletion cut short leaves a hidden
+``.global_step_<N>.removing`` that nothing resumes, never a half-deleted checkpoint under its own name, and
+the next save's free-space check (`space.py`) counts what is set aside as freed.
 """
 
 from __future__ import annotations
@@ -37,27 +38,36 @@ def retired_steps(root: str | os.PathLike, keep: int, newest_complete: int) -> l
     return complete[: max(len(complete) - keep, 0)]
 
 
-def remove_retired(root: str | os.PathLike, keep: int, newest_complete: int) -> list[int]:
-    """Delete the checkpoints `retired_steps` names under `root` on this machine; the steps deleted. Runs
-    wherever the files are (a Ray task on another node): it imports nothing heavy."""
-    removed = []
+def set_aside_retired(root: str | os.PathLike, keep: int, newest_complete: int) -> list[int]:
+    """Rename the checkpoints `retired_steps` names under `root` out of the hosts' pattern (instant: nothing
+    resumes them from here on, and a save's free-space check counts them as freed); the steps."""
+    set_aside = []
     for step in retired_steps(root, keep, newest_complete):
         directory = step_dir(root, step)
-        aside = directory.with_name(f".{STEP_PREFIX}{step}{REMOVING_SUFFIX}")
         try:
-            os.rename(directory, aside)
-        except FileNotFoundError:  # another node's task removed it from a shared file system
+            os.rename(directory, directory.with_name(f".{STEP_PREFIX}{step}{REMOVING_SUFFIX}"))
+        except FileNotFoundError:  # another node's task moved it on a shared file system
             continue
-        shutil.rmtree(aside, ignore_errors=True)
-        removed.append(step)
-    # a deletion an earlier process left unfinished
-    for leftover in Path(root).glob(f".{STEP_PREFIX}*{REMOVING_SUFFIX}"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    return removed
+        set_aside.append(step)
+    return set_aside
+
+
+def being_removed(root: str | os.PathLike) -> list[Path]:
+    """The checkpoints set aside for deletion under `root` (also those a process left unfinished)."""
+    return sorted(Path(root).glob(f".{STEP_PREFIX}*{REMOVING_SUFFIX}"))
+
+
+def remove_retired(root: str | os.PathLike, keep: int, newest_complete: int) -> list[int]:
+    """Set aside and delete what `max_ckpts_to_keep` retires under `root` on this machine; the steps. Runs
+    wherever the files are (a Ray task on another node): it imports nothing heavy."""
+    steps = set_aside_retired(root, keep, newest_complete)
+    for directory in being_removed(root):
+        shutil.rmtree(directory, ignore_errors=True)
+    return steps
 
 
 class BackgroundRetention:
-    """The driver's deletions of old checkpoints, one at a time, in a thread."""
+    """The driver's deletions of old checkpoints, one at a time: set aside at once, removed in a thread."""
 
     def __init__(self, root: str | os.PathLike, keep: int) -> None:
         self.root = str(root)
@@ -67,10 +77,15 @@ class BackgroundRetention:
         self.removed: list[int] = []
 
     def start(self, newest_complete: int) -> float:
-        """Start deleting what `max_ckpts_to_keep` retires once `newest_complete` is complete; the seconds
-        spent waiting for the deletion before it (normally none)."""
+        """Retire what `max_ckpts_to_keep` retires once `newest_complete` is complete: set aside here and now,
+        deleted in the background; the seconds spent waiting for the deletion before (normally none)."""
         waited = self.wait()
         if self.keep >= 0:
+            try:
+                self.removed = set_aside_retired(self.root, self.keep, newest_complete)
+            except OSError as exc:
+                logger.warning("setting aside checkpoints older than step %d under %s failed: %s", newest_complete,
+                               self.root, exc)
             self._thread = threading.Thread(target=self._run, args=(newest_complete,), name="checkpoint-retention",
                                             daemon=True)
             self._thread.start()
@@ -87,7 +102,8 @@ class BackgroundRetention:
     def _run(self, newest_complete: int) -> None:
         started = time.perf_counter()
         try:
-            self.removed = remove_retired(self.root, self.keep, newest_complete)
+            for directory in being_removed(self.root):
+                shutil.rmtree(directory)
             _on_other_nodes(remove_retired, self.root, self.keep, newest_complete)
         except Exception as exc:  # noqa: BLE001 - a failed deletion must not end the training
             logger.warning("deleting checkpoints older than step %d under %s failed: %s", newest_complete, self.root,

@@ -71,6 +71,7 @@ from skyrl_megatron.checkpoint.megatron_state import (
     sharded_training_state,
     use_fresh_buffers,
 )
+from skyrl_megatron.checkpoint.space import ensure_room
 from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_results_in_process
 from skyrl_megatron.master_weights import masters_materialised
 
@@ -168,9 +169,16 @@ def captured_state(chunks, optimizer, scheduler, step: int, extra: dict[str, Any
 
 def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool):
     """Megatron's save of `sharded` into `target` (collective): written now, or (`in_background`) only
-    planned, the write and its finalisation returned as Megatron's AsyncRequest."""
+    planned, the write and its finalisation returned as Megatron's AsyncRequest. A save that would not fit
+    on a node's disk is refused first (`space.ensure_room`)."""
     from megatron.core import dist_checkpointing
 
+    try:
+        ensure_room(sharded, target.final)
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            shutil.rmtree(target.partial, ignore_errors=True)
+        raise
     with writer_results_in_process(), fast_shard_bookkeeping():
         return dist_checkpointing.save(sharded, str(target.dist_dir), sharded_strategy=save_strategy(),
                                        async_sharded_save=in_background, async_strategy="mcore")
