@@ -8,6 +8,7 @@ module, which imports nothing of ours.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 
 
@@ -32,6 +33,32 @@ def writer_results_in_process():
         yield
     finally:
         filesystem_async._results_queue = previous
+
+
+class _LoggedErrors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def writer_errors():
+    """The errors Megatron's file writer logs in the block (a list, filled as they come).
+
+    Megatron 0.19.2's writer threads catch their exception, log it, and the collecting code then asserts on
+    its type: what reaches the caller is `AssertionError: <class 'OSError'>`, with the message (say, "No
+    space left on device") only in the log. Callers put the logged messages into their own error.
+    """
+    logger = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    handler = _LoggedErrors()
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
 
 
 # Each rank writes its shards through this many threads (one file each). Megatron's default is one: a

@@ -1,6 +1,7 @@
-"""A save that would not fit on the disk is refused before anything is written, on every rank, with the
-fix named; checkpoints set aside for deletion count as freed; the estimate matches what a save writes.
-Real saves of a tiny Qwen3 (distributed optimizer, DP=2 over gloo)."""
+"""A full disk: a save that would not fit is refused before anything is written, on every rank, with the
+fix named; checkpoints set aside for deletion count as freed; the estimate matches what a save writes
+(real saves of a tiny Qwen3, distributed optimizer, DP=2 over gloo). A write that fails anyway names what
+the writer hit, synchronously and in the background."""
 
 from __future__ import annotations
 
@@ -90,3 +91,49 @@ def test_a_save_that_does_not_fit_is_refused_before_writing(tmp_path):
         assert "skyrl_megatron_checkpoint.json" in result["first"]  # the previous checkpoint untouched
         assert "skyrl_megatron_checkpoint.json" in result["second"]  # saved once the set-aside one counted
     assert not os.path.exists(tmp_path / "ckpts" / "global_step_2" / ".policy.partial")
+
+
+def _writes_failing_with_enospc(rank, world, hf_dir, root):
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver, CheckpointError, save_checkpoint
+
+    built, optimizer, scheduler, micro_batches = setup_training(hf_dir, WORLD1, False)
+    train_step(built.chunks, optimizer, scheduler, micro_batches)
+    root = Path(root)
+    save_checkpoint(root / "kept", built.chunks, optimizer, scheduler, step=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    filesystem_async._write_item = disk_full  # what torch's writer calls for every item
+    errors = {}
+    try:
+        save_checkpoint(root / "kept", built.chunks, optimizer, scheduler, step=2)
+    except CheckpointError as exc:
+        errors["sync"] = str(exc)
+    saver = AsyncCheckpointSaver()
+    saver.save(root / "background", built.chunks, optimizer, scheduler, step=2)
+    try:
+        saver.finalize()
+    except CheckpointError as exc:
+        errors["async"] = str(exc)
+    return {"errors": errors, "kept": sorted(p.name for p in (root / "kept").iterdir()),
+            "background": (root / "background").exists()}
+
+
+def test_a_write_that_fails_names_the_writers_error(tmp_path):
+    """Megatron's writer raises `AssertionError: <class 'OSError'>` for a failed write thread; the error says
+    what the thread hit, in the foreground and in the background, and publishes nothing."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=5))
+    (result,) = run_on_ranks(_writes_failing_with_enospc, 1, hf_dir, str(tmp_path / "ckpts"), timeout=300)
+    errors = result["errors"]
+    assert "No space left on device" in errors["sync"] and "kept" in errors["sync"], errors
+    assert "No space left on device" in errors["async"] and "background" in errors["async"], errors
+    assert "the previous checkpoint stays" in errors["sync"] and "the previous checkpoint stays" in errors["async"]
+    assert "skyrl_megatron_checkpoint.json" in result["kept"]  # step 1's checkpoint, still published
+    assert result["background"] is False

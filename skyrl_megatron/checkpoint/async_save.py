@@ -40,6 +40,7 @@ import torch.distributed as dist
 from skyrl_megatron.checkpoint.errors import CheckpointError
 from skyrl_megatron.checkpoint.integrity import CheckpointMetadata
 from skyrl_megatron.checkpoint.training import SaveTarget, begin_save, captured_state, finish_save, write_shards
+from skyrl_megatron.dist_io import writer_errors
 from skyrl_megatron.optim import torch_optimizers
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,10 @@ class AsyncCheckpointSaver:
                 finalize_fn()
         # torch.distributed.checkpoint reports write failures as a BaseException subclass
         except (Exception, CheckpointException) as exc:
-            local = f" (this rank's writer: {pending.error})" if pending.error else ""
-            raise CheckpointError(f"background save of {pending.target.final} failed: {exc}{local}; "
+            failed = getattr(exc, "failures", None)  # torch's {rank: error}; its text is a traceback per rank
+            cause = pending.error or (f"the write failed on rank(s) {sorted(failed)}" if failed
+                                      else str(exc).splitlines()[0])
+            raise CheckpointError(f"background save of {pending.target.final} failed: {cause}; "
                                   "the previous checkpoint stays in place") from None
         return finish_save(pending.target, pending.metadata)
 
@@ -181,15 +184,19 @@ class _PendingSave:
             return
         write_fn, args, kwargs, ready = write_args
         started = time.perf_counter()
-        try:
-            if ready is not None:
-                ready.synchronize()
-            write_fn(*args, **kwargs)  # reports its own failures through the writer's results
-        except Exception as exc:  # noqa: BLE001 - finalize fails on every rank and names it
-            self.error = f"{type(exc).__name__}: {exc}"
+        with writer_errors() as logged:
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                write_fn(*args, **kwargs)  # reports most failures through the writer's results, not by raising
+            except Exception as exc:  # noqa: BLE001 - finalize fails on every rank and names it
+                self.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.write_s = time.perf_counter() - started
+        if logged:
+            self.error = "; ".join(logged)
+        if self.error:
             logger.error("checkpoint %s: background write failed: %s", self.target.final, self.error)
-        finally:
-            self.write_s = time.perf_counter() - started
 
 
 class _PinnedBuffers:

@@ -72,7 +72,7 @@ from skyrl_megatron.checkpoint.megatron_state import (
     use_fresh_buffers,
 )
 from skyrl_megatron.checkpoint.space import ensure_room
-from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_results_in_process
+from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_errors, writer_results_in_process
 from skyrl_megatron.master_weights import masters_materialised
 
 logger = logging.getLogger(__name__)
@@ -179,9 +179,18 @@ def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool):
         if dist.get_rank() == 0:
             shutil.rmtree(target.partial, ignore_errors=True)
         raise
-    with writer_results_in_process(), fast_shard_bookkeeping():
-        return dist_checkpointing.save(sharded, str(target.dist_dir), sharded_strategy=save_strategy(),
-                                       async_sharded_save=in_background, async_strategy="mcore")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with writer_results_in_process(), fast_shard_bookkeeping(), writer_errors() as logged:
+        try:
+            return dist_checkpointing.save(sharded, str(target.dist_dir), sharded_strategy=save_strategy(),
+                                           async_sharded_save=in_background, async_strategy="mcore")
+        # torch.distributed.checkpoint reports write failures as a BaseException subclass
+        except (Exception, CheckpointException) as exc:
+            if not logged:
+                raise
+            raise CheckpointError(f"writing {target.final} failed: {'; '.join(logged)}; the previous checkpoint "
+                                  "stays in place") from exc
 
 
 def finish_save(target: SaveTarget, metadata: CheckpointMetadata) -> Path:
