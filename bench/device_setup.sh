@@ -11,6 +11,8 @@
 #   for flash-attn-4 (attention_kernel=auto takes it; bench/gpu_fa4_check.py) also (flash-attn-4 and the CuTe DSL, about 97 MiB):
 #   call 3 (carry .whl7): bash bench/device_setup.sh 3;  call 4 (carry .whl8): source bench/device_setup.sh 4 && ...
 #
+# Runs longer than a call: bench/device_jobs.sh (started detached after the set-up, polled call after call).
+#
 # The folders are ignored (.gitignore: /.whl*/); `bash bench/fetch_wheels.sh` rebuilds them
 # on a fresh checkout with `pip download`, at the versions installed in .venv-skyrl-train (about 57 and 50
 # MiB: with the working tree, each call stays under 64).
