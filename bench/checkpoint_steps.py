@@ -35,7 +35,7 @@ def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> f
     command += [] if args.cpu else ["--gpu"]
     command += ["--model", str(model)] if model else []
     command += [f"trainer.policy.megatron_config.async_save={MODES[mode]}", "trainer.hf_save_interval=-1",
-                *args.overrides]
+                f"trainer.max_ckpts_to_keep={args.keep}", *args.overrides]
     started = time.perf_counter()
     with log.open("w") as out:
         result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout)
@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--ckpt-interval", type=int, default=3,
                         help="steps between saves: far enough apart for a background write to finish")
     parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--keep", type=int, default=1,
+                        help="trainer.max_ckpts_to_keep: one kept and one being written must fit on the disk")
     parser.add_argument("--cpu", action="store_true", help="the CPU demo instead of --gpu")
     parser.add_argument("--timeout", type=int, default=280, help="seconds per run")
     parser.add_argument("--shape", help="a shape in examples/megatron/model_configs (default: the demo's model)")
