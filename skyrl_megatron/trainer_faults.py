@@ -60,7 +60,6 @@ class FaultHandling:
         self._saved: tuple[int, Any] | None = None  # (step, what save_checkpoints returned)
         # our workers' runs delete old checkpoints in the background (`checkpoint.retention`), never the host
         self._retention = BackgroundRetention(self._ckpt_root, int(trainer.max_ckpts_to_keep)) if self._ours else None
-        self._deferring_cleanup = False
         self._preempted = False
         self.tracker = _StepEndTracker(self.tracker, self._at_step_end)
 
@@ -70,21 +69,13 @@ class FaultHandling:
         if self._saved is not None and self._saved[0] == self.global_step:
             return self._saved[1]  # this step's is saved already (on preemption)
         if not self._background_saves:
-            self._deferring_cleanup = self._ours
-            try:
-                result = super().save_checkpoints()
-            finally:
-                self._deferring_cleanup = False
+            result = super().save_checkpoints()
             if self._ours:
                 self._retire_old_checkpoints(newest_complete=self.global_step)
         else:
             self.finish_background_saves()
             complete = read_latest(self._ckpt_root)
-            self._deferring_cleanup = True
-            try:
-                result = super().save_checkpoints()
-            finally:
-                self._deferring_cleanup = False
+            result = super().save_checkpoints()
             publish_latest(self._ckpt_root, complete)  # the host pointed at the save in flight
             self._in_flight_step = self.global_step
         if self._ours:
@@ -109,7 +100,7 @@ class FaultHandling:
             self.all_timings[f"checkpoint_{name.removesuffix('_s')}"] = seconds
 
     def _cleanup_old_checkpoints(self):
-        if not self._deferring_cleanup:  # ours: `_retire_old_checkpoints`, once the save is complete
+        if not self._ours:  # ours: `_retire_old_checkpoints`, once the save is complete
             super()._cleanup_old_checkpoints()
 
     def _retire_old_checkpoints(self, newest_complete: int) -> None:

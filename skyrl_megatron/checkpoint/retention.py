@@ -61,9 +61,13 @@ def remove_retired(root: str | os.PathLike, keep: int, newest_complete: int) -> 
     """Set aside and delete what `max_ckpts_to_keep` retires under `root` on this machine; the steps. Runs
     wherever the files are (a Ray task on another node): it imports nothing heavy."""
     steps = set_aside_retired(root, keep, newest_complete)
-    for directory in being_removed(root):
-        shutil.rmtree(directory, ignore_errors=True)
+    _delete_set_aside(root, ignore_errors=True)
     return steps
+
+
+def _delete_set_aside(root: str | os.PathLike, *, ignore_errors: bool) -> None:
+    for directory in being_removed(root):
+        shutil.rmtree(directory, ignore_errors=ignore_errors)
 
 
 class BackgroundRetention:
@@ -73,7 +77,6 @@ class BackgroundRetention:
         self.root = str(root)
         self.keep = keep
         self._thread: threading.Thread | None = None
-        self.last_s = 0.0  # how long the last deletion ran
         self.removed: list[int] = []
 
     def start(self, newest_complete: int) -> float:
@@ -100,15 +103,12 @@ class BackgroundRetention:
         return time.perf_counter() - started
 
     def _run(self, newest_complete: int) -> None:
-        started = time.perf_counter()
         try:
-            for directory in being_removed(self.root):
-                shutil.rmtree(directory)
+            _delete_set_aside(self.root, ignore_errors=False)  # a failure here is reported
             _on_other_nodes(remove_retired, self.root, self.keep, newest_complete)
         except Exception as exc:  # noqa: BLE001 - a failed deletion must not end the training
             logger.warning("deleting checkpoints older than step %d under %s failed: %s", newest_complete, self.root,
                            exc)
-        self.last_s = time.perf_counter() - started
 
 
 def _on_other_nodes(fn, *args) -> None:
