@@ -22,6 +22,9 @@ import importlib.util
 import sys
 import types
 
+import skyrl04_on_vllm024  # beside this file, first on PYTHONPATH
+from skyrl04_on_vllm024 import spec_elsewhere
+
 _MOVED = {
     "vllm.entrypoints.openai.serving_chat": ("vllm.entrypoints.openai.chat_completion.serving",),
     "vllm.entrypoints.openai.serving_completion": ("vllm.entrypoints.openai.completion.serving",),
@@ -40,10 +43,10 @@ _EMPTY_PACKAGES = {"vllm.entrypoints.launchers": "vllm.entrypoints.openai.cli_ar
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if name in _EMPTY_PACKAGES:
-            if _found_elsewhere(self, name, path) or importlib.util.find_spec(_EMPTY_PACKAGES[name]) is None:
+            if spec_elsewhere(self, name, path) is not None or importlib.util.find_spec(_EMPTY_PACKAGES[name]) is None:
                 return None
             return importlib.util.spec_from_loader(name, self, is_package=True)
-        if name not in _MOVED or _found_elsewhere(self, name, path):  # a vLLM that has the name
+        if name not in _MOVED or spec_elsewhere(self, name, path) is not None:  # a vLLM that has the name
             return None
         if importlib.util.find_spec(_MOVED[name][0]) is None:  # an older vLLM that still has the old name
             return None
@@ -63,13 +66,5 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _found_elsewhere(finder, name, path) -> bool:
-    return any(other.find_spec(name, path) is not None for other in sys.meta_path
-               if other is not finder and hasattr(other, "find_spec"))
-
-
 sys.meta_path.insert(0, _MovedModules())
-
-import skyrl04_on_vllm024  # noqa: E402 - beside this file, first on PYTHONPATH
-
 skyrl04_on_vllm024.install()

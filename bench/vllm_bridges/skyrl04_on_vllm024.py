@@ -316,21 +316,24 @@ HOOKS = {
 }
 
 
+def spec_elsewhere(finder, name, path=None, target=None):
+    """The spec the import system's other finders give `name` (None: the module does not exist)."""
+    for other in sys.meta_path:
+        if other is not finder and hasattr(other, "find_spec"):
+            spec = other.find_spec(name, path, target)
+            if spec is not None:
+                return spec
+    return None
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs `HOOKS[name](module)` right after the module `name` is executed, before anyone uses it."""
 
     def find_spec(self, name, path=None, target=None):
         if name not in HOOKS:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None:
+        spec = spec_elsewhere(self, name, path, target)
+        if spec is None or spec.loader is None:
             return spec
         spec.loader = _HookedLoader(spec.loader, HOOKS[name])
         return spec
