@@ -13,6 +13,14 @@ bench/policy_bench.py's writer) instead of the demo's 0.6B-shaped one.
     python bench/checkpoint_steps.py --out $OUT --shape Qwen3-4B   # Qwen3-4B's widths (random weights)
     python bench/checkpoint_steps.py --cpu --steps 8 --ckpt-interval 2   # the CPU demo (a smoke run of this script)
 
+A disk that holds one checkpoint but not two (Qwen3-4B's 52 GiB on a 64 GiB disk): `--drop-complete` deletes
+each checkpoint from this script once it is complete (the trainer's pointer names it and its files are in
+place), so the next save finds room; `--scratch /dev/shm/ck` keeps the random-weight model and the conversion
+cache off the disk. Neither changes what a step does: the trainer's own deletion of old checkpoints runs off
+the step as well, and a background save is published once written, before the next save begins.
+
+    python bench/checkpoint_steps.py --out $OUT --shape Qwen3-4B --drop-complete --scratch /dev/shm/ck
+
 Writes $OUT/checkpoint_steps.json and $OUT/checkpoint_steps.md (the table), and each run's log.
 """
 
@@ -20,13 +28,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 MODES = {"sync": "false", "async": "true"}
+
+
+class CompleteCheckpointDropper:
+    """Deletes each complete checkpoint under `root` (bench only, `--drop-complete`): one the trainer's pointer
+    names or passed, whose policy directory is in place (a save in flight is still its hidden partial
+    directory)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.dropped: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="drop-complete", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            pointer = self.root / "latest_ckpt_global_step.txt"
+            try:
+                latest = int(pointer.read_text().strip())
+            except (OSError, ValueError):
+                continue
+            for directory in sorted(self.root.glob("global_step_*")):
+                step = int(re.fullmatch(r"global_step_(\d+)", directory.name)[1])
+                if step <= latest and (directory / "policy").is_dir():
+                    aside = directory.with_name(f".{directory.name}.dropped")
+                    os.rename(directory, aside)
+                    shutil.rmtree(aside)
+                    self.dropped.append(step)
 
 
 def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> float:
@@ -36,12 +83,26 @@ def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> f
     command += ["--model", str(model)] if model else []
     command += [f"trainer.policy.megatron_config.async_save={MODES[mode]}", "trainer.hf_save_interval=-1",
                 f"trainer.max_ckpts_to_keep={args.keep}", *args.overrides]
+    env = dict(os.environ)
+    if args.scratch:
+        env["SKYRL_MEGATRON_CHECKPOINT_DIR"] = str(args.scratch / "conversion_cache")
+    shutil.rmtree(run_dir, ignore_errors=True)  # (the demo's --fresh, before the dropper watches it)
     started = time.perf_counter()
-    with log.open("w") as out:
-        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout)
+    with log.open("w") as out, CompleteCheckpointDropper(run_dir / "ckpts") if args.drop_complete else _nothing() as drop:
+        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{mode} run failed (exit {result.returncode}); see {log}")
+    if drop is not None:
+        print(f"{mode}: checkpoints deleted once complete (--drop-complete): steps {drop.dropped}", flush=True)
     return time.perf_counter() - started
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
 
 
 def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
@@ -59,6 +120,8 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     parts = sorted({k for s in saving for k in by_step[s] if k.startswith("timing/checkpoint_")}
                    | {"timing/cleanup_old_checkpoints"})
     breakdown = {k.removeprefix("timing/"): statistics.median(by_step[s].get(k, 0.0) for s in saving) for k in parts}
+    # a background save published once written, by a later step as its training starts
+    published = {s: by_step[s]["timing/checkpoint_publish"] for s in plain if "timing/checkpoint_publish" in by_step[s]}
     normal = statistics.median(by_step[s]["timing/step"] for s in plain)
     save = statistics.median(by_step[s]["timing/step"] for s in saving)
     return {
@@ -67,6 +130,7 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
         "save_checkpoints_s": statistics.median(by_step[s].get("timing/save_checkpoints", 0.0) for s in saving),
         "save_step_overhead": save / normal - 1,
         "save_breakdown_s": breakdown,
+        "published_at_steps_s": published,
         "staged_gib": statistics.median(by_step[s].get("checkpoint/staged_gib", 0.0) for s in saving),
         "tokens_per_s": {s: by_step[s].get("throughput/tokens_per_second") for s in sorted(by_step)},
         "save_steps": saving,
@@ -77,12 +141,14 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | of which (s) | save step vs normal |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | of which (s) | save step vs normal "
+             "| published in a later step (s) |",
+             "|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in r["save_breakdown_s"].items() if seconds)
+        published = ", ".join(f"step {step}: {seconds:.2f}" for step, seconds in r["published_at_steps_s"].items())
         lines.append(f"| {mode} | {r['normal_step_s']:.2f} | {r['save_step_s']:.2f} | {r['save_checkpoints_s']:.2f} "
-                     f"| {parts or '-'} | {r['save_step_overhead']:+.0%} |")
+                     f"| {parts or '-'} | {r['save_step_overhead']:+.0%} | {published or '-'} |")
     return "\n".join(lines)
 
 
@@ -98,6 +164,10 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the CPU demo instead of --gpu")
     parser.add_argument("--timeout", type=int, default=280, help="seconds per run")
     parser.add_argument("--shape", help="a shape in examples/megatron/model_configs (default: the demo's model)")
+    parser.add_argument("--drop-complete", action="store_true",
+                        help="delete each checkpoint once complete, for a disk that holds one but not two")
+    parser.add_argument("--scratch", type=Path,
+                        help="where the random-weight model and the conversion cache go (default: beside the runs)")
     parser.add_argument("overrides", nargs="*", help="more overrides for both runs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +176,7 @@ def main() -> None:
     if args.shape:
         from policy_bench import write_checkpoint  # bench/ is this script's directory
 
-        model = work / f"model_{args.shape}"
+        model = (args.scratch or work) / f"model_{args.shape}"
         if not (model / "config.json").is_file():
             write_checkpoint(args.shape, model, cpu=args.cpu)
     results = {}

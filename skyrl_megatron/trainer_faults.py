@@ -8,8 +8,10 @@ these behaviours by subclassing its class (`with_fault_handling`); they override
 - ``save_checkpoints``: with ``megatron_config.async_save`` the workers' saves return while their files are
   written. The save before is finished first (the workers' ``finalize_pending_saves``); the host's own
   pointer (``latest_ckpt_global_step.txt``), which it writes as soon as the save calls returned, is put
-  back to the last complete checkpoint; both happen once the workers have published the save (at the next
-  save, at the end of training, or on preemption).
+  back to the last complete checkpoint; both happen once the workers have published the save: as soon as
+  every rank's files are written (checked as the next step's training starts, timed as
+  ``checkpoint_publish``), else at the next save, at the end of training, or on preemption. A crash after
+  that resumes from it, and ``max_ckpts_to_keep`` frees the disk of the older ones that much sooner.
 - old checkpoints (``max_ckpts_to_keep``): with our workers, deleted in a background thread once the newest
   save is complete (`checkpoint.retention`), instead of by the host's per-node Ray tasks inside the save
   step; the run waits for the deletion at its end.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from typing import Any
 
 from skyrl_megatron.checkpoint.latest import publish_latest, read_latest, repair_latest
@@ -122,6 +125,20 @@ class FaultHandling:
         self._retire_old_checkpoints(newest_complete=self._in_flight_step)
         self._in_flight_step = None
 
+    def _publish_written_save(self) -> None:
+        """Publish the save in flight if every rank's files are written (a Ray round trip per worker while one
+        is in flight; the publication itself is collective and cheap once the files exist)."""
+        if self._in_flight_step is None:
+            return
+        import ray
+
+        started = time.perf_counter()
+        for group in self._trained_groups():
+            if not all(ray.get(group.async_run_ray_method("pass_through", "background_write_done"))):
+                return
+        self.finish_background_saves()
+        self.all_timings["checkpoint_publish"] = time.perf_counter() - started
+
     def finish_checkpoint_work(self) -> None:
         """At the end of a run: the save in flight published, the deletion of old checkpoints done."""
         self.finish_background_saves()
@@ -136,6 +153,7 @@ class FaultHandling:
     # -- preemption --------------------------------------------------------------------------------
 
     def train_critic_and_policy(self, data):
+        self._publish_written_save()
         status = super().train_critic_and_policy(data)
         if stop_reason() is not None:
             self.save_checkpoints()  # where the host saves its own: the state it expects for a save

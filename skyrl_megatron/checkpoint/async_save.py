@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 class SaveTimings:
     """Where one save call's time went on this rank, in seconds (the trainer logs them per save step)."""
 
-    finish_previous_s: float = 0.0  # finishing the background save before it: waiting for its write, publishing it
+    finish_previous_s: float = 0.0  # finishing the background save before it in this call: waiting for its write,
+    # publishing it (zero when it was published earlier, once written)
     previous_write_s: float = 0.0  # how long that background write ran (against the steps between saves)
     capture_s: float = 0.0  # background save: the state described and copied to host memory, the write started
     write_s: float = 0.0  # synchronous save: the whole save
@@ -84,6 +85,8 @@ class AsyncCheckpointSaver:
         """Start saving to `ckpt_dir` (collective); the arguments and the checks are `save_checkpoint`'s.
         The save in flight before, if any, is finalized first. Returns the final path, which exists
         once `finalize` has returned."""
+        if self._pending is None:  # published before this call: its finishing took none of this one's time
+            self._finished = dataclasses.replace(self._finished, finish_previous_s=0.0)
         self.finalize()
         started = time.perf_counter()
         target = begin_save(ckpt_dir, extra, tokenizer)

@@ -83,6 +83,10 @@ class TrainedRoleMixin(MegatronWorkerMixin):
         """This rank's `SaveTimings` of its last `save_checkpoint` (all zero before the first)."""
         return dataclasses.asdict(getattr(self, "last_save_timings", SaveTimings()))
 
+    def background_write_done(self) -> bool:
+        """Whether this rank's files of the save in flight are written (True when none is in flight)."""
+        return self.background_saves.write_done()
+
     def finalize_pending_saves(self) -> str | None:
         """Wait for the checkpoint written in the background and publish it (collective); its path, or None
         when none was in flight. skyrl 0.4's trainer calls it when training ends; ours
