@@ -233,7 +233,8 @@ def _dead(handles: list) -> list[bool]:
     for ref in ready:
         try:
             ray.get(ref)
-        except ray.exceptions.RayActorError:
+        # (Ray's memory monitor kills an actor's process and reports it as OutOfMemoryError, not RayActorError)
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError):
             dead[probes[ref]] = True
     return dead
 
@@ -282,4 +283,13 @@ def explain(error: BaseException) -> ReportedFailure | None:
         return CollectiveHang(" ".join(reports) + died)
     if not dead:
         return None
-    return WorkerFailure(f"{len(dead)} process(es) died: {names}. First error seen: {first_line}")
+    return WorkerFailure(f"{len(dead)} process(es) died: {names}. First error seen: {first_line}"
+                         + (HOST_MEMORY_HINT if isinstance(error, ray.exceptions.OutOfMemoryError) else ""))
+
+
+HOST_MEMORY_HINT = (
+    " Ray's memory monitor ended them: the node's host memory ran out. What a run keeps there: the model and "
+    "optimizer state that colocated workers offload between phases (trainer.placement.colocate_all), and with "
+    "megatron_config.async_save a pinned copy of each rank's checkpoint; a node with more memory, more nodes, "
+    "or async_save=false fit in less."
+)

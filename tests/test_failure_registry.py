@@ -5,6 +5,7 @@ every start). Here the registry is held shut until the worker's call has returne
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -13,6 +14,8 @@ import ray
 from skyrl_megatron.failures import (
     REGISTRY_NAME,
     WorkerFailure,
+    WorkerIdentity,
+    dead_actors,
     dead_workers,
     explain,
     register_current_worker,
@@ -82,5 +85,48 @@ def test_a_registry_that_died_with_the_workers_is_named_not_raised():
         assert isinstance(failure, WorkerFailure)
         assert "failure registry's among them" in str(failure)
         assert "First error seen: The actor died unexpectedly" in str(failure)
+    finally:
+        ray.shutdown()
+
+
+@ray.remote(max_retries=0)
+def _killed_by_the_memory_monitor():
+    raise ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
+
+
+class _MemoryMonitorVictim:
+    """Stand-in for the handle of an actor that Ray's memory monitor killed (making the node run out of
+    memory is not something a test can do safely): its readiness probe fails as that actor's does, with
+    Ray's OutOfMemoryError, not RayActorError."""
+
+    class _Probe:
+        @staticmethod
+        def remote():
+            return _killed_by_the_memory_monitor.remote()
+
+    __ray_ready__ = _Probe()
+
+    class _actor_id:
+        @staticmethod
+        def hex():
+            return "ff" * 16
+
+
+@pytest.mark.slow
+def test_a_worker_killed_by_rays_memory_monitor_is_named_dead():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        assert dead_actors([_MemoryMonitorVictim()], ["policy worker rank 0/1"]) == ["policy worker rank 0/1"]
+        start_registry()
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the registry's process cannot import tests
+        identity = WorkerIdentity("policy", 0, 1, "dp 0, cp 0, tp 0, pp 0", 4242, "10.0.0.1")
+        ray.get(ray.get_actor(REGISTRY_NAME).register.remote("ff" * 16, identity, _MemoryMonitorVictim()))
+        try:
+            ray.get(_killed_by_the_memory_monitor.remote())
+        except ray.exceptions.OutOfMemoryError as error:
+            failure = explain(error)
+        assert isinstance(failure, WorkerFailure)
+        assert str(failure).startswith("1 process(es) died: policy worker rank 0/1 (dp 0, cp 0, tp 0, pp 0; pid 4242")
+        assert "the node's host memory ran out" in str(failure) and "async_save=false" in str(failure)
     finally:
         ray.shutdown()
