@@ -37,8 +37,8 @@ case "${1:-}" in
     for command in "$@"; do i=$((i + 1)); printf '%s\n' "$command" > "$JOBS/cmd_$i.sh"; done
     {
         echo "cd '$PWD'"
-        # the set-up's environment (it sets -e: the jobs must not stop at a failed command)
-        echo "if [ -d /tmp/site ]; then source bench/device_setup.sh env; fi; set +e"
+        # the set-up's environment, the skyrl 0.4 set's where s1-s3 ran (it sets -e: the jobs must not stop at a failed command)
+        echo "if [ -d /tmp/site04 ]; then source bench/device_setup.sh env04; elif [ -d /tmp/site ]; then source bench/device_setup.sh env; fi; set +e"
         for j in $(seq 1 "$i"); do
             echo "date -u +%FT%TZ > '$JOBS/job_$j.started'"
             echo "bash '$JOBS/cmd_$j.sh' > '$JOBS/job_$j.log' 2>&1 < /dev/null; echo \$? > '$JOBS/job_$j.rc'"

@@ -38,6 +38,17 @@
 # .whlv1-4 (`bash bench/fetch_wheels.sh vllm`): four parts of one tar, vLLM's wheel without its FlashAttention-2
 # library and the small wheels it imports. A later call on the same warm machine: source bench/device_setup.sh env.
 # With vLLM, bench/vllm_bridges/ comes first on PYTHONPATH: skyrl-train 0.3.1 imports vLLM 0.11's module names.
+#
+# skyrl 0.4.0 (the new host: skyrl.train, skyrl.backends.skyrl_train, Ray 2.57, vllm-router) instead of parts 1-5,
+# into its own target /tmp/site04 (self-contained: /tmp/site is not read), each call at once after the last:
+#   call s1 (carry .whls1): bash bench/device_setup.sh s1     Ray's first half, Megatron, hydra-core 1.3.4, omegaconf
+#   call s2 (carry .whls2): bash bench/device_setup.sh s2     Ray's second half, skyrl 0.4.0, skyrl-gym, fastapi, ...
+#   call s3 (carry .whls3): source bench/device_setup.sh s3   vllm-router, transformers 5.16.1, peft 0.18.1, ray[default]'s
+#        dependencies, flash-attn's files; installs all three folders in one pip call and sets the environment
+#   calls v1-v4 as above: with /tmp/site04 there, v4 puts vLLM 0.24.0 and its small wheels into /tmp/site04
+#        (source bench/device_setup.sh v4 && python -m skyrl.train.entrypoints.main_base ... trainer.strategy=megatron)
+#   a later call on the same warm machine: source bench/device_setup.sh env04
+# .whls1-3 (`bash bench/fetch_wheels.sh skyrl04`, versions of the skyrl 0.4 environment .venv): 43, 45 and 44 MiB.
 set -e
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
 _device_env() {
@@ -48,6 +59,16 @@ _device_env() {
     if [ -d /tmp/site/vllm ]; then
         export PYTHONPATH=$PWD/bench/vllm_bridges:$PYTHONPATH
         # no flashinfer on the machines; a forked engine process can deadlock after torch's CPU work
+        export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
+    fi
+}
+_device_env04() {  # the skyrl 0.4 set (parts s1-s3, v1-v4): /tmp/site04 only
+    ln -sfn ../config skyrl_megatron/conf
+    export PYTHONPATH=/tmp/site04:$PWD:$PWD/bench PATH=/tmp/site04/bin:$PATH PYTHONUNBUFFERED=1
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    if [ -d /tmp/site04/vllm ]; then
+        # the bridges for skyrl 0.4's vLLM servers (written for vLLM 0.30) on vLLM 0.24
+        export PYTHONPATH=$PWD/bench/vllm_bridges:$PYTHONPATH
         export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
     fi
 }
@@ -77,7 +98,7 @@ case "$1" in
     echo "device_setup: part 5 done"
     ;;
   v1|v2|v3)
-    test -d /tmp/site || { echo "device_setup: run parts 1 and 2 first" >&2; exit 1; }
+    test -d /tmp/site -o -d /tmp/site04 || { echo "device_setup: run parts 1 and 2 (or s1-s3) first" >&2; exit 1; }
     mkdir -p /tmp/stage/vllm
     cp ".whl$1"/vllmpart_* /tmp/stage/vllm/
     echo "device_setup: part $1 done"
@@ -85,14 +106,50 @@ case "$1" in
   v4)
     test "$(ls /tmp/stage/vllm 2>/dev/null | wc -l)" = 3 || { echo "device_setup: run v1, v2 and v3 first, each within 30 s" >&2; return 1 2>/dev/null || exit 1; }
     cat /tmp/stage/vllm/vllmpart_* .whlv4/vllmpart_* | tar xf - -C /tmp/stage/vllm
-    $PIP /tmp/stage/vllm/deps/*.whl >/dev/null 2>&1
-    python3 -m zipfile -e /tmp/stage/vllm/vllm-*-trimmed.zip /tmp/site
-    rm -rf /tmp/stage/vllm
-    _device_env
+    if [ -d /tmp/site04 ]; then
+        # the skyrl 0.4 set: beside s3's install, merged into it (pip --target --upgrade would replace its bin/)
+        ${PIP/\/tmp\/site//tmp/stage/vllm/site} /tmp/stage/vllm/deps/*.whl >/dev/null 2>&1
+        cp -a /tmp/stage/vllm/site/. /tmp/site04/
+        python3 -m zipfile -e /tmp/stage/vllm/vllm-*-trimmed.zip /tmp/site04
+        rm -rf /tmp/stage/vllm
+        _device_env04
+    else
+        $PIP /tmp/stage/vllm/deps/*.whl >/dev/null 2>&1
+        python3 -m zipfile -e /tmp/stage/vllm/vllm-*-trimmed.zip /tmp/site
+        rm -rf /tmp/stage/vllm
+        _device_env
+    fi
     echo "device_setup: part v4 done (vllm $(python3 -c 'import importlib.metadata as m; print(m.version("vllm"))'))"
     ;;
   env)
     _device_env
+    ;;
+  s1)
+    rm -rf /tmp/stage/s04 && mkdir -p /tmp/stage/s04
+    cp -r .whls1/. /tmp/stage/s04/  # installed in part s3, in one pip call (namespace packages such as
+    echo "device_setup: part s1 done"  # megatron/, google/, opentelemetry/ and bin/ must land together)
+    ;;
+  s2)
+    test -f /tmp/stage/s04/raypart_aa || { echo "device_setup: run part s1 first, within 30 s" >&2; exit 1; }
+    cp -r .whls2/. /tmp/stage/s04/
+    # (the wheel's name is the one fetch_wheels.sh skyrl04 split)
+    cat /tmp/stage/s04/raypart_aa /tmp/stage/s04/raypart_ab > /tmp/stage/s04/ray-2.57.0-cp312-cp312-manylinux2014_x86_64.whl
+    rm /tmp/stage/s04/raypart_a?
+    echo "device_setup: part s2 done"
+    ;;
+  s3)
+    test -f /tmp/stage/s04/ray-2.57.0-cp312-cp312-manylinux2014_x86_64.whl || { echo "device_setup: run parts s1 and s2 first, each within 30 s" >&2; return 1 2>/dev/null || exit 1; }
+    cp -r .whls3/. /tmp/stage/s04/
+    ${PIP/\/tmp\/site//tmp/site04} /tmp/stage/s04/*.whl /tmp/stage/s04/*.tar.gz >/dev/null 2>&1
+    # flash-attn 2.8.3's pure-Python files, and a version line for its __init__ (as part 2)
+    rm -rf /tmp/site04/flash_attn && cp -r /tmp/stage/s04/flash_attn_pkg /tmp/site04/flash_attn
+    echo '__version__ = "2.8.3"' > /tmp/site04/flash_attn/__init__.py
+    rm -rf /tmp/stage/s04
+    _device_env04
+    echo "device_setup: part s3 done (skyrl $(python3 -c 'import importlib.metadata as m; print(m.version("skyrl"))'), ray $(python3 -c 'import ray; print(ray.__version__)'))"
+    ;;
+  env04)
+    _device_env04
     ;;
   3)
     # flash-attn-4 and the CuTe DSL, flash-attn-4 only: into their own target, so
@@ -115,7 +172,7 @@ case "$1" in
     echo "device_setup: part 4 done"
     ;;
   *)
-    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2 | bash bench/device_setup.sh 3 | source bench/device_setup.sh 4 | bash bench/device_setup.sh v1|v2|v3 | source bench/device_setup.sh v4 | source bench/device_setup.sh env" >&2
+    echo "usage: bash bench/device_setup.sh 1 | source bench/device_setup.sh 2 | bash bench/device_setup.sh 3 | source bench/device_setup.sh 4 | bash bench/device_setup.sh v1|v2|v3 | source bench/device_setup.sh v4 | source bench/device_setup.sh env | bash bench/device_setup.sh s1|s2 | source bench/device_setup.sh s3 | source bench/device_setup.sh env04" >&2
     return 2 2>/dev/null || exit 2
     ;;
 esac

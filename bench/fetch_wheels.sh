@@ -5,6 +5,8 @@
 #
 #   bash bench/fetch_wheels.sh            # versions read from the venv ($VENV, default /work/main/.venv-skyrl-train)
 #   bash bench/fetch_wheels.sh vllm       # only the vLLM folders .whlv1 ... .whlv4
+#   bash bench/fetch_wheels.sh skyrl04    # only the skyrl 0.4 folders .whls1 ... .whls3 (versions from $VENV04,
+#                                         # default /work/main/.venv; device_setup.sh s1-s3 install them)
 #
 # Versions are those installed in $VENV, the skyrl-train 0.3.1 environment (`make setup-skyrl-train`):
 # the GPU machines run skyrl-train 0.3.1, as CI's second leg does here. Not carried:
@@ -36,6 +38,21 @@ download_in_halves() {  # SPEC WHEEL PART_SIZE PREFIX DIR_A DIR_B: a wheel too l
     mv "$dir/${prefix}ab" "$second/"
     test ! -e "$dir/${prefix}ac" || { echo "fetch_wheels: $wheel split in more than two parts" >&2; exit 1; }
     rm -rf "$dir"
+}
+
+flash_attn_files() {  # DIR VERSION: flash-attn's own pure-Python files, unchanged, from its sdist, into DIR/flash_attn_pkg
+    local dir=$1 version=$2 tmp src file
+    tmp=$(mktemp -d)
+    # (pip prepares its metadata by running its setup.py: in the venv, which has torch, with no CUDA build)
+    FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+        -d "$tmp" "flash-attn==$version"
+    tar -xzf "$tmp"/flash_attn-"$version".tar.gz -C "$tmp"
+    src="$tmp/flash_attn-$version/flash_attn"
+    for file in bert_padding.py ops/__init__.py ops/triton/__init__.py ops/triton/cross_entropy.py; do
+        mkdir -p "$dir/flash_attn_pkg/$(dirname "$file")"
+        cp "$src/$file" "$dir/flash_attn_pkg/$file"
+    done
+    rm -rf "$tmp"
 }
 
 ONLY=${1:-all}
@@ -74,18 +91,7 @@ download .whl6 $(pinned botocore jmespath datasets multiprocess dill torchdata s
 # padding helpers (the host imports them) and the Triton cross entropy (the host's logprobs). No
 # CUDA extension: device_setup.sh puts a version line in place of its __init__, and
 # bench/flash_attn_standin/ adds attention functions on torch's FlashAttention-2 kernels.
-FA_VERSION=$(version flash_attn)
-tmp=$(mktemp -d)
-# (pip prepares its metadata by running its setup.py: in the venv, which has torch, with no CUDA build)
-FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE "$PY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
-    -d "$tmp" "flash-attn==$FA_VERSION"
-tar -xzf "$tmp"/flash_attn-"$FA_VERSION".tar.gz -C "$tmp"
-src="$tmp/flash_attn-$FA_VERSION/flash_attn"
-for file in bert_padding.py ops/__init__.py ops/triton/__init__.py ops/triton/cross_entropy.py; do
-    mkdir -p ".whl6/flash_attn_pkg/$(dirname "$file")"
-    cp "$src/$file" ".whl6/flash_attn_pkg/$file"
-done
-rm -rf "$tmp"
+flash_attn_files .whl6 "$(version flash_attn)"
 
 # .whl7 + .whl8 (calls 3 and 4, only for flash-attn-4): flash-attn-4's CuTe kernels and the
 # CuTe DSL they compile with (not in the venv: pinned here). The DSL's CUDA 13 library wheel (92 MB) travels
@@ -104,6 +110,52 @@ echo "  call 2 (.whl2 .whl4 .whl5 .whl6): $(du -cm .whl2 .whl4 .whl5 .whl6 | tai
 echo "  call 3 (.whl7):                   $(du -cm .whl7 | tail -1 | cut -f1)"
 echo "  call 4 (.whl8):                   $(du -cm .whl8 | tail -1 | cut -f1)"
 echo "  call 5 (.whl9):                   $(du -cm .whl9 | tail -1 | cut -f1)"
+fi
+
+if [[ $ONLY == skyrl04 ]]; then
+# .whls1 ... .whls3 (calls s1-s3 of device_setup.sh, which install them all into /tmp/site04 in call s3): the skyrl
+# 0.4 host and what it, our package and vLLM's servers import that the image lacks, at the versions of the skyrl 0.4
+# environment ($VENV04, `scripts/setup.sh`). Self-contained: /tmp/site (skyrl-train 0.3.1, Ray 2.51) is not used;
+# vLLM itself comes from .whlv1-4 (calls v1-v4 after s3 put it into /tmp/site04 too), so its small dependencies
+# there (VLLM_DEPS below: pyzmq, openai, msgspec, setproctitle, pybase64, ...) are not carried again here.
+# Not carried: the image's packages (torch 2.11 stays; tokenizers 0.23.2 fits transformers 5.16.1), wandb (skyrl
+# imports it only for logger=wandb), the cloud clients (gcsfs, s3fs, google-cloud-storage, botocore: optional
+# imports), nixl, tensordict, polars, debugpy (not imported by the trainer), Transformer Engine (ours replaces
+# skyrl's Megatron worker).
+VENV04=${VENV04:-/work/main/.venv}
+PY=$VENV04/bin/python
+version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+RAY04=$(version ray)
+rm -rf .whls1 .whls2 .whls3
+mkdir -p .whls1 .whls2 .whls3
+# .whls1: the first half of Ray 2.57 (skyrl 0.4 pins it), Megatron, hydra-core 1.3.4 (skyrl's pin), omegaconf
+download .whls1 $(pinned megatron-core megatron-bridge omegaconf hydra-core)
+"$PY" -m pip download -q --no-deps --no-binary :all: -d .whls1 "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
+# .whls2: Ray's second half (the wheel's name is the one device_setup.sh s2 joins into), the host, Ray's imports,
+# the web stack of the host's and vLLM's servers, and vLLM's OpenAI server's imports that .whlv1-4 lack
+download_in_halves "ray==$RAY04" "ray-$RAY04-cp312-cp312-manylinux2014_x86_64.whl" 38M raypart_ .whls1 .whls2
+download .whls2 $(pinned skyrl skyrl-gym loguru cloudpathlib datasets dill multiprocess torchdata orjson \
+    fastapi starlette uvicorn python-multipart pydantic pydantic_core typing-inspection annotated-types sniffio \
+    jsonschema jsonschema-specifications referencing rpds-py \
+    opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
+    opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-http \
+    opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos \
+    google-api-core google-auth proto-plus pyasn1 pyasn1-modules platformdirs \
+    model-hosting-container-standards supervisor jmespath)
+# .whls3: vllm-router (skyrl 0.4 imports it at module level; 23 MB), transformers 5.16.1 (skyrl 0.4 allows
+# <= 5.16.1, the image has 5.17), peft 0.18.1 (skyrl's pin), ray[default]'s own dependencies (as part 5 of
+# the 0.3.1 set: without them Ray's dashboard agent logs a missing metrics exporter in every process; not in the
+# venv: pinned here, the versions of .whl9), py-spy, and flash-attn's pure-Python files (skyrl 0.4's model
+# wrapper imports bert_padding, its logprobs the Triton cross entropy)
+download .whls3 $(pinned vllm-router transformers peft)
+download .whls3 aiohttp_cors==0.8.1 colorful==0.5.8 opencensus==0.11.4 opencensus-context==0.1.3 \
+    opentelemetry-exporter-prometheus==0.66b2 smart_open==9.0.2 virtualenv==21.15.11 distlib==0.4.4
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whls3 py-spy==0.4.3
+flash_attn_files .whls3 "$(version flash_attn)"
+echo "fetch_wheels: MiB per device call (limit 64, the working tree included):"
+for i in 1 2 3; do echo "  call s$i (.whls$i): $(du -sm .whls$i | cut -f1)"; done
+exit 0
 fi
 
 # .whlv1 ... .whlv4 (calls v1-v4 of device_setup.sh): vLLM 0.24.0 (the release built for the machines' torch
