@@ -51,24 +51,16 @@
 # .whls1-3 (`bash bench/fetch_wheels.sh skyrl04`, versions of the skyrl 0.4 environment .venv): 43, 45 and 44 MiB.
 set -e
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
-_device_env() {
+_device_env() {  # SITE: /tmp/site (skyrl-train 0.3.1, parts 1-5) or /tmp/site04 (skyrl 0.4, parts s1-s3), read alone
+    local site=${1:-/tmp/site}
     # run from the source tree: the wheel would install config/ as the package skyrl_megatron.conf
     ln -sfn ../config skyrl_megatron/conf
-    export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+    export PYTHONPATH=$site:$PWD:$PWD/bench PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    if [ -d /tmp/site/vllm ]; then
+    if [ -d "$site/vllm" ]; then
+        # the bridges: skyrl-train 0.3.1's vLLM 0.11 names, skyrl 0.4's vLLM 0.30 transfer API, on vLLM 0.24
         export PYTHONPATH=$PWD/bench/vllm_bridges:$PYTHONPATH
         # no flashinfer on the machines; a forked engine process can deadlock after torch's CPU work
-        export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
-    fi
-}
-_device_env04() {  # the skyrl 0.4 set (parts s1-s3, v1-v4): /tmp/site04 only
-    ln -sfn ../config skyrl_megatron/conf
-    export PYTHONPATH=/tmp/site04:$PWD:$PWD/bench PATH=/tmp/site04/bin:$PATH PYTHONUNBUFFERED=1
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    if [ -d /tmp/site04/vllm ]; then
-        # the bridges for skyrl 0.4's vLLM servers (written for vLLM 0.30) on vLLM 0.24
-        export PYTHONPATH=$PWD/bench/vllm_bridges:$PYTHONPATH
         export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_WORKER_MULTIPROC_METHOD=spawn
     fi
 }
@@ -112,7 +104,7 @@ case "$1" in
         cp -a /tmp/stage/vllm/site/. /tmp/site04/
         python3 -m zipfile -e /tmp/stage/vllm/vllm-*-trimmed.zip /tmp/site04
         rm -rf /tmp/stage/vllm
-        _device_env04
+        _device_env /tmp/site04
     else
         $PIP /tmp/stage/vllm/deps/*.whl >/dev/null 2>&1
         python3 -m zipfile -e /tmp/stage/vllm/vllm-*-trimmed.zip /tmp/site
@@ -145,11 +137,11 @@ case "$1" in
     rm -rf /tmp/site04/flash_attn && cp -r /tmp/stage/s04/flash_attn_pkg /tmp/site04/flash_attn
     echo '__version__ = "2.8.3"' > /tmp/site04/flash_attn/__init__.py
     rm -rf /tmp/stage/s04
-    _device_env04
+    _device_env /tmp/site04
     echo "device_setup: part s3 done (skyrl $(python3 -c 'import importlib.metadata as m; print(m.version("skyrl"))'), ray $(python3 -c 'import ray; print(ray.__version__)'))"
     ;;
   env04)
-    _device_env04
+    _device_env /tmp/site04
     ;;
   3)
     # flash-attn-4 and the CuTe DSL, flash-attn-4 only: into their own target, so

@@ -201,6 +201,7 @@ def shared_overrides(b: BenchSettings, run_dir: Path, model_dir: Path) -> list[s
     run), and the bench's batch, sampling and run settings."""
     from skyrl_megatron.demo.__main__ import run_overrides
     from skyrl_megatron.demo.task import DEMO_PROMPTS
+    from skyrl_megatron.hosts import current
 
     shape = b.shape
     bench = [
@@ -208,7 +209,7 @@ def shared_overrides(b: BenchSettings, run_dir: Path, model_dir: Path) -> list[s
         f"trainer.policy_mini_batch_size={shape.prompts // shape.optimizer_steps}",
         f"generator.n_samples_per_prompt={shape.samples}",
         f"generator.sampling_params.max_generate_length={shape.max_tokens}",
-        "++generator.sampling_params.ignore_eos=true",  # every reply max_tokens long on both sides
+        *current().engine_sampling_overrides({"ignore_eos": True}),  # every reply max_tokens long on both sides
         "trainer.use_sample_packing=true",
         "trainer.gradient_checkpointing=false",  # FSDP2's switch (the host's default is on); ours recomputes nothing by default
         "trainer.ckpt_interval=0",

@@ -44,15 +44,13 @@ OVERRIDES = [
 ]
 
 
-def _seeded_sampling() -> str:
-    """A seed in every sampling request: skyrl 0.4 passes `additional_kwargs` on; skyrl-train 0.3.1 passes
-    every key of its sampling params on, and has no `seed` key to set ("++" adds it)."""
+def _seeded_sampling() -> list[str]:
+    """A seed in every sampling request, however the host hands engines settings it has no key for."""
     from skyrl_megatron.hosts import current
-    from skyrl_megatron.hosts.skyrl_0_4 import SkyRL04
 
-    if isinstance(current(), SkyRL04):
-        return "generator.sampling_params.additional_kwargs={seed: 7}"
-    return "++generator.sampling_params.seed=7"
+    return current().engine_sampling_overrides({"seed": 7})
+
+
 # B's driver: the demo, whose trainer signals the driver (its own process) when step 2's generation starts
 SIGNALLED_DEMO = """
 import os, signal, sys
@@ -76,7 +74,7 @@ sys.exit(demo.main(sys.argv[1:]))
 def _run(run_dir: Path, *extra: str, script: str | None = None) -> subprocess.CompletedProcess:
     command = ["-c", script] if script else ["-m", "skyrl_megatron.demo"]
     return subprocess.run(
-        [sys.executable, *command, "--out", str(run_dir), "--steps", str(STEPS), *extra, *OVERRIDES, _seeded_sampling()],
+        [sys.executable, *command, "--out", str(run_dir), "--steps", str(STEPS), *extra, *OVERRIDES, *_seeded_sampling()],
         capture_output=True, text=True, timeout=TIMEOUT,
     )
 

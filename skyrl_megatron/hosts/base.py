@@ -120,6 +120,12 @@ class HostAdapter(ABC):
         where the host has keys for them. Default: none."""
         return []
 
+    def engine_sampling_overrides(self, settings: dict[str, bool | int | float | str]) -> list[str]:
+        """Overrides that hand the engines sampling settings the host's config has no key for (`ignore_eos`,
+        `seed`). Default, skyrl-train 0.3.1's way: it passes every key of `generator.sampling_params` on, so the
+        settings are added there ("++")."""
+        return [f"++generator.sampling_params.{name}={yaml_scalar(value)}" for name, value in settings.items()]
+
     def host_key_names(self) -> dict[str, str]:
         """Keys of our view of a config (skyrl-train 0.3.1's names) that this host spells otherwise, so
         a problem names the key a user of this host sets. Default: the same names."""
@@ -238,3 +244,7 @@ class HostAdapter(ABC):
     @abstractmethod
     def generator_dtype(self, cfg):
         """The dtype the inference engines hold their weights in."""
+
+
+def yaml_scalar(value: bool | int | float | str) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -16,7 +16,7 @@ import functools
 import re
 from typing import Any, Callable
 
-from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories
+from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories, yaml_scalar
 from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
 
 RELEASE = HostRelease(
@@ -154,6 +154,13 @@ class SkyRL04(HostAdapter):
 
     def machine_sized_overrides(self, cpus: int) -> list[str]:
         return [f"data.dataloader.num_workers={min(_HOST_LOADER_WORKERS, cpus)}"]
+
+    def engine_sampling_overrides(self, settings: dict[str, bool | int | float | str]) -> list[str]:
+        """0.4 takes no new keys; its engines get `generator.sampling_params.additional_kwargs` as they are."""
+        if not settings:
+            return []
+        pairs = ", ".join(f"{name}: {yaml_scalar(value)}" for name, value in settings.items())
+        return [f"generator.sampling_params.additional_kwargs={{{pairs}}}"]
 
     def host_key_names(self) -> dict[str, str]:
         return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}

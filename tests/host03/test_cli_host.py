@@ -53,3 +53,12 @@ def test_a_bad_value_is_named_with_its_fix_before_torch_loads(run_python, hf_con
     assert out.returncode == 2, out.stderr[-2000:]
     assert [m for m in out.stderr.splitlines() if m.startswith("skyrl-megatron:")] == [line], out.stderr[-2000:]
     assert not out.loaded("torch")
+
+
+def test_sampling_settings_without_a_host_key_are_added_to_the_sampling_params():
+    """skyrl-train 0.3.1 hands the engines every key of `generator.sampling_params`: new ones are added there."""
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.hosts import current
+
+    cfg = compose_config(current().engine_sampling_overrides({"ignore_eos": True, "seed": 7}))
+    assert cfg.generator.sampling_params.ignore_eos is True and cfg.generator.sampling_params.seed == 7

@@ -81,3 +81,13 @@ def test_help_prints_the_usage_and_our_keys_before_torch_loads(run_python):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "The `skyrl-megatron` command" in out.stdout and "tensor_model_parallel_size" in out.stdout
     assert not out.loaded("torch")
+
+
+def test_sampling_settings_without_a_host_key_reach_the_engines_as_additional_kwargs():
+    """skyrl 0.4 refuses new keys ("++"); what the engines should get beyond its typed fields goes in
+    `generator.sampling_params.additional_kwargs`, which its engines pass on as they are."""
+    from skyrl_megatron.hosts import current
+
+    overrides = current().engine_sampling_overrides({"ignore_eos": True, "seed": 7})
+    cfg = compose_config(overrides)
+    assert cfg.generator.sampling_params.additional_kwargs == {"ignore_eos": True, "seed": 7}
