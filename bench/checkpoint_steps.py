@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 MODES = {"sync": "false", "async": "true"}
@@ -61,14 +61,12 @@ class CompleteCheckpointDropper:
         self._thread.join()
 
     def _watch(self) -> None:
+        from skyrl_megatron.checkpoint.latest import read_latest, saved_steps, step_dir
+
         while not self._stop.wait(0.5):
-            pointer = self.root / "latest_ckpt_global_step.txt"
-            try:
-                latest = int(pointer.read_text().strip())
-            except (OSError, ValueError):
-                continue
-            for directory in sorted(self.root.glob("global_step_*")):
-                step = int(re.fullmatch(r"global_step_(\d+)", directory.name)[1])
+            latest = read_latest(self.root)  # (written atomically: the old pointer or the new one)
+            for step in saved_steps(self.root) if latest is not None else ():
+                directory = step_dir(self.root, step)
                 if step <= latest and (directory / "policy").is_dir():
                     aside = directory.with_name(f".{directory.name}.dropped")
                     os.rename(directory, aside)
@@ -88,21 +86,13 @@ def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> f
         env["SKYRL_MEGATRON_CHECKPOINT_DIR"] = str(args.scratch / "conversion_cache")
     shutil.rmtree(run_dir, ignore_errors=True)  # (the demo's --fresh, before the dropper watches it)
     started = time.perf_counter()
-    with log.open("w") as out, CompleteCheckpointDropper(run_dir / "ckpts") if args.drop_complete else _nothing() as drop:
+    with log.open("w") as out, CompleteCheckpointDropper(run_dir / "ckpts") if args.drop_complete else nullcontext() as drop:
         result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{mode} run failed (exit {result.returncode}); see {log}")
     if drop is not None:
         print(f"{mode}: checkpoints deleted once complete (--drop-complete): steps {drop.dropped}", flush=True)
     return time.perf_counter() - started
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def step_times(metrics_file: Path, interval: int, steps: int) -> dict:

@@ -40,6 +40,12 @@ download_in_halves() {  # SPEC WHEEL PART_SIZE PREFIX DIR_A DIR_B: a wheel too l
     rm -rf "$dir"
 }
 
+download_py_spy() {  # DIR: py-spy (not in the venvs: pinned here; its wheel names an older manylinux), which dumps
+    # the stacks of a run that stalls on the machine
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$1" py-spy==0.4.3
+}
+
 flash_attn_files() {  # DIR VERSION: flash-attn's own pure-Python files, unchanged, from its sdist, into DIR/flash_attn_pkg
     local dir=$1 version=$2 tmp src file
     tmp=$(mktemp -d)
@@ -82,8 +88,7 @@ download .whl5 $(pinned annotated-types sniffio)
 download .whl9 $(pinned aiohttp aiohttp_cors aiosignal aiohappyeyeballs frozenlist multidict propcache yarl wrapt colorful \
     opencensus opencensus-context opentelemetry-exporter-prometheus prometheus_client smart_open virtualenv distlib \
     google-api-core google-auth proto-plus pyasn1 pyasn1-modules)
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whl5 py-spy==0.4.3
+download_py_spy .whl5
 # .whl6 (call 2): imported by the host trainer's modules
 download .whl6 $(pinned botocore jmespath datasets multiprocess dill torchdata skyrl-gym)
 
@@ -123,8 +128,7 @@ if [[ $ONLY == skyrl04 ]]; then
 # imports), nixl, tensordict, polars, debugpy (not imported by the trainer), Transformer Engine (ours replaces
 # skyrl's Megatron worker).
 VENV04=${VENV04:-/work/main/.venv}
-PY=$VENV04/bin/python
-version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+PY=$VENV04/bin/python  # (read by version, pinned and download)
 RAY04=$(version ray)
 rm -rf .whls1 .whls2 .whls3
 mkdir -p .whls1 .whls2 .whls3
@@ -150,8 +154,7 @@ download .whls2 $(pinned skyrl skyrl-gym loguru cloudpathlib datasets dill multi
 download .whls3 $(pinned vllm-router transformers peft)
 download .whls3 aiohttp_cors==0.8.1 colorful==0.5.8 opencensus==0.11.4 opencensus-context==0.1.3 \
     opentelemetry-exporter-prometheus==0.66b2 smart_open==9.0.2 virtualenv==21.15.11 distlib==0.4.4
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .whls3 py-spy==0.4.3
+download_py_spy .whls3
 flash_attn_files .whls3 "$(version flash_attn)"
 echo "fetch_wheels: MiB per device call (limit 64, the working tree included):"
 for i in 1 2 3; do echo "  call s$i (.whls$i): $(du -sm .whls$i | cut -f1)"; done
