@@ -122,19 +122,32 @@ def gpu_overrides(gpus: int = 1) -> list[str]:
 
 def vllm_overrides(gpus: int) -> list[str]:
     """The host's vLLM engines in place of our HF engine: one per GPU (tensor parallel size 1, so each
-    holds whole tensors and its weights can be read back after a sync), the synchronous engine with its
-    core in the engine actor's process, sleeping while the trainers work (the host's default when
-    colocated)."""
+    holds whole tensors and its weights can be read back after a sync), sleeping while the trainers work
+    (the host's default when colocated), in the host's own engine mode (`HostAdapter.vllm_engine_overrides`)."""
+    from skyrl_megatron.hosts import current
+
     return [
         "generator.engine=auto",
         "generator.backend=vllm",
         f"generator.num_inference_engines={gpus}",
         "generator.inference_engine_tensor_parallel_size=1",
-        "generator.async_engine=false",
-        "generator.vllm_v1_disable_multiproc=true",
+        *current().vllm_engine_overrides(),
         "generator.gpu_memory_utilization=0.5",
         "generator.enforce_eager=true",
     ]
+
+
+def _has_trainer_transfer_api(vllm_version: str) -> bool:
+    """skyrl 0.4's vLLM servers take weights through vLLM 0.30's trainer-side transfer API (``WeightSource``);
+    an older vLLM has it only where something provides it (the benches' harness bridge onto vLLM 0.24)."""
+    if _at_least(vllm_version, (0, 30)):
+        return True
+    import importlib
+
+    try:
+        return hasattr(importlib.import_module("vllm.distributed.weight_transfer.base"), "WeightSource")
+    except ImportError:
+        return False
 
 
 def pick_engine(requested: str, gpus: int) -> str:
@@ -152,7 +165,7 @@ def pick_engine(requested: str, gpus: int) -> str:
     except importlib.metadata.PackageNotFoundError:
         vllm_version = None
     # skyrl 0.4's vLLM servers sync weights through vLLM 0.30's trainer-side transfer API
-    usable = vllm_version is not None and (detect().release.distribution != "skyrl" or _at_least(vllm_version, (0, 30)))
+    usable = vllm_version is not None and (detect().release.distribution != "skyrl" or _has_trainer_transfer_api(vllm_version))
     if requested == "vllm" and not usable:
         found = f"vllm {vllm_version}" if vllm_version else "no vllm"
         raise SystemExit(f"skyrl-megatron demo: --engine vllm: {found} with host {detect().release.distribution}; the host's "

@@ -126,6 +126,12 @@ class HostAdapter(ABC):
         settings are added there ("++")."""
         return [f"++generator.sampling_params.{name}={yaml_scalar(value)}" for name, value in settings.items()]
 
+    def vllm_engine_overrides(self) -> list[str]:
+        """This host's settings for its vLLM engines as the demo and the benches run them. Default, skyrl-train
+        0.3.1's: the synchronous engine with its core in the engine actor's process, where a ``collective_rpc``
+        can read the engine's weights back after a sync."""
+        return ["generator.async_engine=false", "generator.vllm_v1_disable_multiproc=true"]
+
     def host_key_names(self) -> dict[str, str]:
         """Keys of our view of a config (skyrl-train 0.3.1's names) that this host spells otherwise, so
         a problem names the key a user of this host sets. Default: the same names."""

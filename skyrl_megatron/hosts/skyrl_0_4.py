@@ -66,6 +66,7 @@ _ENGINE_KEYS = {
     "inference_engine_expert_parallel_size": "expert_parallel_size",
     "enable_return_routed_experts": "enable_return_routed_experts",  # (0.4 only: engine routes for R3)
     "gpu_memory_utilization": "gpu_memory_utilization",
+    "enforce_eager": "enforce_eager",
     # 0.4 is always async: its own parse drops `async_engine=true` and refuses `false` with its message
     "async_engine": "async_engine",
 }
@@ -161,6 +162,10 @@ class SkyRL04(HostAdapter):
             return []
         pairs = ", ".join(f"{name}: {yaml_scalar(value)}" for name, value in settings.items())
         return [f"generator.sampling_params.additional_kwargs={{{pairs}}}"]
+
+    def vllm_engine_overrides(self) -> list[str]:
+        """None: 0.4 serves its vLLM engines over HTTP, always asynchronous."""
+        return []
 
     def host_key_names(self) -> dict[str, str]:
         return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}

@@ -62,3 +62,15 @@ def test_sampling_settings_without_a_host_key_are_added_to_the_sampling_params()
 
     cfg = compose_config(current().engine_sampling_overrides({"ignore_eos": True, "seed": 7}))
     assert cfg.generator.sampling_params.ignore_eos is True and cfg.generator.sampling_params.seed == 7
+
+
+def test_the_demos_vllm_engines_are_the_hosts_synchronous_engine():
+    """skyrl-train 0.3.1's engine mode where the demo reads a vLLM engine's weights back (`collective_rpc` on
+    the engine actor's `vllm.LLM`)."""
+    from skyrl_megatron.cli import compose_config
+    from skyrl_megatron.demo.__main__ import gpu_overrides, merged, vllm_overrides
+
+    cfg = compose_config(merged(gpu_overrides(1), vllm_overrides(1)))
+    generator = cfg.generator
+    assert (generator.backend, generator.num_inference_engines, generator.enforce_eager) == ("vllm", 1, True)
+    assert generator.async_engine is False and generator.vllm_v1_disable_multiproc is True

@@ -91,3 +91,15 @@ def test_sampling_settings_without_a_host_key_reach_the_engines_as_additional_kw
     overrides = current().engine_sampling_overrides({"ignore_eos": True, "seed": 7})
     cfg = compose_config(overrides)
     assert cfg.generator.sampling_params.additional_kwargs == {"ignore_eos": True, "seed": 7}
+
+
+def test_the_demos_vllm_engine_settings_parse_on_this_host():
+    """The demo's and the RL step bench's vLLM settings under 0.4's names; 0.4 refuses 0.3.1's synchronous engine
+    (`async_engine=false`), so the host adapter leaves its engine mode out."""
+    from skyrl_megatron.demo.__main__ import gpu_overrides, merged, vllm_overrides
+
+    cfg = compose_config(merged(gpu_overrides(1), vllm_overrides(1)))
+    engine = cfg.generator.inference_engine
+    assert (engine.backend, engine.num_engines, engine.tensor_parallel_size) == ("vllm", 1, 1)
+    assert engine.enforce_eager is True and engine.gpu_memory_utilization == 0.5
+    assert engine.weight_sync_backend == "nccl" and cfg.trainer.placement.colocate_all is True
