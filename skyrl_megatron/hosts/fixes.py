@@ -33,3 +33,15 @@ def allow_flash_attn_import_without_kernels() -> None:
     placeholder.__getattr__ = _kernel_stub  # type: ignore[method-assign]
     placeholder.__doc__ = "placeholder registered by skyrl_megatron.hosts.fixes: the compiled extension is absent"
     sys.modules["flash_attn_2_cuda"] = placeholder
+
+
+def give_router_args_a_pd_flag() -> None:
+    """skyrl 0.4.0's router start reads ``RouterArgs.pd_disaggregation``, which vllm-router 0.1.17 (the newest
+    release) spells ``vllm_pd_disaggregation`` only: every run with vLLM servers would stop at the router's start
+    with an AttributeError. The missing name reads False (skyrl sets the other one for prefill-decode splits)."""
+    if importlib.util.find_spec("vllm_router") is None:
+        return
+    from vllm_router.router_args import RouterArgs
+
+    if not hasattr(RouterArgs, "pd_disaggregation"):
+        RouterArgs.pd_disaggregation = False

@@ -17,7 +17,7 @@ import re
 from typing import Any, Callable
 
 from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories, yaml_scalar
-from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
+from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels, give_router_args_a_pd_flag
 
 RELEASE = HostRelease(
     distribution="skyrl",
@@ -88,6 +88,7 @@ class SkyRL04(HostAdapter):
 
     def apply_compat_fixes(self) -> None:
         allow_flash_attn_import_without_kernels()
+        give_router_args_a_pd_flag()
 
     def import_patches(self, engines: LocalEngineFactories) -> dict[str, Callable[[Any], None]]:
         return {self.entrypoint_module: functools.partial(_route_local_engines, engine_client=engines.engine_client)}
@@ -164,8 +165,9 @@ class SkyRL04(HostAdapter):
         return [f"generator.sampling_params.additional_kwargs={{{pairs}}}"]
 
     def vllm_engine_overrides(self) -> list[str]:
-        """None: 0.4 serves its vLLM engines over HTTP, always asynchronous."""
-        return []
+        """0.4 serves its vLLM engines over HTTP, always asynchronous. One GPU per engine needs no Ray executor
+        inside the engine: vLLM 0.24's, started in the engine-core process, cannot read 0.4's placement group."""
+        return ["generator.inference_engine.distributed_executor_backend=mp"]
 
     def host_key_names(self) -> dict[str, str]:
         return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}

@@ -102,4 +102,5 @@ def test_the_demos_vllm_engine_settings_parse_on_this_host():
     engine = cfg.generator.inference_engine
     assert (engine.backend, engine.num_engines, engine.tensor_parallel_size) == ("vllm", 1, 1)
     assert engine.enforce_eager is True and engine.gpu_memory_utilization == 0.5
-    assert engine.weight_sync_backend == "nccl" and cfg.trainer.placement.colocate_all is True
+    assert engine.weight_sync_backend == "nccl" and engine.distributed_executor_backend == "mp"
+    assert cfg.trainer.placement.colocate_all is True

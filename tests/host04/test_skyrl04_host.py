@@ -206,3 +206,19 @@ def test_the_same_command_line_works_on_both_hosts(base):
     engine = cfg.generator.inference_engine
     assert (engine.weight_sync_backend, engine.num_engines, engine.tensor_parallel_size, engine.model_dtype) == \
         ("gloo", 2, 1, "float32")
+
+
+def test_skyrls_router_start_can_read_the_prefill_decode_flag_of_vllm_routers_args():
+    """skyrl 0.4.0's `VLLMRouter.start` reads `RouterArgs.pd_disaggregation`, which vllm-router 0.1.17 lacks
+    (AttributeError at the first run with vLLM servers); the adapter's fixes give it, reading False."""
+    import inspect
+
+    from skyrl.backends.skyrl_train.inference_servers.vllm_router import VLLMRouter
+    from vllm_router.router_args import RouterArgs
+
+    from skyrl_megatron.hosts import current
+
+    current().apply_compat_fixes()
+    args = RouterArgs(worker_urls=["http://127.0.0.1:1"])
+    assert "pd_disaggregation" in inspect.getsource(VLLMRouter.start)  # gone upstream: drop the fix
+    assert args.pd_disaggregation is False and args.vllm_pd_disaggregation is False
