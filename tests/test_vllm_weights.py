@@ -7,7 +7,8 @@ its ``load_weights`` as an engine worker does after a sync. Then:
 * every vLLM parameter was written (vLLM reports the names it loaded);
 * reading the engine back under HF names (``engines.vllm_weights.hf_weights``, which cuts vLLM's fused
   q/k/v, gate/up and expert tensors apart) gives exactly the names we sent, each bitwise equal: the
-  digests a sync check compares agree.
+  digests a sync check compares agree; on skyrl 0.4, also through the worker extension the adapter names
+  for its servers (``engines.vllm_extension``), mixed into a worker class as vLLM mixes it.
 """
 
 from __future__ import annotations
@@ -54,17 +55,40 @@ def _load_into_vllm(rank, world_size, hf_dir: str, buckets):
     for bucket in buckets:
         loaded |= set(model.load_weights(bucket))
 
-    class Worker:  # what collective_rpc hands its target: a worker whose model is this one
+    class WorkerBase:
+        pass
+
+    class Worker(WorkerBase):  # what collective_rpc hands its target: a worker whose model is this one
         def get_model(self):
             return model
+
+    read_back_by_name = None
+    if _extension_qualname() is not None:  # skyrl 0.4: our extension, mixed in as vLLM's worker wrapper does
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        from skyrl_megatron.engines.vllm_extension import READ_BACK_METHOD
+
+        Worker.__bases__ = Worker.__bases__ + (resolve_obj_by_qualname(_extension_qualname()),)
+        read_back_by_name = getattr(Worker(), READ_BACK_METHOD)(["model.norm.weight", "lm_head.weight"])
 
     return {
         "loaded": loaded,
         "parameters": {name for name, _ in model.named_parameters()},
         "read_back": {name: tensor_sha256(tensor) for name, tensor in hf_weights(model)},
         "digests_of_some": engine_weight_digests(Worker(), ["model.norm.weight", "lm_head.weight"]),
+        "read_back_by_name": read_back_by_name,
         "fused": sorted(name for name, _ in model.named_parameters() if "qkv_proj" in name or "w13" in name)[:1],
     }
+
+
+def _extension_qualname() -> str | None:
+    """The worker extension the host adapter names for its vLLM servers (skyrl 0.4), else None."""
+    from skyrl_megatron.hosts import current
+
+    for override in current().vllm_engine_overrides():
+        if "worker_extension_cls:" in override:
+            return override.split("worker_extension_cls:", 1)[1].strip(" }")
+    return None
 
 
 CASES = {
@@ -93,6 +117,8 @@ def test_our_export_loads_into_vllm_and_reads_back_bitwise(case, tmp_path):
     differing = [name for name in sent if engine["read_back"][name] != sent[name]]
     assert differing == [], differing[:5]
     assert engine["digests_of_some"] == {name: sent[name] for name in ("model.norm.weight", "lm_head.weight")}
+    # skyrl 0.4's servers: the same read-back through the worker extension's method, which /collective_rpc calls
+    assert engine["read_back_by_name"] == engine["digests_of_some"]
 
 
 def test_a_sharded_engine_is_refused_by_name():

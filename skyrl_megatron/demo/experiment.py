@@ -155,13 +155,20 @@ def host_value_loss(values, old_values, returns, loss_mask, algorithm) -> float:
 
 
 def engine_actors(inference_engine_client) -> list:
-    """Our engines' Ray actors behind either host's client (0.3.1 wraps each in RayWrappedInferenceEngine)."""
-    return [getattr(engine, "inference_engine_actor", engine) for engine in inference_engine_client.engines]
+    """Our engines' Ray actors behind either host's client (0.3.1 wraps each in RayWrappedInferenceEngine);
+    none behind skyrl 0.4's client of its vLLM servers."""
+    engines = getattr(inference_engine_client, "engines", None) or []
+    return [getattr(engine, "inference_engine_actor", engine) for engine in engines]
 
 
 def is_vllm_engine(actor) -> bool:
     """A host's vLLM engine actor (ours answer ``weight_digests`` themselves)."""
     return not hasattr(actor, "weight_digests")
+
+
+def serves_over_http(inference_engine_client) -> bool:
+    """skyrl 0.4's client of its vLLM servers (not an engine actor in sight)."""
+    return hasattr(inference_engine_client, "server_urls")
 
 
 def _vllm_engine_digests(engine, names: list[str]) -> list[dict[str, str]]:
@@ -176,6 +183,16 @@ def _vllm_engine_digests(engine, names: list[str]) -> list[dict[str, str]]:
         raise RuntimeError("the demo reads a vLLM engine's weights through the host's synchronous engine: "
                            "set generator.async_engine=false")
     return llm.collective_rpc(engine_weight_digests, args=(names,))
+
+
+async def vllm_server_digests(inference_engine_client, names: list[str]) -> list[dict[str, str]]:
+    """Each vLLM server worker's digests of `names`, through vLLM's ``/collective_rpc`` route and our worker
+    extension's read-back (`engines.vllm_extension`; the client's own fan-out to every server)."""
+    from skyrl_megatron.engines.vllm_extension import READ_BACK_METHOD
+
+    replies = await inference_engine_client._call_all_servers("/collective_rpc",
+                                                              {"method": READ_BACK_METHOD, "args": [names]})
+    return [digests for reply in replies.values() for digests in reply["body"]["results"]]
 
 
 def engine_weight_digests(actors: list, names: list[str]) -> list[dict[str, str]]:
@@ -215,14 +232,22 @@ def _trainer_class():
         """The host trainer plus the demo's observations (see the module docstring); they ask our workers."""
 
         def _engines_are_vllm(self) -> bool:
+            if serves_over_http(self.inference_engine_client):
+                return True
             actors = engine_actors(self.inference_engine_client)
             return bool(actors) and is_vllm_engine(actors[0])
 
+        def _exported_digests(self) -> dict[str, str]:
+            return ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
+
         def _check_engine_weights(self) -> None:
+            exported = self._exported_digests()
+            self._record_weight_check(exported, engine_weight_digests(engine_actors(self.inference_engine_client),
+                                                                      list(exported)))
+
+        def _record_weight_check(self, exported: dict[str, str], held: list[dict[str, str]]) -> None:
             """Every tensor each engine holds equals the policy's export of it (a vLLM engine with tied
             embeddings holds one tensor where the export names two)."""
-            exported = ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
-            held = engine_weight_digests(engine_actors(self.inference_engine_client), list(exported))
             equal = all(digests and all(exported.get(name) == digest for name, digest in digests.items())
                         for digests in held)
             # a step's record holds its last sync's check (and, at step 1, the first sync's too)
@@ -237,6 +262,25 @@ def _trainer_class():
             if self._engines_are_vllm():
                 self._check_engine_weights()
             return []
+
+        def build_models(self, *args, **kwargs):
+            """skyrl 0.4 with its vLLM servers syncs through its worker dispatch (at the start and after each
+            step's training): each sync is timed and the servers' weights checked right after it, while awake."""
+            super().build_models(*args, **kwargs)
+            dispatch = getattr(self, "dispatch", None)
+            if dispatch is None or not serves_over_http(self.inference_engine_client):
+                return
+            sync = dispatch.save_weights_for_sampler
+
+            async def save_weights_for_sampler(*sync_args, **sync_kwargs):
+                started = time.perf_counter()
+                await sync(*sync_args, **sync_kwargs)
+                self.all_metrics["sync/seconds"] = time.perf_counter() - started
+                exported = self._exported_digests()
+                self._record_weight_check(exported, await vllm_server_digests(self.inference_engine_client,
+                                                                              list(exported)))
+
+            dispatch.save_weights_for_sampler = save_weights_for_sampler
 
         def _worker_groups(self):
             return [(role, group) for role in ("policy", "ref") if (group := getattr(self, f"{role}_model", None))]

@@ -132,6 +132,11 @@ class HostAdapter(ABC):
         can read the engine's weights back after a sync."""
         return ["generator.async_engine=false", "generator.vllm_v1_disable_multiproc=true"]
 
+    def vllm_worker_extension_class(self) -> type:
+        """The host's vLLM worker extension, for ours to extend (`engines.vllm_extension`). skyrl-train 0.3.1's
+        engines take callables through ``collective_rpc`` and need none."""
+        raise NotImplementedError(f"{self.release.label}: its vLLM engines take callables, no worker extension")
+
     def host_key_names(self) -> dict[str, str]:
         """Keys of our view of a config (skyrl-train 0.3.1's names) that this host spells otherwise, so
         a problem names the key a user of this host sets. Default: the same names."""

@@ -48,6 +48,9 @@ _HOST_ONLY_FIELDS = (
 )
 
 
+# our vLLM worker extension (a name: the hosts do not import the engines)
+_WEIGHT_READ_BACK = "skyrl_megatron.engines.vllm_extension.WeightReadBack"
+
 # what 0.4's prompt loader starts when data.dataloader.num_workers is unset
 _HOST_LOADER_WORKERS = 8
 
@@ -165,9 +168,19 @@ class SkyRL04(HostAdapter):
         return [f"generator.sampling_params.additional_kwargs={{{pairs}}}"]
 
     def vllm_engine_overrides(self) -> list[str]:
-        """0.4 serves its vLLM engines over HTTP, always asynchronous. One GPU per engine needs no Ray executor
-        inside the engine: vLLM 0.24's, started in the engine-core process, cannot read 0.4's placement group."""
-        return ["generator.inference_engine.distributed_executor_backend=mp"]
+        """0.4 serves its vLLM engines over HTTP, always asynchronous. Its worker extension plus our read-back of
+        the engine's weights (`engines.vllm_extension`: the demo checks each sync through ``/collective_rpc``).
+        One GPU per engine needs no Ray executor inside the engine: vLLM 0.24's, started in the engine-core
+        process, cannot read 0.4's placement group."""
+        return [
+            "generator.inference_engine.distributed_executor_backend=mp",
+            f"generator.inference_engine.engine_init_kwargs={{worker_extension_cls: {_WEIGHT_READ_BACK}}}",
+        ]
+
+    def vllm_worker_extension_class(self) -> type:
+        from skyrl.backends.skyrl_train.inference_servers.new_inference_worker_wrap import NewInferenceWorkerWrap
+
+        return NewInferenceWorkerWrap
 
     def host_key_names(self) -> dict[str, str]:
         return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}

@@ -104,3 +104,9 @@ def test_the_demos_vllm_engine_settings_parse_on_this_host():
     assert engine.enforce_eager is True and engine.gpu_memory_utilization == 0.5
     assert engine.weight_sync_backend == "nccl" and engine.distributed_executor_backend == "mp"
     assert cfg.trainer.placement.colocate_all is True
+    # the servers' worker class gets our read-back of its weights (the demo's check after each sync); 0.4 sets
+    # each engine_init_kwargs entry on vLLM's arguments, over its own worker extension
+    from skyrl_megatron.engines.vllm_extension import WeightReadBack
+
+    qualname = f"{WeightReadBack.__module__}.{WeightReadBack.__qualname__}"
+    assert dict(engine.engine_init_kwargs) == {"worker_extension_cls": qualname}
