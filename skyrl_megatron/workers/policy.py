@@ -233,10 +233,14 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         """skyrl 0.4's trainer-side transfer engine, made by its ``init_weight_sync_state`` (else None)."""
         return getattr(self, "_weight_sync_engine", None)
 
+    _weight_source_dtype: torch.dtype | None = None
+
     def _build_weight_source(self, dtype: torch.dtype, backend: str):
-        """skyrl 0.4's hook for its transfer engine: a vLLM weight source over our HF export."""
+        """skyrl 0.4's hook for its transfer engine: a vLLM weight source over our HF export. (Its workers see
+        no generator config: the dtype is kept for `weight_digests`.)"""
         from skyrl_megatron.workers.vllm_source import exported_weight_source
 
+        self._weight_source_dtype = dtype
         return exported_weight_source(self.built, dtype, backend, self.runtime.torch_device)
 
     async def _send_full_weights(self) -> dict:
@@ -279,6 +283,8 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
         """The dtype the inference engines hold their weights in (what a sync sends)."""
         if self._engine_sender is not None:
             return torch_dtype(self._engine_sender.client.model_dtype)
+        if self._weight_source_dtype is not None:  # skyrl 0.4's servers: the dtype its transfer engine asked for
+            return self._weight_source_dtype
         return host_api.generator_dtype(self.cfg)
 
     def weight_digests(self) -> dict[str, str]:
