@@ -1,7 +1,8 @@
 """skyrl 0.4's vLLM weight sync, our half: the ``WeightSource`` our policy gives 0.4's transfer engine.
 
-vLLM cannot be installed here, so its two base names (``ParamMeta``, ``WeightSource`` in
-``vllm.distributed.weight_transfer.base``) come from a STAND-IN module made by this test; everything
+The vLLM installed here (0.24, the release built for this torch) predates the two base names 0.30 added
+(``ParamMeta``, ``WeightSource`` in ``vllm.distributed.weight_transfer.base``): they come from a STAND-IN module
+made by this test (on the GPU machines, from the bench's bridge); everything
 else is real: a TP2 Megatron model on two CPU ranks, exported through our exporter. Asserted on every
 rank: the declared stream equals the iterated one element for element, each tensor equals the HF
 checkpoint bitwise (in the engine's dtype), and a backend our plain source cannot serve is refused.
