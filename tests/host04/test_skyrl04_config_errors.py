@@ -7,6 +7,8 @@ full parse and every check.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from skyrl_megatron.cli import checked_config, compose_config
@@ -15,6 +17,7 @@ from skyrl_megatron.hosts.skyrl_0_4_config import SkyRLMegatronConfig
 from skyrl_megatron.validation import validate_config, validate_overrides
 
 MC = "trainer.policy.megatron_config"
+BRIDGES = Path(__file__).resolve().parents[2] / "bench" / "vllm_bridges"
 
 
 @pytest.fixture
@@ -110,3 +113,28 @@ def test_the_demos_vllm_engine_settings_parse_on_this_host():
 
     qualname = f"{WeightReadBack.__module__}.{WeightReadBack.__qualname__}"
     assert dict(engine.engine_init_kwargs) == {"worker_extension_cls": qualname}
+
+
+PICK = """
+import sys
+{setup}
+from skyrl_megatron.demo.__main__ import pick_engine
+print("auto:", pick_engine("auto", 1))
+try:
+    pick_engine("vllm", 1)
+except SystemExit as exit:
+    print("vllm:", exit)
+"""
+
+
+@pytest.mark.slow
+def test_the_demo_takes_vllm_on_skyrl_0_4_only_with_its_trainer_side_transfer_api(run_python):
+    """skyrl 0.4's servers sync through vLLM 0.30's trainer-side transfer API. The vLLM here (0.24) lacks it: `auto`
+    falls back to our HF engine and `--engine vllm` is refused by name; with the bench's bridge giving 0.24 that API
+    (as on the GPU machines), vLLM is taken."""
+    plain = run_python("-c", PICK.format(setup=""))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert "auto: hf" in plain.stdout and "vllm: skyrl-megatron demo: --engine vllm: vllm 0.24.0" in plain.stdout
+    bridged = run_python("-c", PICK.format(setup=f"sys.path.insert(0, {str(BRIDGES)!r}); import sitecustomize"))
+    assert bridged.returncode == 0, bridged.stderr[-2000:]
+    assert "auto: vllm" in bridged.stdout and "vllm:" not in bridged.stdout, bridged.stdout
