@@ -187,7 +187,8 @@ def _vllm_engine_digests(engine, names: list[str]) -> list[dict[str, str]]:
 
 async def vllm_server_digests(inference_engine_client, names: list[str]) -> list[dict[str, str]]:
     """Each vLLM server worker's digests of `names`, through vLLM's ``/collective_rpc`` route and our worker
-    extension's read-back (`engines.vllm_extension`; the client's own fan-out to every server)."""
+    extension's read-back (`engines.vllm_extension`), fanned out by the client's `_call_all_servers` (what its own
+    control-plane methods use; it has no public one for a custom route)."""
     from skyrl_megatron.engines.vllm_extension import READ_BACK_METHOD
 
     replies = await inference_engine_client._call_all_servers("/collective_rpc",
