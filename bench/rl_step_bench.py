@@ -260,6 +260,8 @@ def run_child(run_dir: Path) -> int:
     """The process of one strategy: the host trainer with the overrides the parent wrote to `run_dir`."""
     from skyrl_megatron.demo.__main__ import host_log_warnings_only, quiet_console
 
+    # the engines' configuration into the run's log (attention backend, CUDA graph mode, KV cache): this is a log file
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     quiet_console()
     overrides = json.loads((run_dir / CHILD_OVERRIDES).read_text())
     host_log_warnings_only()
