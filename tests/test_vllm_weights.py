@@ -62,14 +62,14 @@ def _load_into_vllm(rank, world_size, hf_dir: str, buckets):
         def get_model(self):
             return model
 
-    read_back_by_name = None
-    if _extension_qualname() is not None:  # skyrl 0.4: our extension, mixed in as vLLM's worker wrapper does
-        from vllm.utils.import_utils import resolve_obj_by_qualname
+    # skyrl 0.4's servers: our extension, named as the adapter names it, mixed in as vLLM's worker wrapper does
+    from vllm.utils.import_utils import resolve_obj_by_qualname
 
-        from skyrl_megatron.engines.vllm_extension import READ_BACK_METHOD
+    from skyrl_megatron.engines.vllm_extension import READ_BACK_METHOD
+    from skyrl_megatron.hosts.skyrl_0_4 import WEIGHT_READ_BACK
 
-        Worker.__bases__ = Worker.__bases__ + (resolve_obj_by_qualname(_extension_qualname()),)
-        read_back_by_name = getattr(Worker(), READ_BACK_METHOD)(["model.norm.weight", "lm_head.weight"])
+    Worker.__bases__ = Worker.__bases__ + (resolve_obj_by_qualname(WEIGHT_READ_BACK),)
+    read_back_by_name = getattr(Worker(), READ_BACK_METHOD)(["model.norm.weight", "lm_head.weight"])
 
     return {
         "loaded": loaded,
@@ -79,16 +79,6 @@ def _load_into_vllm(rank, world_size, hf_dir: str, buckets):
         "read_back_by_name": read_back_by_name,
         "fused": sorted(name for name, _ in model.named_parameters() if "qkv_proj" in name or "w13" in name)[:1],
     }
-
-
-def _extension_qualname() -> str | None:
-    """The worker extension the host adapter names for its vLLM servers (skyrl 0.4), else None."""
-    from skyrl_megatron.hosts import current
-
-    for override in current().vllm_engine_overrides():
-        if "worker_extension_cls:" in override:
-            return override.split("worker_extension_cls:", 1)[1].strip(" }")
-    return None
 
 
 CASES = {

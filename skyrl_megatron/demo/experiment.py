@@ -155,10 +155,8 @@ def host_value_loss(values, old_values, returns, loss_mask, algorithm) -> float:
 
 
 def engine_actors(inference_engine_client) -> list:
-    """Our engines' Ray actors behind either host's client (0.3.1 wraps each in RayWrappedInferenceEngine);
-    none behind skyrl 0.4's client of its vLLM servers."""
-    engines = getattr(inference_engine_client, "engines", None) or []
-    return [getattr(engine, "inference_engine_actor", engine) for engine in engines]
+    """Our engines' Ray actors behind either host's client (0.3.1 wraps each in RayWrappedInferenceEngine)."""
+    return [getattr(engine, "inference_engine_actor", engine) for engine in inference_engine_client.engines]
 
 
 def is_vllm_engine(actor) -> bool:

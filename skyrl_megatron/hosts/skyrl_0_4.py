@@ -49,7 +49,7 @@ _HOST_ONLY_FIELDS = (
 
 
 # our vLLM worker extension (a name: the hosts do not import the engines)
-_WEIGHT_READ_BACK = "skyrl_megatron.engines.vllm_extension.WeightReadBack"
+WEIGHT_READ_BACK = "skyrl_megatron.engines.vllm_extension.WeightReadBack"
 
 # what 0.4's prompt loader starts when data.dataloader.num_workers is unset
 _HOST_LOADER_WORKERS = 8
@@ -174,7 +174,7 @@ class SkyRL04(HostAdapter):
         process, cannot read 0.4's placement group."""
         return [
             "generator.inference_engine.distributed_executor_backend=mp",
-            f"generator.inference_engine.engine_init_kwargs={{worker_extension_cls: {_WEIGHT_READ_BACK}}}",
+            f"generator.inference_engine.engine_init_kwargs={{worker_extension_cls: {WEIGHT_READ_BACK}}}",
         ]
 
     def vllm_worker_extension_class(self) -> type:

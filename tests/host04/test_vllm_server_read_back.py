@@ -35,15 +35,12 @@ def _read_back_over_http(rank, world_size, hf_dir: str, names: list[str]):
     from vllm.v1.serial_utils import run_method
 
     from skyrl_megatron.demo.experiment import vllm_server_digests
-    from skyrl_megatron.hosts import current
+    from skyrl_megatron.hosts.skyrl_0_4 import WEIGHT_READ_BACK
     from skyrl_megatron.testing import vllm_model_on_cpu
 
     model = vllm_model_on_cpu(hf_dir, torch.bfloat16)
     state = load_file(f"{hf_dir}/model.safetensors")
     model.load_weights((name, tensor.to(torch.bfloat16)) for name, tensor in state.items())
-
-    (extension,) = [o.split("worker_extension_cls:", 1)[1].strip(" }") for o in current().vllm_engine_overrides()
-                    if "worker_extension_cls:" in o]
 
     class WorkerBase:
         pass
@@ -52,7 +49,7 @@ def _read_back_over_http(rank, world_size, hf_dir: str, names: list[str]):
         def get_model(self):
             return model
 
-    Worker.__bases__ = Worker.__bases__ + (resolve_obj_by_qualname(extension),)  # as vLLM's WorkerWrapperBase
+    Worker.__bases__ = Worker.__bases__ + (resolve_obj_by_qualname(WEIGHT_READ_BACK),)  # as vLLM's WorkerWrapperBase
     worker = Worker()
 
     class OneWorkerEngine:  # STAND-IN for AsyncLLM's collective_rpc over its workers
