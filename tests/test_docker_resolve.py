@@ -2,8 +2,10 @@
 (plus this plugin's own declared dependencies), without building or installing anything.
 
 Needs registry access (PyPI, the image's only index): marked `registry`. If pip cannot reach the index the
-test fails and says so; it never skips for that. Takes ~40 s against PyPI (pip's own cache, outside the
-repository, makes reruns faster).
+test fails and says so; it never skips for that. A download cut off midway (pip fetches whole wheels where the
+index serves no separate metadata, ~100 MB for some of vLLM's dependencies) is retried as a fresh resolve, at
+most twice; a conflict is never retried. Takes ~40 s against PyPI (pip's own cache, outside the repository,
+makes reruns faster).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ pytestmark = pytest.mark.registry
 
 # pip prints these when the index cannot be reached at all (DNS, proxy, TLS, refused connection).
 UNREACHABLE = re.compile(r"NameResolutionError|NewConnectionError|ProxyError|SSLError|Max retries exceeded|Network is unreachable|ConnectTimeout")
+# pip prints these when the index was reached but a transfer broke off: worth a fresh attempt.
+INTERRUPTED = re.compile(r"incomplete-download|Connection interrupted|IncompleteRead|Connection broken|ReadTimeoutError|ConnectionResetError")
+RESOLVE_ATTEMPTS = 3
 # The image's pip reads no config (the base image's constraint is cleared); this machine's pip config and
 # PIP_* variables must not change the answer either. Where CI points pip at a mirror of PyPI, these carry over.
 FORWARDED_ENV = {"PIP_INDEX_URL": "--index-url", "PIP_CERT": "--cert", "PIP_PROXY": "--proxy"}
@@ -58,10 +63,15 @@ def pip_resolve(specs: list[str], tmp_path: Path, name: str, *flags: str) -> dic
     # as pure Python (no CUDA compile, no prebuilt-binary download), exactly as the image installs it.
     # PIP_CONFIG_FILE=os.devnull: no pip config file at all (--isolated still reads the site-wide one).
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE", "FLASH_ATTENTION_FORCE_BUILD": "TRUE"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    log = (out.stdout + out.stderr)[-6000:]
-    if out.returncode != 0 and UNREACHABLE.search(log):
-        pytest.fail(f"pip could not reach the package index: this test needs registry access (PyPI).\n{log}")
+    for attempt in range(1, RESOLVE_ATTEMPTS + 1):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        log = (out.stdout + out.stderr)[-6000:]
+        if out.returncode == 0 or not INTERRUPTED.search(log):
+            break
+        print(f"pip resolve ({name}) attempt {attempt}/{RESOLVE_ATTEMPTS}: a download broke off, resolving afresh", file=sys.stderr)
+    if out.returncode != 0 and (UNREACHABLE.search(log) or INTERRUPTED.search(log)):
+        pytest.fail(f"pip could not reach the package index (or its downloads kept breaking off after {RESOLVE_ATTEMPTS} "
+                    f"attempts): this test needs registry access (PyPI).\n{log}")
     assert out.returncode == 0, f"the image's pins do not resolve ({name}):\n{log}"
     resolved = json.loads(report.read_text())["install"]
     return {re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): item["metadata"]["version"] for item in resolved}
