@@ -183,7 +183,9 @@ class SkyRL04(HostAdapter):
         return NewInferenceWorkerWrap
 
     def host_key_names(self) -> dict[str, str]:
-        return {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}
+        names = {f"generator.{ours}": f"generator.inference_engine.{theirs}" for ours, theirs in _ENGINE_KEYS.items()}
+        # our view's packing flag is 0.4's remove_microbatch_padding (0.4 keeps use_sample_packing as a deprecated alias)
+        return names | {"trainer.use_sample_packing": "trainer.remove_microbatch_padding"}
 
     def worker_view(self, worker_cfg):
         """A worker gets the host's ``TrainerConfig`` only (``cfg.trainer``); the sampling temperature

@@ -176,6 +176,18 @@ def test_engine_settings_are_named_as_skyrl_0_4_spells_them(base):
             and "Fix: set generator.inference_engine.weight_sync_backend=gloo." in message), message
 
 
+def test_the_packing_flag_is_named_as_skyrl_0_4_spells_it(base):
+    """Context parallelism needs packing; on 0.4 that is remove_microbatch_padding (use_sample_packing is only an alias)."""
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config(base + [f"{MC}.context_parallel_size=2", "trainer.remove_microbatch_padding=false"]))
+    message = str(error.value)
+    assert "Fix: set trainer.remove_microbatch_padding=true or context_parallel_size=1." in message, message
+    assert "use_sample_packing" not in message
+    with pytest.raises(ConfigError) as error:  # one GPU: only the sizes are left to fix
+        validate_config(compose_config(base + [f"{MC}.context_parallel_size=2", "trainer.remove_microbatch_padding=true"]))
+    assert "needs sample packing" not in str(error.value) and "TP*PP*CP = 1*1*2" in str(error.value), str(error.value)
+
+
 def test_the_cli_reports_a_bad_key_and_exits_2(tmp_path, hf_config_dir):
     out = subprocess.run(
         [sys.executable, "-m", "skyrl_megatron.cli", "trainer.strategy=megatron",
