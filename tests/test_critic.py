@@ -3,7 +3,8 @@
 Values of a synthetic RL batch match the host's critic forward (skyrl-train's CriticModel: HF trunk
 + linear value head) on the HF model with the same head weights;
 values and two training steps with the host's value loss (clipping engaged) equal the world-1 run
-under TP2+SP, PP2, CP2 and DP2; a checkpoint saved under one layout resumes under another.
+under TP2+SP, PP2, PP2 x VPP2, CP2 and DP2, and for a Qwen3-MoE critic under EP2 and TP2 x EP2 (ETP1);
+a checkpoint saved under one layout resumes under another.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PACKED = {"max_tokens": 30}
 LAYOUTS = {
     "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}, PADDED),
     "pp2": (2, {"pipeline": 2}, PADDED),
+    "pp2_vpp2": (2, {"pipeline": 2, "virtual_pipeline": 2}, PADDED),
     "cp2": (2, {"context": 2}, PACKED),
     "dp2": (2, {}, PADDED),
 }
@@ -67,17 +69,26 @@ def _run(hf_dir: str, world: int, layout: dict, batching: dict, **kwargs) -> dic
             "history": histories[0]}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def _critic_model(family: str, directory, batchings: dict[str, dict]) -> dict:
     from skyrl_megatron.model.adapters.value_head import ValueHeadInit
 
-    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=11))
+    hf_dir = str(make_tiny_hf_model(family, directory, seed=11))
     head = ValueHeadInit.for_checkpoint(hf_dir, policy_path=hf_dir, seed=5).make_weight(torch.float32)
     return {
         "dir": hf_dir,
         "host": _hf_critic_values(hf_dir, head),
-        "world1": {name: _run(hf_dir, 1, {}, batching) for name, batching in (("padded", PADDED), ("packed", PACKED))},
+        "world1": {name: _run(hf_dir, 1, {}, batching) for name, batching in batchings.items()},
     }
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _critic_model("qwen3", tmp_path_factory.mktemp("qwen3"), {"padded": PADDED, "packed": PACKED})
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return _critic_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), {"padded": PADDED})
 
 
 def _mask() -> torch.Tensor:
@@ -120,6 +131,23 @@ def test_layout_matches_world1(model, name):
     run = _run(model["dir"], world, layout, batching)
     _assert_values_match_host(run["initial"], model["host"])
     _assert_same_training(run, model["world1"]["padded" if batching is PADDED else "packed"])
+
+
+MOE_LAYOUTS = {
+    "ep2": {"expert": 2},  # the trunk's dense parts DP2, the experts split two ways
+    "tp2_ep2": {"tensor": 2, "sequence_parallel": True, "expert": 2, "expert_tensor": 1},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MOE_LAYOUTS))
+def test_moe_critic_layout_matches_world1_and_the_hosts_critic(moe_model, name):
+    world1 = moe_model["world1"]["padded"]
+    _assert_values_match_host(world1["initial"], moe_model["host"])
+    assert world1["history"][1]["critic_loss"] < world1["history"][0]["critic_loss"]
+    run = _run(moe_model["dir"], 2, MOE_LAYOUTS[name], PADDED)
+    _assert_values_match_host(run["initial"], moe_model["host"])
+    _assert_same_training(run, world1)
 
 
 @pytest.mark.slow
