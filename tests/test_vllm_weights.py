@@ -1,14 +1,17 @@
 """Our weight stream against vLLM's own model classes (the vLLM release the GPU machines run).
 
-A Megatron model exports its HF-named buckets (under tensor and expert parallelism, in the engine's
-bf16); a vLLM model of the same checkpoint, built on the CPU, consumes them bucket by bucket through
-its ``load_weights`` as an engine worker does after a sync. Then:
+A Megatron model exports its HF-named buckets (under tensor, data and expert parallelism, in the engine's
+bf16); a vLLM model of the same checkpoint, built on the CPU (one rank, or two ranks of vLLM's own tensor
+parallelism over gloo), consumes them bucket by bucket through its ``load_weights`` as an engine worker does
+after a sync. Then, on every engine rank:
 
 * every vLLM parameter was written (vLLM reports the names it loaded);
-* reading the engine back under HF names (``engines.vllm_weights.hf_weights``, which cuts vLLM's fused
-  q/k/v, gate/up and expert tensors apart) gives exactly the names we sent, each bitwise equal: the
-  digests a sync check compares agree; on skyrl 0.4, also through the worker extension the adapter names
-  for its servers (``engines.vllm_extension``), mixed into a worker class as vLLM mixes it.
+* reading the engine back under HF names (``engines.vllm_weights.hf_weights``, which gathers a sharded
+  engine's shards and cuts vLLM's fused q/k/v, gate/up and expert tensors apart) gives exactly the names we
+  sent, each bitwise equal: the digests a sync check compares agree; on skyrl 0.4, also through the worker
+  extension the adapter names for its servers (``engines.vllm_extension``), mixed into a worker class as vLLM
+  mixes it. The sharded cases cover a KV head replicated over the engine's ranks, q/k/v biases, a vocabulary
+  padded past its size, and experts split over their intermediate dimension.
 """
 
 from __future__ import annotations
@@ -78,13 +81,17 @@ def _load_into_vllm(rank, world_size, hf_dir: str, buckets):
         "digests_of_some": engine_weight_digests(Worker(), ["model.norm.weight", "lm_head.weight"]),
         "read_back_by_name": read_back_by_name,
         "fused": sorted(name for name, _ in model.named_parameters() if "qkv_proj" in name or "w13" in name)[:1],
+        "sharded": model.get_parameter("lm_head.weight").shape[0] < model.config.vocab_size,
     }
 
 
 CASES = {
-    # family, layout of the exporting Megatron model
-    "qwen3-tp2": ("qwen3", {"tensor": 2}),
-    "qwen3_moe-ep2": ("qwen3_moe", {"expert": 2}),
+    # family, layout of the exporting Megatron model (two ranks), the engine's tensor parallelism, model overrides
+    "qwen3-tp2": ("qwen3", {"tensor": 2}, 1, {}),
+    "qwen3_moe-ep2": ("qwen3_moe", {"expert": 2}, 1, {}),
+    # one KV head on two engine ranks (replicated), q/k/v biases, 250 tokens padded to 256 (rank 1's last rows)
+    "qwen2_one_kv_head-dp2-engine_tp2": ("qwen2", {}, 2, {"num_key_value_heads": 1, "vocab_size": 250}),
+    "qwen3_moe-ep2-engine_tp2": ("qwen3_moe", {"expert": 2}, 2, {}),
 }
 
 
@@ -94,28 +101,40 @@ def test_our_export_loads_into_vllm_and_reads_back_bitwise(case, tmp_path):
     from skyrl_megatron.digests import tensor_sha256
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    family, layout = CASES[case]
-    hf_dir = str(make_tiny_hf_model(family, tmp_path / family, seed=3, num_hidden_layers=2))
+    family, layout, engine_tp, overrides = CASES[case]
+    hf_dir = str(make_tiny_hf_model(family, tmp_path / family, seed=3, num_hidden_layers=2, **overrides))
     buckets = run_on_ranks(_export_buckets, 2, hf_dir, layout, timeout=300)[0]
     assert len(buckets) > 2
     sent = {name: tensor_sha256(tensor) for bucket in buckets for name, tensor in bucket}
 
-    engine = run_on_ranks(_load_into_vllm, 1, hf_dir, buckets, timeout=300)[0]
-    assert engine["fused"], "the vLLM model fuses tensors (the case this checks)"
-    assert engine["loaded"] == engine["parameters"], sorted(engine["parameters"] - engine["loaded"])
-    assert set(engine["read_back"]) == set(sent), sorted(set(engine["read_back"]) ^ set(sent))
-    differing = [name for name in sent if engine["read_back"][name] != sent[name]]
-    assert differing == [], differing[:5]
-    assert engine["digests_of_some"] == {name: sent[name] for name in ("model.norm.weight", "lm_head.weight")}
-    # skyrl 0.4's servers: the same read-back through the worker extension's method, which /collective_rpc calls
-    assert engine["read_back_by_name"] == engine["digests_of_some"]
+    engine_ranks = run_on_ranks(_load_into_vllm, engine_tp, hf_dir, buckets, timeout=300)
+    assert len(engine_ranks) == engine_tp
+    for engine in engine_ranks:
+        assert engine["fused"], "the vLLM model fuses tensors (the case this checks)"
+        assert engine["loaded"] == engine["parameters"], sorted(engine["parameters"] - engine["loaded"])
+        assert engine["sharded"] == (engine_tp > 1), "each engine rank holds a shard only under tensor parallelism"
+        assert set(engine["read_back"]) == set(sent), sorted(set(engine["read_back"]) ^ set(sent))
+        differing = [name for name in sent if engine["read_back"][name] != sent[name]]
+        assert differing == [], differing[:5]
+        assert engine["digests_of_some"] == {name: sent[name] for name in ("model.norm.weight", "lm_head.weight")}
+        # skyrl 0.4's servers: the same read-back through the worker extension's method, which /collective_rpc calls
+        assert engine["read_back_by_name"] == engine["digests_of_some"]
 
 
-def test_a_sharded_engine_is_refused_by_name():
+def test_what_the_read_back_cannot_put_together_is_refused_by_name():
+    from types import SimpleNamespace
+
     from skyrl_megatron.engines.vllm_weights import ShardedEngineError, hf_weights
 
-    model = torch.nn.Module()
-    model.qkv_proj = torch.nn.Linear(4, 12, bias=False)
-    model.qkv_proj.tp_size = 2
-    with pytest.raises(ShardedEngineError, match="tensor_parallel_size=1"):
-        list(hf_weights(model))
+    unknown = torch.nn.Module()  # split over two ranks, in no layout vLLM's parallel layers have
+    unknown.proj = torch.nn.Linear(4, 12, bias=False)
+    unknown.proj.tp_size = 2
+    with pytest.raises(ShardedEngineError, match=r"'proj' \(Linear\) is split over 2 ranks .*tensor_parallel_size=1"):
+        list(hf_weights(unknown))
+
+    experts = torch.nn.Module()  # each rank a subset of the experts
+    experts.routed = torch.nn.Module()
+    experts.routed.w13_weight = torch.nn.Parameter(torch.zeros(2, 8, 4))
+    experts.routed.moe_config = SimpleNamespace(ep_size=2, tp_size=1)
+    with pytest.raises(ShardedEngineError, match=r"'routed' holds a subset of the experts \(expert parallelism 2\)"):
+        list(hf_weights(experts))
