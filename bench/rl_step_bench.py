@@ -56,6 +56,14 @@ afterwards (the merge refuses reports whose settings or device differ):
     python bench/rl_step_bench.py --model Qwen3-4B --steps 2 --strategies fsdp2 --timeout 560 --out $OUT
     python bench/rl_step_bench.py --render megatron_out/rl_step.json fsdp2_out/rl_step.json --out merged
 
+A MoE shape at a depth that fits one H200 beside the engine (`--layers`: the published widths, the first N layers),
+ours without and with R3 (skyrl 0.4: the vLLM servers return each token's experts and scoring and training replay
+them; each report has the train-inference gap per step):
+
+    python bench/rl_step_bench.py --model Qwen3-30B-A3B --layers 4 --strategies megatron --timeout 900 --out $OUT/moe
+    python bench/rl_step_bench.py --model Qwen3-30B-A3B --layers 4 --strategies megatron --timeout 900 --out $OUT/moe_r3 \
+        trainer.policy.megatron_config.moe_config.routing_replay=r3
+
 (`--strategies megatron,fsdp2` at 4B where a call may run 15 minutes.) A strategy past `--timeout` is stopped
 (its processes' stacks to `<strategy>/stacks_at_timeout.txt`) and the steps it finished still count, flagged as
 incomplete. `--gpus 2` puts policy and reference on both GPUs (data parallel) with one engine per GPU. Extra
@@ -175,10 +183,19 @@ class BenchSettings:
     extra: tuple[str, ...] = ()
     fsdp_train_rows: int | None = None
     fsdp_forward_rows: int | None = None
+    layers: int | None = None  # the shape's first N layers (MoE widths at a depth that fits); None: all of them
 
     @property
     def smoke(self) -> bool:
         return self.gpus == 0
+
+    @property
+    def model_label(self) -> str:
+        return self.model if self.layers is None else f"{self.model}, {self.layers} layers"
+
+    @property
+    def checkpoint_name(self) -> str:
+        return self.model if self.layers is None else f"{self.model}-{self.layers}L"
 
 
 def fsdp2_rows(b: BenchSettings) -> tuple[int, int]:
@@ -186,7 +203,7 @@ def fsdp2_rows(b: BenchSettings) -> tuple[int, int]:
     mini-batch's rows per GPU for training, as the host requires), capped by `FSDP2_FITS`."""
     row_tokens = b.shape.max_tokens + PROMPT_TOKENS
     train_tokens, forward_tokens = b.token_budget, SCORING_BUDGET_FACTOR * b.token_budget
-    fit = FSDP2_FITS.get(b.model)
+    fit = FSDP2_FITS.get(b.model) if b.layers is None else None
     if fit:
         train_tokens, forward_tokens = min(train_tokens, fit[0]), min(forward_tokens, fit[1])
     gpus = max(b.gpus, 1)
@@ -450,6 +467,7 @@ def markdown(report: dict) -> str:
     results = report["strategies"]
     names = list(results)
     compared = "megatron" in results and "fsdp2" in results
+    depth = "" if s.get("layers") is None else f", its first {s['layers']} layers"
     runs = {name: r.get("run", report["run"]) for name, r in results.items()}
     if all(run == report["run"] for run in runs.values()):
         provenance = [f"Commit {report['run']['commit']}. Command: `{report['run']['command']}`"]
@@ -462,7 +480,7 @@ def markdown(report: dict) -> str:
                  "micro-batch, no activation checkpointing.",
     }
     lines = [
-        f"### RL step: {s['model']}, {report['device']}, {report['run']['date']}",
+        f"### RL step: {s['model']}{depth}, {report['device']}, {report['run']['date']}",
         "",
         *provenance,
         "",
@@ -540,24 +558,25 @@ def merge_reports(reports: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def create_checkpoint(model: str, model_dir: Path, on_gpu: bool) -> None:
-    """The random-weight checkpoint, once per --workdir; on the GPU in a process that exits before the runs (no
-    CUDA memory held here while they run)."""
+def create_checkpoint(model: str, model_dir: Path, on_gpu: bool, layers: int | None = None) -> None:
+    """The random-weight checkpoint (the shape's first `layers` layers), once per --workdir; on the GPU in a process
+    that exits before the runs (no CUDA memory held here while they run)."""
     if (model_dir / "config.json").exists():
         return
     if not on_gpu:
-        write_checkpoint(model, model_dir, cpu=True)
+        write_checkpoint(model, model_dir, True, layers)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as builder:
-        builder.submit(write_checkpoint, model, model_dir, False).result()
+        builder.submit(write_checkpoint, model, model_dir, False, layers).result()
 
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="Qwen3-0.6B", help="a dense shape in examples/megatron/model_configs")
+    parser.add_argument("--model", default="Qwen3-0.6B", help="a shape in examples/megatron/model_configs")
+    parser.add_argument("--layers", type=int, help="keep the shape's first N layers (e.g. MoE widths that fit)")
     parser.add_argument("--strategies", default="megatron,fsdp2", help="comma-separated: " + ", ".join(STRATEGIES))
     parser.add_argument("--steps", type=int, default=2, help="measured steps per strategy")
     parser.add_argument("--warmup", type=int, default=1, help="steps before them, not measured")
@@ -606,6 +625,7 @@ def bench_settings(args) -> BenchSettings:
     positive = {"--steps": args.steps, "--prompts": args.prompts, "--samples": args.samples,
                 "--max-tokens": args.max_tokens, "--optimizer-steps": args.optimizer_steps,
                 "--token-budget": args.token_budget, "--timeout": args.timeout,
+                **({"--layers": args.layers} if args.layers is not None else {}),
                 **{name: rows for name, rows in (("--fsdp-train-rows", args.fsdp_train_rows),
                                                  ("--fsdp-forward-rows", args.fsdp_forward_rows)) if rows is not None}}
     bad = [f"{name} {value}" for name, value in positive.items() if value < 1] + (["--warmup"] if args.warmup < 0 else [])
@@ -622,7 +642,7 @@ def bench_settings(args) -> BenchSettings:
         model=SMOKE_MODEL if args.smoke else args.model, shape=shape, gpus=gpus,
         engine="cpu" if args.smoke else pick_engine(args.engine, gpus), token_budget=args.token_budget,
         steps=args.steps, warmup=args.warmup, extra=tuple(args.overrides), fsdp_train_rows=args.fsdp_train_rows,
-        fsdp_forward_rows=args.fsdp_forward_rows,
+        fsdp_forward_rows=args.fsdp_forward_rows, layers=None if args.smoke else args.layers,
     )
 
 
@@ -645,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies = args.strategies.split(",")
     device = device_description(b.gpus)
     workdir = args.workdir.resolve()
-    model_dir = workdir / "models" / b.model
+    model_dir = workdir / "models" / b.checkpoint_name
     for strategy in strategies:  # our checks and the host's light parse, before the checkpoint is made
         try:
             check_before_the_model_exists(run_config(strategy, b, workdir / "runs" / strategy, model_dir, workdir),
@@ -653,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             raise SystemExit(f"rl_step_bench: {strategy}: {err}") from None
     started = time.perf_counter()
-    create_checkpoint(b.model, model_dir, on_gpu=bool(b.gpus))
+    create_checkpoint(b.model, model_dir, on_gpu=bool(b.gpus), layers=b.layers)
     print(f"checkpoint {model_dir} ready ({time.perf_counter() - started:.0f} s)", flush=True)
     flash_attn_site, flash_attn_used = None, None
     if "fsdp2" in strategies:

@@ -32,3 +32,36 @@ def test_smoke_run_through_skyrl04s_trainer(tmp_path):
     for name in ("generate", "fwd_logprobs_values_reward", "policy_train", "sync_weights", "step"):
         assert all(seconds > 0 for seconds in result["phases"][name]["seconds"]), name
     assert result["train_inference_gap"] < 1e-3  # the engine sampled with the weights the policy then scored
+
+
+def test_the_moe_run_with_r3_is_a_valid_skyrl04_config(tmp_path):
+    """The GPU run for R3: Qwen3-30B-A3B's widths at 4 layers (`--layers 4`), the vLLM servers' routes replayed
+    (`moe_config.routing_replay=r3`): our checks and the host's pass, the servers return routes on vLLM's mp
+    executor, and the checkpoint the bench writes is that depth under its own name."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import rl_step_bench
+        from policy_bench import model_config
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    from skyrl_megatron.cli import checked_config
+    from skyrl_megatron.hosts import current
+
+    args = rl_step_bench.parse_args(["--model", "Qwen3-30B-A3B", "--layers", "4", "--out", "x",
+                                     "trainer.policy.megatron_config.moe_config.routing_replay=r3"])
+    # as bench_settings makes them on a GPU machine (here, without a GPU, it would refuse the vLLM engines)
+    settings = rl_step_bench.BenchSettings(model=args.model, shape=rl_step_bench.StepShape(), gpus=1, engine="vllm",
+                                           token_budget=args.token_budget, steps=args.steps, warmup=args.warmup,
+                                           extra=tuple(args.overrides), layers=args.layers)
+    assert (settings.layers, settings.checkpoint_name, settings.model_label) == (
+        4, "Qwen3-30B-A3B-4L", "Qwen3-30B-A3B, 4 layers")
+    assert rl_step_bench.settings_record(settings)["layers"] == 4  # reports of other depths do not merge
+    model_dir = tmp_path / settings.checkpoint_name
+    model_config(settings.model, settings.layers).save_pretrained(model_dir)
+    cfg = checked_config(rl_step_bench.run_config("megatron", settings, tmp_path / "run", model_dir, tmp_path))
+    engine = cfg.generator.inference_engine
+    assert engine.enable_return_routed_experts is True and engine.distributed_executor_backend == "mp"
+    assert current().our_view(cfg).trainer.policy.megatron_config.moe_config.routing_replay == "r3"
+
+    with pytest.raises(SystemExit, match=r"--layers 0: must be positive"):
+        rl_step_bench.bench_settings(rl_step_bench.parse_args(["--model", "Qwen3-30B-A3B", "--layers", "0", "--out", "x"]))
