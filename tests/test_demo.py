@@ -30,13 +30,18 @@ def test_environment_is_made_by_name_through_skyrl_gym_and_scores_one_turn():
 def test_demo_config_composes_and_passes_every_check(tmp_path):
     from skyrl_megatron.cli import compose_config
     from skyrl_megatron.validation import validate_config
-    from skyrl_megatron.demo.__main__ import demo_overrides, prepare
+    from skyrl_megatron.demo.__main__ import demo_overrides, prepare, run_overrides
 
     model_dir, prompts = prepare(tmp_path, steps=2)
     cfg = compose_config(demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1))
     validate_config(cfg)  # ours and the host's
     assert cfg.generator.engine == "cpu" and cfg.trainer.strategy == "megatron"
     assert cfg.trainer.policy.megatron_config.tensor_model_parallel_size == 2
+    # everything the demo hands the host: on skyrl 0.4 the prompts load in the trainer's process (its loader would
+    # spawn worker processes each epoch for a prompt file of tens of prompts)
+    handed = compose_config(run_overrides(tmp_path, model_dir, prompts, 2, 1))
+    validate_config(handed)
+    assert handed.data.dataloader.num_workers == 0
 
 
 def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path):
@@ -44,7 +49,7 @@ def test_cpu_engine_settings_that_cannot_work_are_named_with_their_fix(tmp_path)
     from skyrl_megatron.config import ConfigError
     from skyrl_megatron.hosts import current
     from skyrl_megatron.validation import validate_config
-    from skyrl_megatron.demo.__main__ import demo_overrides, prepare
+    from skyrl_megatron.demo.__main__ import demo_overrides, prepare, run_overrides
 
     model_dir, prompts = prepare(tmp_path, steps=2)
     overrides = demo_overrides(tmp_path, model_dir, prompts, steps=2, ckpt_interval=1)

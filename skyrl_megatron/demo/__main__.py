@@ -187,12 +187,12 @@ def merged(overrides: list[str], replacing: list[str]) -> list[str]:
     return kept + replacing
 
 
-def machine_sized(overrides: list[str]) -> list[str]:
-    """The demo's overrides plus the installed host's helpers sized to this machine (the demo writes
+def with_small_prompt_file(overrides: list[str]) -> list[str]:
+    """The demo's overrides plus the installed host's settings for a small prompt file (the demo writes
     skyrl-train 0.3.1's key names; skyrl 0.4's adapter takes them under its own)."""
     from skyrl_megatron.hosts import current
 
-    return overrides + current().machine_sized_overrides(os.cpu_count() or 1)
+    return overrides + current().small_prompt_file_overrides()
 
 
 def ppo_overrides(model_dir: Path, gpus: int = 0) -> list[str]:
@@ -223,7 +223,7 @@ def run_overrides(run_dir: Path, model_dir: Path, prompts: Path, steps: int, ckp
         overrides = merged(overrides, gpu_overrides(gpus))
         if engine == "vllm":
             overrides = merged(overrides, vllm_overrides(gpus))
-    return merged(machine_sized(overrides + (ppo_overrides(model_dir, gpus) if ppo else [])), list(extra))
+    return merged(with_small_prompt_file(overrides + (ppo_overrides(model_dir, gpus) if ppo else [])), list(extra))
 
 
 def check_before_the_model_exists(overrides: list[str], model_dir: Path) -> None:

@@ -115,9 +115,10 @@ class HostAdapter(ABC):
         """The host's algorithm config object, as its own loss functions expect it."""
         return worker_cfg.trainer.algorithm
 
-    def machine_sized_overrides(self, cpus: int) -> list[str]:
-        """Overrides that size the host's helpers (data loader workers) to a machine of `cpus` cores,
-        where the host has keys for them. Default: none."""
+    def small_prompt_file_overrides(self) -> list[str]:
+        """Overrides for a run whose prompts are a small file (the demo's, the benches'): its data loader without
+        worker processes where the host has a key for them. Default: none (skyrl-train 0.3.1 has no key; its
+        forked loader workers are cheap, and `apply_compat_fixes` caps them at the machine's cores)."""
         return []
 
     def engine_sampling_overrides(self, settings: dict[str, bool | int | float | str]) -> list[str]:

@@ -51,9 +51,6 @@ _HOST_ONLY_FIELDS = (
 # our vLLM worker extension (a name: the hosts do not import the engines)
 WEIGHT_READ_BACK = "skyrl_megatron.engines.vllm_extension.WeightReadBack"
 
-# what 0.4's prompt loader starts when data.dataloader.num_workers is unset
-_HOST_LOADER_WORKERS = 8
-
 # 0.3.1's flat generator keys (our view of a config has them) and their 0.4 names under
 # generator.inference_engine.
 _ENGINE_KEYS = {
@@ -157,8 +154,11 @@ class SkyRL04(HostAdapter):
             generator.setdefault(ours, engine.get(theirs))
         return OmegaConf.create(tree)
 
-    def machine_sized_overrides(self, cpus: int) -> list[str]:
-        return [f"data.dataloader.num_workers={min(_HOST_LOADER_WORKERS, cpus)}"]
+    def small_prompt_file_overrides(self) -> list[str]:
+        """0.4's loader spawns its worker processes (8 by default) afresh each epoch, each importing torch and the
+        host: seconds of start per epoch on a GPU machine's cores, more on a small CPU box, for rows a prompt file
+        of tens of prompts has long tokenized. Loaded in the trainer's process instead."""
+        return ["data.dataloader.num_workers=0"]
 
     def engine_sampling_overrides(self, settings: dict[str, bool | int | float | str]) -> list[str]:
         """0.4 takes no new keys; its engines get `generator.sampling_params.additional_kwargs` as they are."""
