@@ -9,6 +9,7 @@ with the feature on and loaded with it off (and the reverse) in between.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -457,6 +458,37 @@ def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, family, world
         # offloaded, the remainders left with Adam's state (and came back: the later steps match)
         assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
         assert compact["parked"]["adam"] < plain["held"][1]["adam"]
+
+
+def _chunk_weights(chunks) -> dict[str, torch.Tensor]:
+    return {f"{index}.{name}": p.detach().clone() for index, chunk in enumerate(chunks) for name, p in chunk.named_parameters()}
+
+
+def _pipeline_training(rank, world, hf_dir, compact):
+    from skyrl_megatron.testing.policy_steps import policy_steps
+
+    return policy_steps(rank, world, hf_dir, {"pipeline": 2, "virtual_pipeline": 2}, {"micro_batch_size": 2},
+                        dtype="bf16", compact_master_weights=compact, steps=3, lr=1e-2, inspect=_chunk_weights)
+
+
+@pytest.mark.slow
+def test_compact_masters_train_bitwise_like_fp32_masters_under_virtual_pipeline_stages(tmp_path):
+    """PP2 x VPP2 through the policy's runner (the pipeline schedule, two model chunks per rank, each its own DDP
+    buffer): the host's policy loss, its metrics and every stage's weights after three steps are those of fp32
+    masters, bit for bit."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
+    plain, compact = (run_on_ranks(_pipeline_training, 2, hf_dir, flag, timeout=600) for flag in (False, True))
+    for rank, (a, b) in enumerate(zip(plain, compact, strict=True)):
+        assert a["history"] == b["history"], rank
+        before, after = a["inspected"]
+        assert len({name.split(".")[0] for name in after}) == 2  # two model chunks on this stage
+        assert after.keys() == b["inspected"][1].keys()
+        for name, weight in after.items():
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, b["inspected"][1][name]), (rank, name)
+        assert any(not torch.equal(after[name], before[name]) for name in after)  # it trained
+    assert all(math.isfinite(step["grad_norm"]) for step in plain[0]["history"])
 
 
 def _checkpoints_across_the_switch(rank, world, hf_dir, root):

@@ -50,6 +50,8 @@ def policy_steps(
     ratio_check: bool = False,
     batch: dict[str, torch.Tensor] | None = None,
     engine_routes: list | None = None,
+    dtype: str = "fp32",
+    compact_master_weights: bool = False,
 ) -> dict[str, Any]:
     """Returns per-step metrics (all ranks agree on them), the logprobs scored before training (on
     the last pipeline stage, else None) and which rows of the batch this rank's DP group had.
@@ -65,7 +67,8 @@ def policy_steps(
     tokens of |log-prob - old log-prob| (0 exactly when every importance ratio is exactly 1);
     `batch` replaces the synthetic one (`sequences`, `attention_mask`, `loss_mask`, `advantages`);
     `engine_routes` (R3, with `routing_replay`): an inference engine's routes per row of the batch,
-    replayed in scoring, whose routes training then replays.
+    replayed in scoring, whose routes training then replays. `dtype` is the model's (bf16: fp32 master weights in
+    the optimizer, kept compact between steps with `compact_master_weights`).
     """
     from megatron.core import parallel_state as ps
 
@@ -84,14 +87,14 @@ def policy_steps(
     parallel = ParallelConfig(**layout)
     initialize_model_parallel(parallel, seed=seed)
     ddp = {"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True, "average_in_collective": True}
-    spec = ModelSpec(hf_dir, parallel=parallel, dtype="fp32", wrap_with_ddp=True, ddp_config=ddp)
+    spec = ModelSpec(hf_dir, parallel=parallel, dtype=dtype, wrap_with_ddp=True, ddp_config=ddp)
     built = build_model(dataclasses.replace(spec, **(spec_overrides or {})))
     inspected = [inspect(built.chunks)] if inspect is not None else []
     max_seq_len = max_seq_len_override(prompt_length + response_length)
     host_cfg = compose_config([f"trainer.policy.optimizer_config.lr={lr}", max_seq_len, *host_overrides])
     cfg = current().our_view(host_cfg)  # what our workers read, on either host
-    settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, "fp32")
-    optimizer = settings.build_optimizer(built.chunks)
+    settings = OptimizerSettings.from_host_config(cfg.trainer.policy.optimizer_config, {}, 100, dtype)
+    optimizer = settings.build_optimizer(built.chunks, compact_master_weights=compact_master_weights)
     scheduler = settings.build_scheduler(optimizer)
     runner = ModelRunner(built.chunks, parallel)
     runner.attach_optimizer(optimizer)
