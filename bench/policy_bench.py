@@ -349,6 +349,8 @@ def _base_overrides(case: Case, s: Settings) -> list[str]:
             "+trainer.policy.megatron_config.transformer_config_kwargs.recompute_method=uniform",
             "+trainer.policy.megatron_config.transformer_config_kwargs.recompute_num_layers=1",
         ]
+    else:  # said, not left to the host's default (skyrl 0.4's is full recompute)
+        megatron.append("trainer.policy.megatron_config.transformer_config_kwargs.recompute_granularity=null")
     return common + megatron + LAYOUTS[case.layout][1]
 
 

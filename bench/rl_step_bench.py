@@ -252,7 +252,9 @@ def strategy_overrides(strategy: str, b: BenchSettings, workdir: Path) -> list[s
         return [
             "trainer.strategy=megatron",
             *(f"trainer.{role}.megatron_config.{key}={value}" for role in ("policy", "ref")
-              for key, value in (("max_tokens_per_microbatch", b.token_budget), ("checkpoint_cache_dir", cache))),
+              for key, value in (("max_tokens_per_microbatch", b.token_budget), ("checkpoint_cache_dir", cache),
+                                 # no activation recompute, said (skyrl 0.4's default is full recompute)
+                                 ("transformer_config_kwargs.recompute_granularity", "null"))),
             # rows per micro-batch: unused where the token budget is set (the host checks they divide)
             "trainer.micro_train_batch_size_per_gpu=1",
             "trainer.micro_forward_batch_size_per_gpu=1",

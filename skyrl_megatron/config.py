@@ -88,6 +88,12 @@ class LoraSettings:
     weight_sync: str = "merged"  # "merged": base + BA under HF names | "adapters": a PEFT adapter directory
 
 
+# what each activation-recompute granularity leaves out of Megatron's TransformerConfig
+_RECOMPUTE_COMPANIONS = {
+    None: ("recompute_method", "recompute_num_layers", "recompute_modules"),
+    "selective": ("recompute_method", "recompute_num_layers"),
+}
+
 # moe_config values; skyrl_megatron/model/moe/settings.py maps them onto Megatron's TransformerConfig
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
@@ -293,8 +299,16 @@ class MegatronWorkerConfig:
         )
 
     def transformer_overrides(self) -> dict[str, Any]:
-        """Pass-through kwargs for TransformerConfig; null means "keep Megatron's default"."""
-        return {k: v for k, v in self.transformer_config_kwargs.items() if v is not None}
+        """Pass-through kwargs for TransformerConfig; null means "keep Megatron's default".
+
+        Recompute's companions count only with the granularity they belong to: skyrl 0.4's default dict (full
+        recompute, `uniform` over 1 layer) merges them into a user's `recompute_granularity=selective` or `=null`,
+        which Megatron would refuse (selective) or carry unused (null)."""
+        kwargs = {k: v for k, v in self.transformer_config_kwargs.items() if v is not None}
+        granularity = kwargs.get("recompute_granularity")
+        for key in _RECOMPUTE_COMPANIONS.get(granularity, ()):
+            kwargs.pop(key, None)
+        return kwargs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,6 +465,29 @@ def check_model_paths(cfg) -> list[Problem]:
     return problems
 
 
+def _recompute_problems(prefix: str, kwargs: Mapping[str, Any]) -> list[Problem]:
+    """Activation recompute as Megatron's TransformerConfig will take it, named before any model is built."""
+    granularity = kwargs.get("recompute_granularity")
+    if granularity is None:
+        return []
+    if granularity not in ("full", "selective"):
+        return [Problem(f"{prefix}.recompute_granularity", f"must be full, selective or null, got {granularity!r}",
+                        "set full (whole layers), selective (with recompute_modules) or null (off)")]
+    if granularity == "selective":
+        return []
+    problems = []
+    if kwargs.get("recompute_method") not in ("uniform", "block"):
+        problems.append(Problem(f"{prefix}.recompute_method",
+                                f"full recompute needs uniform or block, got {kwargs.get('recompute_method')!r}",
+                                "set recompute_method=uniform (every N layers) or block (the first N of each stage)"))
+    layers = kwargs.get("recompute_num_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        problems.append(Problem(f"{prefix}.recompute_num_layers",
+                                f"full recompute needs a positive number of layers, got {layers!r}",
+                                "set recompute_num_layers=1 (uniform: recompute every layer)"))
+    return problems
+
+
 def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Problem]:
     prefix = f"trainer.{role}.megatron_config"
     node = cfg.trainer[role].get("megatron_config")
@@ -551,6 +588,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
         )
     if mc.runtime not in ("auto", "cuda", "cpu"):
         problems.append(Problem(f"{prefix}.runtime", f"unknown runtime {mc.runtime!r}", "use auto, cuda or cpu"))
+    problems += _recompute_problems(f"{prefix}.transformer_config_kwargs", mc.transformer_overrides())
     problems += check_lora(cfg, role, mc, shape)
     problems += mc.moe_config.problems(f"{prefix}.moe_config")
     if shape is None or shape.num_experts:  # a dense model ignores moe_config

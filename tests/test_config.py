@@ -316,3 +316,36 @@ def test_fault_handling_keys_are_checked(compose, hf_config_dir):
     defaults = _ours(compose(path))
     assert defaults.trainer.preemption_signal == "SIGTERM"
     assert MegatronWorkerConfig.from_host_config(defaults, "policy").collective_timeout_s == 600
+
+
+@pytest.mark.parametrize("settings,named", [
+    (["recompute_granularity=full", "recompute_method=sideways", "recompute_num_layers=1"],
+     "transformer_config_kwargs.recompute_method: full recompute needs uniform or block, got 'sideways'"),
+    (["recompute_granularity=full", "recompute_method=uniform", "recompute_num_layers=0"],
+     "transformer_config_kwargs.recompute_num_layers: full recompute needs a positive number of layers, got 0"),
+    (["recompute_granularity=everything"],
+     "transformer_config_kwargs.recompute_granularity: must be full, selective or null, got 'everything'"),
+])
+def test_activation_recompute_is_checked_before_a_model_is_built(compose, hf_config_dir, settings, named):
+    msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}",
+                              *(f"{MC}.transformer_config_kwargs.{s}" for s in settings)))
+    assert named in msg, msg
+
+
+def test_recompute_companions_count_only_with_their_granularity():
+    """skyrl 0.4's defaults (full recompute, uniform over 1 layer) stay merged into a user's selective or null:
+    Megatron gets what that granularity takes (it refuses recompute_num_layers with selective)."""
+    host_defaults = {"recompute_granularity": "full", "recompute_modules": ["core_attn"], "recompute_method": "uniform",
+                     "recompute_num_layers": 1, "gradient_accumulation_fusion": False}
+
+    def overrides(**changes):
+        return MegatronWorkerConfig(transformer_config_kwargs={**host_defaults, **changes}).transformer_overrides()
+
+    assert overrides() == host_defaults
+    assert overrides(recompute_granularity="selective") == {
+        "recompute_granularity": "selective", "recompute_modules": ["core_attn"], "gradient_accumulation_fusion": False}
+    assert overrides(recompute_granularity=None) == {"gradient_accumulation_fusion": False}
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for granularity in ("full", "selective", None):  # each is a TransformerConfig Megatron accepts
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **overrides(recompute_granularity=granularity))

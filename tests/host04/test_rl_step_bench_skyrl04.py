@@ -61,7 +61,14 @@ def test_the_moe_run_with_r3_is_a_valid_skyrl04_config(tmp_path):
     cfg = checked_config(rl_step_bench.run_config("megatron", settings, tmp_path / "run", model_dir, tmp_path))
     engine = cfg.generator.inference_engine
     assert engine.enable_return_routed_experts is True and engine.distributed_executor_backend == "mp"
-    assert current().our_view(cfg).trainer.policy.megatron_config.moe_config.routing_replay == "r3"
+    view = current().our_view(cfg)
+    assert view.trainer.policy.megatron_config.moe_config.routing_replay == "r3"
+    # ours without activation recompute, as the bench says, not skyrl 0.4's default (full recompute)
+    from skyrl_megatron.config import MegatronWorkerConfig
+
+    for role in ("policy", "ref"):
+        overrides = MegatronWorkerConfig.from_host_config(view, role).transformer_overrides()
+        assert "recompute_granularity" not in overrides and "recompute_num_layers" not in overrides, (role, overrides)
 
     with pytest.raises(SystemExit, match=r"--layers 0: must be positive"):
         rl_step_bench.bench_settings(rl_step_bench.parse_args(["--model", "Qwen3-30B-A3B", "--layers", "0", "--out", "x"]))
