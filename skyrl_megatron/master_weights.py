@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skyrl_megatron import arrivals
+
 logger = logging.getLogger(__name__)
 
 _TIE = 1 << 15  # the remainder of a tie rounded down; int16 holds -_TIE but not +_TIE
@@ -488,7 +490,12 @@ def attach(optimizer) -> CompactMasterWeights:
 
 
 def compact_masters_of(optimizer) -> CompactMasterWeights | None:
-    return None if optimizer is None else _ATTACHED.get(optimizer)
+    """This optimizer's compact masters (None without them), their remainders arrived where they were on their
+    way back to the device (`arrivals`)."""
+    if optimizer is None:
+        return None
+    arrivals.settle(optimizer)
+    return _ATTACHED.get(optimizer)
 
 
 @contextlib.contextmanager

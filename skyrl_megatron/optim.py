@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skyrl_megatron import multi_tensor
+from skyrl_megatron import arrivals, multi_tensor
 from skyrl_megatron.master_weights import attach, compact_masters_of, refusal
 
 logger = logging.getLogger(__name__)
@@ -179,9 +179,11 @@ class OptimizerSettings:
 
 
 def torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside a Megatron optimizer (chained, distributed or plain), or a torch one itself."""
+    """The torch optimizers inside a Megatron optimizer (chained, distributed or plain), or a torch one itself
+    (their state arrived, where it was on its way back to the device: `arrivals`)."""
     if optimizer is None:
         return []
+    arrivals.settle(optimizer)
     if hasattr(optimizer, "chained_optimizers"):
         return [o for chained in optimizer.chained_optimizers for o in torch_optimizers(chained)]
     return [optimizer.optimizer] if hasattr(optimizer, "optimizer") else [optimizer]
@@ -238,7 +240,9 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
 
     Compact master weights are rebuilt first (the main grads are attached to the masters, so their
     shapes must be back) and released again once the step has copied them into the model, or was skipped.
+    State brought back from host memory may still be arriving (`arrivals`): the step waits for it first.
     """
+    arrivals.settle(optimizer)
     masters = compact_masters_of(optimizer)
     if masters is None:
         return _step(optimizer, scheduler)
