@@ -62,11 +62,11 @@ def run(offload, overlapped: bool, gib: float, iterations: int) -> dict:
     from skyrl_megatron.optim import torch_optimizers
 
     params, optimizer = optimizer_with_state(gib, tensors=4)
-    offloader = offload.ModelOffloader([])
+    offloader = offload.ModelOffloader([], overlap_optimizer=overlapped)
     offloader.offload(model=False, optimizer=True, optimizer_obj=optimizer, pin_memory=True)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    report = offloader.backload(model=False, optimizer=True, optimizer_obj=optimizer if overlapped else None)
+    report = offloader.backload(model=False, optimizer=True, optimizer_obj=optimizer)
     issued = time.perf_counter() - started
     work = first_micro_batches(iterations)
     for inner in torch_optimizers(optimizer):  # the optimizer step's lookup: waits for the arriving state

@@ -237,6 +237,9 @@ class MegatronWorkerConfig:
     empty_cuda_cache: bool = True
     # Python's long-lived objects frozen out of the cyclic collector, which waits for each pass to end
     manual_gc: bool = True
+    # colocated on a GPU: the optimizer's state back on a CUDA stream of its own, beside the first forward and
+    # backward (workers/offload.py, arrivals.py); its first reader waits for it
+    overlap_optimizer_backload: bool = False
     # the logprob head's fp32 logits per chunk of tokens (compute/logprobs.py)
     logits_chunk_mib: int = 1024
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
@@ -536,7 +539,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     if isinstance(mc.logits_chunk_mib, bool) or not isinstance(mc.logits_chunk_mib, int) or mc.logits_chunk_mib < 1:
         problems.append(Problem(f"{prefix}.logits_chunk_mib", f"must be a positive integer, got {mc.logits_chunk_mib!r}",
                                 "set the MiB of fp32 logits per chunk, e.g. 256"))
-    for name in ("empty_cuda_cache", "force_reconvert", "manual_gc", "async_save"):
+    for name in ("empty_cuda_cache", "force_reconvert", "manual_gc", "async_save", "overlap_optimizer_backload"):
         if not isinstance(getattr(mc, name), bool):
             problems.append(Problem(f"{prefix}.{name}", f"must be true or false, got {getattr(mc, name)!r}", "set true or false"))
     problems += _fault_handling_problems(role, prefix, mc)

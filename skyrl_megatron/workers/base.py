@@ -134,7 +134,7 @@ class MegatronWorkerMixin:
         )
         # start-up is over: a steady-state collective waits `collective_timeout_s` (plus the watchdog's grace)
         set_collective_timeout(self.watchdog.group_timeout())
-        self.offloader = ModelOffloader(self.built.chunks)
+        self.offloader = ModelOffloader(self.built.chunks, overlap_optimizer=self.megatron_cfg.overlap_optimizer_backload)
         self.transfer_log = TransferLog()  # the host's offload/backload calls, not our `model_resident` moves
         self.phase_peaks = PhasePeaks()
         self.manual_gc = ManualGc() if self.megatron_cfg.manual_gc else None

@@ -9,11 +9,12 @@ model) and the optimizer's fp32 main parameters and Adam moments are handled per
 way (per storage: a tensor that views part of a storage parks all of it). Each call reports the
 bytes moved and the seconds it took.
 
-On a GPU the optimizer's state comes back on a CUDA stream of its own: it is first needed at the optimizer
-step, after the first micro-batches' forward and backward, which run beside its copies (a Qwen3-4B policy's
-Adam moments and master remainders are about 40 GB, 0.8 s at the host link's 48 GiB/s). The optimizer's first
-reader waits for them (`skyrl_megatron.arrivals`); a backload's seconds count the model's copies and only the
-issuing of the optimizer's.
+With `overlap_optimizer` (`megatron_config.overlap_optimizer_backload`), on a GPU, the optimizer's state comes
+back on a CUDA stream of its own: it is first needed at the optimizer step, after the first micro-batches'
+forward and backward, which run beside its copies (a Qwen3-4B policy's Adam moments and master remainders are
+about 40 GB, 0.8 s at the host link's 48 GiB/s). The optimizer's first reader waits for them
+(`skyrl_megatron.arrivals`); a backload's seconds then count the model's copies and only the issuing of the
+optimizer's.
 
 The same code runs in the CPU runtime, where "device" memory is host memory: the copies and
 storage frees are real, which is what the tests check.
@@ -160,8 +161,9 @@ def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ModelOffloader:
-    def __init__(self, chunks):
+    def __init__(self, chunks, overlap_optimizer: bool = False):
         self.chunks = chunks
+        self.overlap_optimizer = overlap_optimizer
         self._parked: dict[str, list[_ParkedTensor]] = {}
         self._arrival_stream = None  # the optimizer state's copies back to the GPU (created at the first)
 
@@ -230,7 +232,7 @@ class ModelOffloader:
         if model and "model" in self._parked:
             self._restore("model", report)
         if optimizer and "optimizer" in self._parked:
-            if torch.cuda.is_available() and optimizer_obj is not None:
+            if self.overlap_optimizer and torch.cuda.is_available() and optimizer_obj is not None:
                 self._restore_arriving(optimizer_obj, report)
             else:
                 self._restore("optimizer", report)
