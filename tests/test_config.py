@@ -288,8 +288,9 @@ def test_keeping_the_cuda_cache_is_refused_where_the_gpus_are_shared(compose, hf
 
 def test_switches_must_be_booleans_and_sizes_positive(compose, hf_config_dir):
     msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.manual_gc=sometimes",
-                              f"{MC}.empty_cuda_cache=1", f"{MC}.logits_chunk_mib=0"))
+                              f"{MC}.empty_cuda_cache=1", f"{MC}.logits_chunk_mib=0", f"{MC}.overlap_optimizer_backload=2"))
     assert f"{MC}.manual_gc: must be true or false, got 'sometimes'" in msg
+    assert f"{MC}.overlap_optimizer_backload: must be true or false, got 2" in msg
     assert f"{MC}.empty_cuda_cache: must be true or false, got 1" in msg
     assert f"{MC}.logits_chunk_mib: must be a positive integer, got 0" in msg
     msg = problems_of(compose(f"trainer.policy.model.path={hf_config_dir()}", f"{MC}.forward_max_tokens_per_microbatch=-5"))
