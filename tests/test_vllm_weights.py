@@ -46,12 +46,12 @@ def _export_buckets(rank, world_size, hf_dir: str, layout: dict):
     return buckets if rank == 0 else None
 
 
-def _load_into_vllm(rank, world_size, hf_dir: str, buckets):
+def _load_into_vllm(rank, world_size, hf_dir: str, buckets, expert_parallel: bool = False):
     from skyrl_megatron.digests import tensor_sha256
     from skyrl_megatron.engines.vllm_weights import engine_weight_digests, hf_weights
     from skyrl_megatron.testing import vllm_model_on_cpu
 
-    model = vllm_model_on_cpu(hf_dir, torch.bfloat16)
+    model = vllm_model_on_cpu(hf_dir, torch.bfloat16, expert_parallel=expert_parallel)
     for parameter in model.parameters():
         parameter.data.fill_(float("nan"))  # a parameter no bucket writes cannot pass for a loaded one
     loaded: set[str] = set()
@@ -86,12 +86,15 @@ def _load_into_vllm(rank, world_size, hf_dir: str, buckets):
 
 
 CASES = {
-    # family, layout of the exporting Megatron model (two ranks), the engine's tensor parallelism, model overrides
-    "qwen3-tp2": ("qwen3", {"tensor": 2}, 1, {}),
-    "qwen3_moe-ep2": ("qwen3_moe", {"expert": 2}, 1, {}),
+    # family, layout of the exporting Megatron model (two ranks), the engine's ranks, its expert parallelism
+    # (vLLM's enable_expert_parallel), model overrides
+    "qwen3-tp2": ("qwen3", {"tensor": 2}, 1, False, {}),
+    "qwen3_moe-ep2": ("qwen3_moe", {"expert": 2}, 1, False, {}),
     # one KV head on two engine ranks (replicated), q/k/v biases, 250 tokens padded to 256 (rank 1's last rows)
-    "qwen2_one_kv_head-dp2-engine_tp2": ("qwen2", {}, 2, {"num_key_value_heads": 1, "vocab_size": 250}),
-    "qwen3_moe-ep2-engine_tp2": ("qwen3_moe", {"expert": 2}, 2, {}),
+    "qwen2_one_kv_head-dp2-engine_tp2": ("qwen2", {}, 2, False, {"num_key_value_heads": 1, "vocab_size": 250}),
+    "qwen3_moe-ep2-engine_tp2": ("qwen3_moe", {"expert": 2}, 2, False, {}),
+    # attention TP2, each engine rank half the experts (placed back through the ranks' expert maps)
+    "qwen3_moe-tp2-engine_tp2_ep2": ("qwen3_moe", {"tensor": 2}, 2, True, {}),
 }
 
 
@@ -101,13 +104,13 @@ def test_our_export_loads_into_vllm_and_reads_back_bitwise(case, tmp_path):
     from skyrl_megatron.digests import tensor_sha256
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    family, layout, engine_tp, overrides = CASES[case]
+    family, layout, engine_tp, engine_ep, overrides = CASES[case]
     hf_dir = str(make_tiny_hf_model(family, tmp_path / family, seed=3, num_hidden_layers=2, **overrides))
     buckets = run_on_ranks(_export_buckets, 2, hf_dir, layout, timeout=300)[0]
     assert len(buckets) > 2
     sent = {name: tensor_sha256(tensor) for bucket in buckets for name, tensor in bucket}
 
-    engine_ranks = run_on_ranks(_load_into_vllm, engine_tp, hf_dir, buckets, timeout=300)
+    engine_ranks = run_on_ranks(_load_into_vllm, engine_tp, hf_dir, buckets, engine_ep, timeout=300)
     assert len(engine_ranks) == engine_tp
     for engine in engine_ranks:
         assert engine["fused"], "the vLLM model fuses tensors (the case this checks)"
@@ -132,9 +135,28 @@ def test_what_the_read_back_cannot_put_together_is_refused_by_name():
     with pytest.raises(ShardedEngineError, match=r"'proj' \(Linear\) is split over 2 ranks .*tensor_parallel_size=1"):
         list(hf_weights(unknown))
 
-    experts = torch.nn.Module()  # each rank a subset of the experts
-    experts.routed = torch.nn.Module()
-    experts.routed.w13_weight = torch.nn.Parameter(torch.zeros(2, 8, 4))
-    experts.routed.moe_config = SimpleNamespace(ep_size=2, tp_size=1)
-    with pytest.raises(ShardedEngineError, match=r"'routed' holds a subset of the experts \(expert parallelism 2\)"):
-        list(hf_weights(experts))
+    both = torch.nn.Module()  # experts split over ranks and each expert split too
+    both.routed = torch.nn.Module()
+    both.routed.w13_weight = torch.nn.Parameter(torch.zeros(2, 8, 4))
+    both.routed.moe_config = SimpleNamespace(ep_size=2, tp_size=2)
+    with pytest.raises(ShardedEngineError, match=r"'routed' splits its experts both ways"):
+        list(hf_weights(both))
+
+    from skyrl_megatron.engines.vllm_weights import _experts_in_place
+
+    routed = torch.nn.Module()  # an expert map that leaves expert 2 to nobody (as redundant experts' maps do)
+    routed.expert_map = torch.tensor([0, 1, -1, 2])
+    with pytest.raises(ShardedEngineError, match="do not hold each expert exactly once"):
+        _experts_in_place(routed, "w13_weight", torch.zeros(3, 8, 4), ranks=1)
+
+
+def test_experts_are_put_back_where_the_expert_map_says():
+    """One rank's view of the placement step: local row i is the global expert whose map entry is i (vLLM's
+    Qwen3-MoE placement is contiguous, which the engine cases above cover; the map decides in general)."""
+    from skyrl_megatron.engines.vllm_weights import _experts_in_place
+
+    routed = torch.nn.Module()
+    routed.expert_map = torch.tensor([2, 0, 3, 1], dtype=torch.int32)  # global expert -> local row
+    local = torch.arange(4.0).view(4, 1, 1).expand(4, 2, 3).contiguous()  # local row r holds the value r
+    whole = _experts_in_place(routed, "w13_weight", local, ranks=1)
+    assert whole[:, 0, 0].tolist() == [2.0, 0.0, 3.0, 1.0]

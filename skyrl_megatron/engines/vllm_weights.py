@@ -14,9 +14,11 @@ tensor-parallel group (a collective: ``collective_rpc`` runs the read-back on ev
 at once, and every worker walks the same parameters in the same order), laid out as vLLM shards them:
 column-parallel layers split each fused part's rows (a key/value head replicated over ranks when the
 ranks outnumber the KV heads, kept once), row-parallel layers split columns, the vocabulary is split in
-padded ranges, a MoE layer's experts split their intermediate dimension. Expert parallelism (each rank
-a subset of the experts) and layers of unknown layout are refused by name. vLLM is imported only to
-find its tensor-parallel group; layouts are read from the model's modules, by their vLLM class names.
+padded ranges, a MoE layer's experts split their intermediate dimension; under expert parallelism each
+rank holds a subset of the experts, put back in place through every rank's expert map (gathered over the
+engine's expert-parallel group). Layers of unknown layout, and expert maps that do not hold each expert
+exactly once (redundant experts), are refused by name. vLLM is imported only to find its groups; layouts are
+read from the model's modules, by their vLLM class names.
 """
 
 from __future__ import annotations
@@ -99,10 +101,10 @@ def _layout(module_name: str, module: torch.nn.Module) -> str:
             raise ShardedEngineError(f"vLLM module {module_name!r} has added (LoRA) vocabulary rows: not read back")
         return "vocab"  # padded rows cut off, at any number of ranks
     moe = getattr(module, "moe_config", None)
-    if moe is not None and getattr(moe, "ep_size", 1) > 1:
+    if moe is not None and getattr(moe, "ep_size", 1) > 1 and getattr(moe, "tp_size", 1) > 1:
         raise ShardedEngineError(
-            f"vLLM module {module_name!r} holds a subset of the experts (expert parallelism {moe.ep_size}): reading "
-            "whole HF tensors back needs an engine without expert parallelism (tensor parallelism is read back)"
+            f"vLLM module {module_name!r} splits its experts both ways (expert parallelism {moe.ep_size}, tensor "
+            f"parallelism {moe.tp_size}): not read back"
         )
     if _tp_size(module) == 1 or classes & set(_REPLICATED):
         return "whole"
@@ -116,15 +118,17 @@ def _layout(module_name: str, module: torch.nn.Module) -> str:
     )
 
 
-def _gather(tensor: torch.Tensor, ranks: int) -> list[torch.Tensor]:
-    """Every tensor-parallel rank's shard of `tensor`, in rank order (this rank's alone at one rank)."""
+def _gather(tensor: torch.Tensor, ranks: int, group: str = "tp") -> list[torch.Tensor]:
+    """Every rank's shard of `tensor` over the engine's tensor- (or expert-) parallel group, in rank order
+    (this rank's alone at one rank)."""
     if ranks == 1:
         return [tensor]
     import torch.distributed as dist
-    from vllm.distributed import get_tp_group
+    from vllm.distributed import parallel_state
 
+    coordinator = parallel_state.get_tp_group() if group == "tp" else parallel_state.get_ep_group()
     shards = [torch.empty_like(tensor) for _ in range(ranks)]
-    dist.all_gather(shards, tensor.contiguous(), group=get_tp_group().device_group)
+    dist.all_gather(shards, tensor.contiguous(), group=coordinator.device_group)
     return shards
 
 
@@ -154,9 +158,12 @@ def _name_parts(module_name: str, param_name: str, parts: list[torch.Tensor], na
 
 
 def _whole_experts(module: torch.nn.Module, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A MoE layer's fused expert weight with every rank's share of the intermediate dimension."""
+    """A MoE layer's fused expert weight with every expert in place and every rank's share of the intermediate
+    dimension."""
     moe = getattr(module, "moe_config", None)
     tp = getattr(moe, "tp_size", 1) if moe is not None else 1
+    if getattr(moe, "ep_size", 1) > 1:
+        return _experts_in_place(module, param_name, tensor, moe.ep_size)
     if tp == 1:
         return tensor
     shards = _gather(tensor, tp)
@@ -164,6 +171,29 @@ def _whole_experts(module: torch.nn.Module, param_name: str, tensor: torch.Tenso
         return torch.cat(shards, dim=2)
     halves = [shard.chunk(2, dim=1) for shard in shards]  # [E, 2I / tp, H]: this rank's gate rows, then its up rows
     return torch.cat([torch.cat([gate for gate, _ in halves], dim=1), torch.cat([up for _, up in halves], dim=1)], dim=1)
+
+
+def _experts_in_place(module: torch.nn.Module, param_name: str, tensor: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[E, ...] from each expert-parallel rank's [local experts, ...], placed by every rank's expert map (global
+    expert -> local index, -1 where another rank holds it)."""
+    expert_map = getattr(module, "expert_map", None)
+    if expert_map is None:
+        raise ShardedEngineError(f"vLLM expert weight {param_name!r}: expert parallelism without an expert map")
+    maps = _gather(expert_map.to(device=tensor.device, dtype=torch.int64), ranks, group="ep")
+    most = max(int((m >= 0).sum()) for m in maps)
+    padded = tensor.new_zeros((most, *tensor.shape[1:]))  # ranks may hold different numbers of experts
+    padded[: tensor.shape[0]] = tensor
+    shards = _gather(padded, ranks, group="ep")
+    whole = tensor.new_empty((expert_map.numel(), *tensor.shape[1:]))
+    held = torch.zeros(expert_map.numel(), dtype=torch.int64, device=tensor.device)
+    for shard, rank_map in zip(shards, maps, strict=True):
+        experts = torch.nonzero(rank_map >= 0).flatten()
+        whole[experts] = shard[rank_map[experts]]
+        held[experts] += 1
+    if not bool((held == 1).all()):
+        raise ShardedEngineError(f"vLLM expert weight {param_name!r}: the ranks' expert maps do not hold each expert "
+                                 "exactly once (redundant experts): not read back")
+    return whole
 
 
 def _expert_shards(model: torch.nn.Module) -> list[tuple[str, str, int, str]]:

@@ -15,10 +15,11 @@ import os
 import torch
 
 
-def vllm_model_on_cpu(hf_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+def vllm_model_on_cpu(hf_dir: str, dtype: torch.dtype, expert_parallel: bool = False) -> torch.nn.Module:
     """The vLLM model for the checkpoint at `hf_dir`, its parameters allocated on the CPU in `dtype`
     (not loaded: feed it through ``load_weights``), each rank of the default process group one rank of
-    the engine's tensor parallelism (sharded as vLLM shards it)."""
+    the engine's tensor parallelism (sharded as vLLM shards it); with `expert_parallel`, a MoE model's experts
+    are split over those ranks instead (vLLM's ``enable_expert_parallel``)."""
     import torch.distributed as dist
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -31,7 +32,7 @@ def vllm_model_on_cpu(hf_dir: str, dtype: torch.dtype) -> torch.nn.Module:
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     model_config = ModelConfig(model=hf_dir, tokenizer=hf_dir, dtype=dtype, enforce_eager=True)
     config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
-                        parallel_config=ParallelConfig(tensor_parallel_size=world))
+                        parallel_config=ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=expert_parallel))
     with set_current_vllm_config(config):
         # reuses the default group of the calling processes
         init_distributed_environment(
