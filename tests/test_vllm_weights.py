@@ -11,7 +11,8 @@ after a sync. Then, on every engine rank:
   sent, each bitwise equal: the digests a sync check compares agree; on skyrl 0.4, also through the worker
   extension the adapter names for its servers (``engines.vllm_extension``), mixed into a worker class as vLLM
   mixes it. The sharded cases cover a KV head replicated over the engine's ranks, q/k/v biases, a vocabulary
-  padded past its size, and experts split over their intermediate dimension.
+  padded past its size, experts split over their intermediate dimension (TP), and experts split over the
+  engine's ranks (EP, placed back through the ranks' expert maps).
 """
 
 from __future__ import annotations
