@@ -231,13 +231,16 @@ class ModelOffloader:
         started = time.perf_counter()
         if model and "model" in self._parked:
             self._restore("model", report)
+        arriving = False
         if optimizer and "optimizer" in self._parked:
-            if self.overlap_optimizer and torch.cuda.is_available() and optimizer_obj is not None:
+            arriving = self.overlap_optimizer and torch.cuda.is_available() and optimizer_obj is not None
+            if arriving:
                 self._restore_arriving(optimizer_obj, report)
             else:
                 self._restore("optimizer", report)
         if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the model's copies; the optimizer's arrive on their own
+            # the model's copies; the optimizer's, when arriving, complete on their own stream
+            torch.cuda.current_stream().synchronize() if arriving else torch.cuda.synchronize()
         report.seconds = time.perf_counter() - started
         return report
 
