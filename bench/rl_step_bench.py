@@ -191,11 +191,16 @@ class BenchSettings:
 
     @property
     def model_label(self) -> str:
-        return self.model if self.layers is None else f"{self.model}, {self.layers} layers"
+        return model_label(self.model, self.layers)
 
     @property
     def checkpoint_name(self) -> str:
         return self.model if self.layers is None else f"{self.model}-{self.layers}L"
+
+
+def model_label(model: str, layers: int | None) -> str:
+    """The shape's name, with its depth where the run kept only its first `layers` layers."""
+    return model if layers is None else f"{model}, {layers} layers"
 
 
 def fsdp2_rows(b: BenchSettings) -> tuple[int, int]:
@@ -469,7 +474,6 @@ def markdown(report: dict) -> str:
     results = report["strategies"]
     names = list(results)
     compared = "megatron" in results and "fsdp2" in results
-    depth = "" if s.get("layers") is None else f", its first {s['layers']} layers"
     runs = {name: r.get("run", report["run"]) for name, r in results.items()}
     if all(run == report["run"] for run in runs.values()):
         provenance = [f"Commit {report['run']['commit']}. Command: `{report['run']['command']}`"]
@@ -482,7 +486,7 @@ def markdown(report: dict) -> str:
                  "micro-batch, no activation checkpointing.",
     }
     lines = [
-        f"### RL step: {s['model']}{depth}, {report['device']}, {report['run']['date']}",
+        f"### RL step: {model_label(s['model'], s.get('layers'))}, {report['device']}, {report['run']['date']}",
         "",
         *provenance,
         "",
