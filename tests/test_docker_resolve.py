@@ -2,10 +2,11 @@
 (plus this plugin's own declared dependencies), without building or installing anything.
 
 Needs registry access (PyPI, the image's only index): marked `registry`. If pip cannot reach the index the
-test fails and says so; it never skips for that. A download cut off midway (pip fetches whole wheels where the
-index serves no separate metadata, ~100 MB for some of vLLM's dependencies) is retried as a fresh resolve, at
-most twice; a conflict is never retried. Takes ~40 s against PyPI (pip's own cache, outside the repository,
-makes reruns faster).
+test fails and says so; it never skips for that. pip reads each wheel's metadata from the index (PEP 658) or,
+where the index serves none (NVIDIA's CUDA wheels, hundreds of MB each), by HTTP range requests into the wheel
+(`--use-feature=fast-deps`): no whole wheel is downloaded, so a transfer cut off midway costs little. Such a
+resolve is retried afresh, at most twice; a conflict is never retried. Takes ~3 min against PyPI, most of it
+round trips.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def pip_resolve(specs: list[str], tmp_path: Path, name: str, *flags: str) -> dic
     req_file, report = tmp_path / f"{name}.txt", tmp_path / f"{name}.json"
     req_file.write_text("\n".join(specs) + "\n")
     cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
-           "--timeout", "60", "--retries", "2", "--report", str(report), *flags, "-r", str(req_file)]
+           "--use-feature=fast-deps", "--timeout", "60", "--retries", "2", "--report", str(report), *flags,
+           "-r", str(req_file)]
     for var, option in FORWARDED_ENV.items():
         if os.environ.get(var):
             cmd += [option, os.environ[var]]
