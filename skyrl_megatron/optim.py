@@ -6,8 +6,8 @@ maps that onto Megatron's `OptimizerConfig` and `OptimizerParamScheduler` so tha
 gives the same learning rate at every step as the host's FSDP backend (`transformers.get_scheduler`),
 and lets `megatron_config.optimizer_config_kwargs` override any derived `OptimizerConfig` field.
 
-`optimizer_step` wraps Megatron's `optimizer.step()` so that a step with a non-finite gradient norm
-is skipped (and reported) instead of writing NaNs into the weights.
+`optimizer_step` runs Megatron's optimizer step so that a step with a non-finite gradient norm is
+skipped (and reported) instead of writing NaNs into the weights, reducing the gradient norm once.
 """
 
 from __future__ import annotations
@@ -255,13 +255,15 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
 
 def _step(optimizer, scheduler) -> StepResult:
     lr = current_lr(optimizer)
-    # prepare_grads (grads -> main grads) is idempotent for the bf16/fp32 optimizers, so calling
-    # it here and again inside step() only costs an extra copy and an extra norm reduction.
     found_inf = optimizer.prepare_grads()
     grad_norm = optimizer.get_grad_norm()
     if found_inf or grad_norm is None or not math.isfinite(grad_norm):
         return StepResult(grad_norm=grad_norm, num_zeros_in_grad=None, skipped=True, lr=lr)
-    update_successful, _, num_zeros_in_grad = optimizer.step()
+    if _needs_megatrons_own_step(optimizer):
+        # prepare_grads is idempotent for the bf16/fp32 optimizers: step() repeats it and the norm
+        update_successful, _, num_zeros_in_grad = optimizer.step()
+    else:
+        update_successful, num_zeros_in_grad = _step_with_norm(optimizer, grad_norm)
     if update_successful:
         scheduler.step(increment=1)
     return StepResult(
@@ -270,6 +272,45 @@ def _step(optimizer, scheduler) -> StepResult:
         skipped=not update_successful,
         lr=lr,
     )
+
+
+def _leaf_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _needs_megatrons_own_step(optimizer) -> bool:
+    """Features whose handling `_step_with_norm` does not restate: norm groups clipped on their own
+    (multi-token prediction) and skipping a step above a norm threshold."""
+    from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+    leaves = _leaf_optimizers(optimizer)
+    return (
+        any(optimizer.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS)
+        or any(math.isfinite(getattr(leaf.config, "grad_norm_skip_threshold", math.inf)) for leaf in leaves)
+    )
+
+
+def _step_with_norm(optimizer, grad_norm: float) -> tuple[bool, int | None]:
+    """The rest of Megatron's `step()` once the grads are prepared and their norm is known: clip by that
+    norm, count zeros if asked, update. Megatron's own `step()` would prepare the grads and reduce their
+    norm a second time (a pass over every main grad and an all-reduce); clipping by the same norm gives
+    the same update bitwise."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for leaf in _leaf_optimizers(optimizer):
+        config = leaf.config
+        if getattr(leaf, "is_stub_optimizer", False) or config.clip_grad <= 0.0:
+            continue
+        params = leaf.get_parameters()
+        if not params:
+            continue
+        # Megatron-FSDP's parameters always carry their grads apart (decoupled), as with precision-aware Adam
+        decoupled = config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or (
+            config.use_precision_aware_optimizer and getattr(params[0], "__fsdp_param__", False)
+        )
+        clip_grad_by_total_norm_fp32(params, config.clip_grad, grad_norm, use_decoupled_grad=decoupled)
+    num_zeros_in_grad = optimizer.count_zeros() if optimizer.config.log_num_zeros_in_grad else None
+    return optimizer.step_with_ready_grads(), num_zeros_in_grad
 
 
 def current_lr(optimizer) -> float | None:

@@ -221,3 +221,82 @@ def test_adam_betas_bf16_main_params_and_skipped_steps_on_a_model(tmp_path):
 
     assert not recovered.skipped and recovered.lr == pytest.approx(0.75e-3)
     assert report["params_finite"] and report["steps_at_end"] == 2
+
+
+def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
+    """Two builds of one MoE model, EP2 (a chain of a dense and an expert optimizer, the dense one distributed
+    over DP2): ours steps one, Megatron's own `step()` the other, on the same batches, with clipping active."""
+    from unittest import mock
+
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import clip_grads
+
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.optim import optimizer_step
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(expert=2), seed=0)
+    host = {**HOST, "num_warmup_steps": 0, "max_grad_norm": 0.05, "scheduler": "constant"}
+    sides = []
+    for _ in range(2):
+        built = build_model(
+            ModelSpec(hf_dir, dtype="bf16", transformer_overrides={"cross_entropy_loss_fusion": False},
+                      wrap_with_ddp=True, ddp_config={"use_distributed_optimizer": True})
+        )
+        settings = OptimizerSettings.from_host_config(host, {}, num_training_steps=4, dtype="bf16")
+        optimizer = settings.build_optimizer(built.chunks)
+        sides.append((built.chunks[0], optimizer, settings.build_scheduler(optimizer)))
+    generator = torch.Generator().manual_seed(rank)
+    positions = torch.arange(15).unsqueeze(0)
+    norms_reduced = []
+    reduce_norm = clip_grads.get_grad_norm_fp32
+
+    def counted(*args, **kwargs):
+        norms_reduced.append(1)
+        return reduce_norm(*args, **kwargs)
+
+    report = {"ours": [], "megatron": [], "norm_reductions": []}
+    for _ in range(2):
+        tokens = torch.randint(0, 256, (2, 16), generator=generator)
+        for (model, optimizer, scheduler), side in zip(sides, ("ours", "megatron")):
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean().backward()
+            finalize_model_grads([model])
+            if side == "ours":
+                norms_reduced.clear()
+                with mock.patch("megatron.core.optimizer.optimizer.get_grad_norm_fp32", counted):
+                    result = optimizer_step(optimizer, scheduler)
+                report["norm_reductions"].append(len(norms_reduced))
+                report["ours"].append((result.grad_norm, result.skipped))
+            else:
+                success, grad_norm, _ = optimizer.step()
+                scheduler.step(increment=1)
+                report["megatron"].append((grad_norm, not success))
+    (ours, _, _), (megatrons, _, _) = sides
+    report["params_equal"] = all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatrons.parameters()))
+    report["params_moved"] = any(not torch.equal(p, q) for p, q in zip(ours.parameters(), _fresh_params(hf_dir)))
+    report["chained"] = len(sides[0][1].chained_optimizers)
+    return report
+
+
+def _fresh_params(hf_dir):
+    from skyrl_megatron.model.build import ModelSpec, build_model
+
+    built = build_model(ModelSpec(hf_dir, dtype="bf16", wrap_with_ddp=True, ddp_config={"use_distributed_optimizer": True}))
+    return list(built.chunks[0].parameters())
+
+
+@pytest.mark.slow
+def test_our_step_reduces_the_norm_once_and_updates_as_megatrons_step_does(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=3))
+    reports = run_on_ranks(_one_norm_pass_against_megatrons_step, 2, hf_dir, timeout=300)
+    for report in reports:
+        assert report["chained"] == 2  # dense and expert optimizers
+        assert report["norm_reductions"] == [1, 1]  # Megatron's step() alone reduces it once more
+        assert report["ours"] == report["megatron"] and not any(skipped for _, skipped in report["ours"])
+        assert all(norm > 0.05 for norm, _ in report["ours"])  # clipping was active
+        assert report["params_equal"] and report["params_moved"]
