@@ -8,6 +8,9 @@ stays synchronous and registers nothing.
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import torch
 
 from skyrl_megatron import arrivals
@@ -40,6 +43,8 @@ def test_the_optimizer_step_waits_before_it_reads_the_gradients_or_the_state():
 
     class Optimizer:  # the calls `optimizer_step` makes of a Megatron optimizer, recorded
         param_groups = [{"lr": 0.5, "is_decoupled_lr": False}]
+        config = SimpleNamespace(clip_grad=1.0, log_num_zeros_in_grad=False, grad_norm_skip_threshold=math.inf,
+                                 use_precision_aware_optimizer_no_fp8_or_ds_fp8=False, use_precision_aware_optimizer=False)
 
         def prepare_grads(self):
             events.append("prepare_grads")
@@ -49,9 +54,16 @@ def test_the_optimizer_step_waits_before_it_reads_the_gradients_or_the_state():
             events.append("grad_norm")
             return 1.0
 
-        def step(self):
+        def has_grad_norm_group(self, group):
+            return False
+
+        def get_parameters(self):
+            events.append("parameters")
+            return []
+
+        def step_with_ready_grads(self):
             events.append("step")
-            return True, 1.0, None
+            return True
 
     class Scheduler:
         def step(self, increment):
@@ -60,7 +72,7 @@ def test_the_optimizer_step_waits_before_it_reads_the_gradients_or_the_state():
     optimizer = Optimizer()
     _arriving(optimizer, events)
     result = optimizer_step(optimizer, Scheduler())
-    assert events == ["waited", "prepare_grads", "grad_norm", "step", "schedule"]
+    assert events == ["waited", "prepare_grads", "grad_norm", "parameters", "step", "schedule"]
     assert not result.skipped
 
 
