@@ -161,7 +161,7 @@ def test_a_clipped_step_leaves_the_same_weights_and_reads_the_host_a_fixed_numbe
     assert all(torch.equal(a, b) for a, b in zip(local["params"], foreach["params"]))
     assert len(local["state"]) == len(foreach["state"]) > 0
     assert all(torch.equal(a, b) for a, b in zip(local["state"], foreach["state"]))
-    # Megatron's local norm reads every gradient's norm on the host (twice: our check, then step());
-    # the foreach norm reads only the totals
-    assert local["reads"] >= 2 * local["tensors"]
+    # Megatron's local norm reads every gradient's norm on the host (once: the step clips by the norm of
+    # its non-finite check); the foreach norm reads only the totals
+    assert local["tensors"] <= local["reads"] < 2 * local["tensors"]
     assert foreach["reads"] <= 8 < local["tensors"]
