@@ -29,7 +29,7 @@ echo
 echo "==================== skyrl-train 0.3.1 leg (tests/host03) ===================="
 cat "$LOGS/skyrl-train.log"
 echo
-status() {  # leg name, exit code
+status() {  # leg name, exit code, log name under $LOGS
   case "$2" in
     0) echo "make test: $1 leg passed" ;;
     5) echo "make test: $1 leg collected no tests" ;;

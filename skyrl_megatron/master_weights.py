@@ -327,7 +327,7 @@ class CompactMasterWeights:
     @classmethod
     def of_optimizer(cls, optimizer) -> "CompactMasterWeights":
         pairs = []
-        for part in _parts(optimizer):
+        for part in chained_parts(optimizer):
             for models, masters in zip(part.shard_float16_groups, part.shard_fp32_from_float16_groups):
                 pairs.extend(zip(masters, models))
         return cls(pairs)
@@ -449,7 +449,8 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
     return freed, kept
 
 
-def _parts(optimizer) -> list:
+def chained_parts(optimizer) -> list:
+    """The optimizers of a Megatron chain, or the optimizer itself where it is not one."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
@@ -457,7 +458,7 @@ def refusal(optimizer) -> str | None:
     """Why compact master weights cannot run on this Megatron optimizer, or None when they can."""
     from megatron.core.optimizer import DistributedOptimizer
 
-    for part in _parts(optimizer):
+    for part in chained_parts(optimizer):
         if not isinstance(part, DistributedOptimizer):
             return (f"it needs Megatron's distributed optimizer (ddp_config.use_distributed_optimizer: true), "
                     f"got {type(part).__name__}")

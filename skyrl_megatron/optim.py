@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from skyrl_megatron import arrivals, multi_tensor
-from skyrl_megatron.master_weights import attach, compact_masters_of, refusal
+from skyrl_megatron.master_weights import attach, chained_parts, compact_masters_of, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -274,19 +274,13 @@ def _step(optimizer, scheduler) -> StepResult:
     )
 
 
-def _leaf_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
 def _needs_megatrons_own_step(optimizer) -> bool:
     """Features whose handling `_step_with_norm` does not restate: norm groups clipped on their own
     (multi-token prediction) and skipping a step above a norm threshold."""
     from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
 
-    leaves = _leaf_optimizers(optimizer)
-    return (
-        any(optimizer.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS)
-        or any(math.isfinite(getattr(leaf.config, "grad_norm_skip_threshold", math.inf)) for leaf in leaves)
+    return any(optimizer.has_grad_norm_group(group) for group in SEPARATE_GRAD_NORM_GROUPS) or any(
+        math.isfinite(getattr(part.config, "grad_norm_skip_threshold", math.inf)) for part in chained_parts(optimizer)
     )
 
 
@@ -297,11 +291,11 @@ def _step_with_norm(optimizer, grad_norm: float) -> tuple[bool, int | None]:
     the same update bitwise."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    for leaf in _leaf_optimizers(optimizer):
-        config = leaf.config
-        if getattr(leaf, "is_stub_optimizer", False) or config.clip_grad <= 0.0:
+    for part in chained_parts(optimizer):
+        config = part.config
+        if getattr(part, "is_stub_optimizer", False) or config.clip_grad <= 0.0:
             continue
-        params = leaf.get_parameters()
+        params = part.get_parameters()
         if not params:
             continue
         # Megatron-FSDP's parameters always carry their grads apart (decoupled), as with precision-aware Adam

@@ -43,8 +43,7 @@ def test_the_optimizer_step_waits_before_it_reads_the_gradients_or_the_state():
 
     class Optimizer:  # the calls `optimizer_step` makes of a Megatron optimizer, recorded
         param_groups = [{"lr": 0.5, "is_decoupled_lr": False}]
-        config = SimpleNamespace(clip_grad=1.0, log_num_zeros_in_grad=False, grad_norm_skip_threshold=math.inf,
-                                 use_precision_aware_optimizer_no_fp8_or_ds_fp8=False, use_precision_aware_optimizer=False)
+        config = SimpleNamespace(clip_grad=1.0, log_num_zeros_in_grad=False, grad_norm_skip_threshold=math.inf)
 
         def prepare_grads(self):
             events.append("prepare_grads")
