@@ -11,9 +11,11 @@
 #
 # The jobs run one after another (each measures with the machine to itself), with device_setup.sh's environment
 # where the machine has it; a failed job does not stop the next. `poll SECONDS` returns when every job is done or
-# after SECONDS, prints each job's state and last lines, and writes $OUT/jobs.tgz: the jobs' logs, exit statuses
+# after SECONDS, prints each job's state and last lines, and writes $OUT/<name of $JOBS>.tgz: the jobs' logs, exit statuses
 # and everything under $JOBS/out below 20 MB (write results there; checkpoints and models elsewhere).
-# $JOBS is /tmp/jobs unless set.
+# $JOBS is /tmp/jobs unless set. Two queues side by side (one GPU each on a 2-GPU machine): a $JOBS each,
+#       JOBS=/tmp/jobs_a bash bench/device_jobs.sh start "CUDA_VISIBLE_DEVICES=0 python ..."; JOBS=/tmp/jobs_b ... start ...
+#       JOBS=/tmp/jobs_a bash bench/device_jobs.sh poll 500; JOBS=/tmp/jobs_b bash bench/device_jobs.sh poll 5
 set -u
 JOBS=${JOBS:-/tmp/jobs}
 export JOBS
@@ -60,8 +62,8 @@ case "${1:-}" in
     done
     [ -f "$JOBS/ALL_DONE" ] && echo "device_jobs: all done" || echo "device_jobs: still running after ${waited} s"
     if [ -n "${OUT:-}" ]; then
-        (cd "$(dirname "$JOBS")" && find "$(basename "$JOBS")" -type f -size -20M | tar czf "$OUT/jobs.tgz" -T -)
-        echo "device_jobs: $OUT/jobs.tgz"
+        (cd "$(dirname "$JOBS")" && find "$(basename "$JOBS")" -type f -size -20M | tar czf "$OUT/$(basename "$JOBS").tgz" -T -)
+        echo "device_jobs: $OUT/$(basename "$JOBS").tgz"
     fi
     ;;
   *)

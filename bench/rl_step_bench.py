@@ -66,8 +66,14 @@ them; each report has the train-inference gap per step):
 
 (`--strategies megatron,fsdp2` at 4B where a call may run 15 minutes.) A strategy past `--timeout` is stopped
 (its processes' stacks to `<strategy>/stacks_at_timeout.txt`) and the steps it finished still count, flagged as
-incomplete. `--gpus 2` puts policy and reference on both GPUs (data parallel) with one engine per GPU. Extra
-arguments are Hydra overrides for both strategies (e.g. generator.enforce_eager=true for the demo's eager engines).
+incomplete. `--gpus 2` puts policy and reference on both GPUs (data parallel) with one engine per GPU.
+`--placement separate` gives the engines GPUs of their own (one engine on each of `--gpus` more GPUs, awake
+throughout, the weights by NCCL broadcast instead of CUDA IPC; the host offloads nothing between phases): on a
+2-GPU machine, `--gpus 1 --placement separate`. Extra arguments are Hydra overrides for both strategies (e.g.
+generator.enforce_eager=true for the demo's eager engines).
+
+Two runs side by side on a 2-GPU machine, one GPU each: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0 (and =1),
+a --workdir each (a strategy's run directory is cleared at its start); the memory peak reads the visible GPUs only.
 
 What Qwen3-4B needs on one H200 (141 GiB; estimates from bench/policy_bench.py's measured peaks, not yet
 measured colocated): while vLLM samples, its pool of gpu_memory_utilization 0.5 (about 70 GiB: 8 GB of bf16
@@ -184,10 +190,16 @@ class BenchSettings:
     fsdp_train_rows: int | None = None
     fsdp_forward_rows: int | None = None
     layers: int | None = None  # the shape's first N layers (MoE widths at a depth that fits); None: all of them
+    placement: str = "colocated"  # colocated: trainers and engines share `gpus`; separate: the engines on `gpus` more
 
     @property
     def smoke(self) -> bool:
         return self.gpus == 0
+
+    @property
+    def devices(self) -> int:
+        """The GPUs the run takes: `gpus`, twice as many where the engines have GPUs of their own."""
+        return self.gpus * (2 if self.placement == "separate" else 1)
 
     @property
     def model_label(self) -> str:
@@ -246,6 +258,8 @@ def shared_overrides(b: BenchSettings, run_dir: Path, model_dir: Path) -> list[s
         bench.append("generator.enforce_eager=false")
     if b.smoke:  # CI's start-up: the policy on one rank, no reference worker (no KL loss)
         bench += ["trainer.placement.policy_num_gpus_per_node=1", "trainer.algorithm.use_kl_loss=false"]
+    if b.placement == "separate":  # the engines on GPUs of their own, awake throughout: weights by NCCL broadcast
+        bench += ["trainer.placement.colocate_all=false", "generator.weight_sync_backend=nccl"]
     return run_overrides(run_dir, model_dir, run_dir / DEMO_PROMPTS, b.warmup + b.steps, 0, gpus=b.gpus, extra=bench,
                          engine="vllm" if b.engine == "vllm" else "hf")
 
@@ -302,7 +316,8 @@ def run_child(run_dir: Path) -> int:
 
 
 class DeviceMemoryPeak:
-    """While active: the most memory in use on any GPU, from nvidia-smi every 200 ms (the engines' pool and
+    """While active: the most memory in use on any of the run's GPUs (those CUDA_VISIBLE_DEVICES names, where it
+    names them by index: another run may have the others), from nvidia-smi every 200 ms (the engines' pool and
     the trainers' together, whatever the process); None without nvidia-smi."""
 
     def __enter__(self) -> "DeviceMemoryPeak":
@@ -310,7 +325,8 @@ class DeviceMemoryPeak:
         self._process = None
         if shutil.which("nvidia-smi"):
             self._process = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "200"],
+                ["nvidia-smi", *visible_gpus_option(), "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                 "-lms", "200"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
@@ -396,7 +412,7 @@ def summarise(records: list[dict], b: BenchSettings) -> dict[str, Any]:
     result.update(
         tokens=tokens,
         generated_tokens=generated,
-        tokens_per_s_per_gpu=tokens / step / max(b.gpus, 1),
+        tokens_per_s_per_gpu=tokens / step / max(b.devices, 1),
         generated_tokens_per_s=generated / result["phases"]["generate"]["median"],
         train_inference_gap=statistics.median(r[MEAN_GAP] for r in measured) if MEAN_GAP in measured[0] else None,
         losses_finite=all(isinstance(loss, (int, float)) and math.isfinite(loss) for loss in losses),
@@ -409,13 +425,20 @@ def summarise(records: list[dict], b: BenchSettings) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
+def visible_gpus_option() -> list[str]:
+    """nvidia-smi's `-i` for the GPUs CUDA_VISIBLE_DEVICES names by index (PCI order: the job sets
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, nvidia-smi's order), else nothing (all of them)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").replace(" ", "")
+    return ["-i", visible] if visible and all(part.isdigit() for part in visible.split(",")) else []
+
+
 def device_description(gpus: int) -> str:
     """The GPUs the run uses (nvidia-smi: no CUDA context in this process), or the CPU for the smoke run."""
     if not gpus:
         return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     found = []
     if shutil.which("nvidia-smi"):
-        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        query = subprocess.run(["nvidia-smi", *visible_gpus_option(), "--query-gpu=name,memory.total", "--format=csv,noheader"],
                                capture_output=True, text=True, check=False)
         found = [line.strip() for line in query.stdout.splitlines() if line.strip()]
     if len(found) < gpus:
@@ -493,7 +516,10 @@ def markdown(report: dict) -> str:
         f"Per step: {shape['prompts']} prompts x {shape['samples']} samples, every reply {shape['max_tokens']} tokens "
         f"(ignore_eos), {shape['optimizer_steps']} optimizer steps; "
         + ("the policy on one rank and our CPU engine, no reference (the CPU smoke run)" if not s["gpus"] else
-           f"policy, reference and the {s['engine']} engines (one per GPU) colocated on {s['gpus']} GPU(s)")
+           f"policy, reference and the {s['engine']} engines (one per GPU) colocated on {s['gpus']} GPU(s)"
+           if s.get("placement", "colocated") == "colocated" else
+           f"policy and reference on {s['gpus']} GPU(s), the {s['engine']} engines (one per GPU) on {s['gpus']} more, "
+           "weights by NCCL broadcast")
         + f". Median of {s['steps']} steps after {s['warmup']} warm-up. Versions: "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if k != "host" and v) + ". "
         + " ".join(text for name, text in described.items() if name in results),
@@ -591,7 +617,10 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--max-tokens", type=int, default=StepShape.max_tokens, help="tokens per reply (all of them)")
     parser.add_argument("--optimizer-steps", type=int, default=StepShape.optimizer_steps,
                         help="mini-batches per step (optimizer steps)")
-    parser.add_argument("--gpus", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=1, help="GPUs of the policy and the reference")
+    parser.add_argument("--placement", choices=("colocated", "separate"), default="colocated",
+                        help="colocated: the engines share the trainers' GPUs (CUDA IPC); separate: one engine on each "
+                             "of --gpus more GPUs, weights by NCCL broadcast")
     parser.add_argument("--engine", choices=("auto", "vllm", "hf"), default="vllm",
                         help="the host's vLLM (default) or our HF engine; auto: vLLM where installed")
     parser.add_argument("--token-budget", type=int, default=8192, help="ours: tokens per training micro-batch")
@@ -620,6 +649,8 @@ def bench_settings(args) -> BenchSettings:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise SystemExit(f"--strategies: {', '.join(unknown) or 'none'} not one of {', '.join(STRATEGIES)}")
+    if args.smoke and args.placement != "colocated":
+        raise SystemExit("--smoke runs on CPU with our CPU engine in the trainer's place: --placement separate needs GPUs")
     if args.smoke and "fsdp2" in strategies:
         raise SystemExit("--smoke runs on CPU, where the host's FSDP2 workers cannot (they need CUDA): "
                          "use --smoke --strategies megatron")
@@ -648,7 +679,7 @@ def bench_settings(args) -> BenchSettings:
         model=SMOKE_MODEL if args.smoke else args.model, shape=shape, gpus=gpus,
         engine="cpu" if args.smoke else pick_engine(args.engine, gpus), token_budget=args.token_budget,
         steps=args.steps, warmup=args.warmup, extra=tuple(args.overrides), fsdp_train_rows=args.fsdp_train_rows,
-        fsdp_forward_rows=args.fsdp_forward_rows, layers=None if args.smoke else args.layers,
+        fsdp_forward_rows=args.fsdp_forward_rows, layers=None if args.smoke else args.layers, placement=args.placement,
     )
 
 
@@ -669,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = bench_settings(args)
     strategies = args.strategies.split(",")
-    device = device_description(b.gpus)
+    device = device_description(b.devices)
     workdir = args.workdir.resolve()
     model_dir = workdir / "models" / b.checkpoint_name
     for strategy in strategies:  # our checks and the host's light parse, before the checkpoint is made

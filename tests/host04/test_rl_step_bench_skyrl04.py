@@ -72,3 +72,37 @@ def test_the_moe_run_with_r3_is_a_valid_skyrl04_config(tmp_path):
 
     with pytest.raises(SystemExit, match=r"--layers 0: must be positive"):
         rl_step_bench.bench_settings(rl_step_bench.parse_args(["--model", "Qwen3-30B-A3B", "--layers", "0", "--out", "x"]))
+
+
+def test_separate_engines_are_a_valid_skyrl04_config_synced_by_nccl(tmp_path):
+    """`--placement separate`: the engines on GPUs of their own, so the host's transfer is the NCCL broadcast, not
+    CUDA IPC; the run takes twice `--gpus` GPUs (the report's device and per-GPU figures count them all)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import rl_step_bench
+        from policy_bench import model_config
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    from skyrl.backends.skyrl_train.weight_sync import get_transfer_strategy
+
+    from skyrl_megatron.cli import checked_config
+    from skyrl_megatron.hosts import current
+
+    args = rl_step_bench.parse_args(["--model", "Qwen3-0.6B", "--gpus", "1", "--placement", "separate", "--out", "x"])
+    settings = rl_step_bench.BenchSettings(model=args.model, shape=rl_step_bench.StepShape(), gpus=args.gpus,
+                                           engine="vllm", token_budget=args.token_budget, steps=args.steps,
+                                           warmup=args.warmup, placement=args.placement)
+    assert settings.devices == 2 and rl_step_bench.settings_record(settings)["placement"] == "separate"
+    model_dir = tmp_path / settings.checkpoint_name
+    model_config(settings.model, settings.layers).save_pretrained(model_dir)
+    cfg = checked_config(rl_step_bench.run_config("megatron", settings, tmp_path / "run", model_dir, tmp_path))
+    placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
+    assert (placement.colocate_all, placement.colocate_policy_ref, placement.policy_num_gpus_per_node) == (False, True, 1)
+    assert engine.num_engines == 1 and get_transfer_strategy(engine.weight_sync_backend, placement.colocate_all) == "nccl"
+    assert current().our_view(cfg).trainer.strategy == "megatron"
+    colocated = rl_step_bench.BenchSettings(**{**settings.__dict__, "placement": "colocated"})
+    assert colocated.devices == 1
+
+    with pytest.raises(SystemExit, match=r"--placement separate needs GPUs"):
+        rl_step_bench.bench_settings(rl_step_bench.parse_args(["--smoke", "--strategies", "megatron", "--placement",
+                                                               "separate", "--out", "x"]))
