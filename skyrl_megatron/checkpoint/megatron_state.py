@@ -21,6 +21,7 @@ from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatch
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_ADAPTERS, MODEL_STATE_FULL, unwrap
 from skyrl_megatron.checkpoint.optimizer_state import state_without_gather
 from skyrl_megatron.dist_io import replica_group
+from skyrl_megatron.master_weights import chained_parts
 from skyrl_megatron.model.adapters.lora import is_adapter_name
 from skyrl_megatron.optim import torch_optimizers, use_fused_torch_adam
 
@@ -219,7 +220,7 @@ def load_optimizer_state(optimizer, state) -> None:
     """
     from megatron.core.optimizer import DistributedOptimizer
 
-    parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    parts = chained_parts(optimizer)
     # a chain of one is saved as its only member's state; longer chains by position
     states = [state] if len(parts) == 1 else [state[index] for index in range(len(parts))]
     for part, part_state in zip(parts, states):
