@@ -106,3 +106,26 @@ def test_separate_engines_are_a_valid_skyrl04_config_synced_by_nccl(tmp_path):
     with pytest.raises(SystemExit, match=r"--placement separate needs GPUs"):
         rl_step_bench.bench_settings(rl_step_bench.parse_args(["--smoke", "--strategies", "megatron", "--placement",
                                                                "separate", "--out", "x"]))
+
+
+def test_the_fsdp2_side_is_skyrl04s_fsdp_worker_at_its_best(tmp_path):
+    """The FSDP2 strategy of the 4B comparison composes on skyrl 0.4 as on 0.3.1: the host's FSDP worker with
+    FlashAttention-2 on packed rows, no activation checkpointing, micro-batches of about our token budget."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import rl_step_bench
+        from policy_bench import model_config
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    from skyrl_megatron.cli import checked_config
+
+    settings = rl_step_bench.BenchSettings(model="Qwen3-4B", shape=rl_step_bench.StepShape(), gpus=1, engine="vllm",
+                                           token_budget=8192, steps=2, warmup=1)
+    model_dir = tmp_path / settings.checkpoint_name
+    model_config(settings.model, settings.layers).save_pretrained(model_dir)
+    trainer = checked_config(rl_step_bench.run_config("fsdp2", settings, tmp_path / "run", model_dir, tmp_path)).trainer
+    train_rows, forward_rows = rl_step_bench.fsdp2_rows(settings)
+    assert (train_rows, forward_rows) == (4, 16)  # Qwen3-4B: 4 packed rows fit one H200 in training
+    assert trainer.strategy in ("fsdp", "fsdp2") and trainer.flash_attn is True
+    assert trainer.remove_microbatch_padding is True and trainer.gradient_checkpointing is False
+    assert (trainer.micro_train_batch_size_per_gpu, trainer.micro_forward_batch_size_per_gpu) == (train_rows, forward_rows)
