@@ -440,8 +440,8 @@ def device_description(gpus: int) -> str:
         return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     found = []
     if shutil.which("nvidia-smi"):
-        query = subprocess.run(["nvidia-smi", *visible_gpus_option(), "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=False)
+        query = subprocess.run(["nvidia-smi", *visible_gpus_option(), "--query-gpu=name,memory.total",
+                                "--format=csv,noheader"], capture_output=True, text=True, check=False)
         found = [line.strip() for line in query.stdout.splitlines() if line.strip()]
     if len(found) < gpus:
         raise SystemExit(f"rl_step_bench: --gpus {gpus}, but nvidia-smi lists {len(found)} GPU(s) here; "
@@ -652,7 +652,8 @@ def bench_settings(args) -> BenchSettings:
     if unknown or not strategies:
         raise SystemExit(f"--strategies: {', '.join(unknown) or 'none'} not one of {', '.join(STRATEGIES)}")
     if args.smoke and args.placement != "colocated":
-        raise SystemExit("--smoke runs on CPU with our CPU engine in the trainer's place: --placement separate needs GPUs")
+        raise SystemExit("--smoke runs on CPU with our CPU engine in the trainer's place: "
+                         "--placement separate needs GPUs")
     if args.smoke and "fsdp2" in strategies:
         raise SystemExit("--smoke runs on CPU, where the host's FSDP2 workers cannot (they need CUDA): "
                          "use --smoke --strategies megatron")
