@@ -260,8 +260,8 @@ def shared_overrides(b: BenchSettings, run_dir: Path, model_dir: Path) -> list[s
         bench.append("generator.enforce_eager=false")
     if b.smoke:  # CI's start-up: the policy on one rank, no reference worker (no KL loss)
         bench += ["trainer.placement.policy_num_gpus_per_node=1", "trainer.algorithm.use_kl_loss=false"]
-    if b.placement == "separate":  # the engines on GPUs of their own, awake throughout: weights by NCCL broadcast
-        bench += ["trainer.placement.colocate_all=false", "generator.weight_sync_backend=nccl"]
+    if b.placement == "separate":  # the engines on GPUs of their own, awake throughout: the host's nccl backend
+        bench.append("trainer.placement.colocate_all=false")  # then broadcasts instead of sharing by CUDA IPC
     return run_overrides(run_dir, model_dir, run_dir / DEMO_PROMPTS, b.warmup + b.steps, 0, gpus=b.gpus, extra=bench,
                          engine="vllm" if b.engine == "vllm" else "hf")
 

@@ -4,6 +4,8 @@ skyrl-train 0.3.1, with every phase checked: tests/host03/test_rl_step_bench_hos
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -12,6 +14,25 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "rl_step_bench.py"
+
+
+def _bench(name: str):
+    """A module of bench/ (not a package: its modules import each other by name)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+
+def _checked_bench_config(strategy: str, settings, tmp_path):
+    """What `strategy`'s process would hand skyrl 0.4 for `settings`, through our checks and the host's, with the
+    shape's checkpoint config written where the bench writes it."""
+    from skyrl_megatron.cli import checked_config
+
+    model_dir = tmp_path / settings.checkpoint_name
+    _bench("policy_bench").model_config(settings.model, settings.layers).save_pretrained(model_dir)
+    return checked_config(_bench("rl_step_bench").run_config(strategy, settings, tmp_path / "run", model_dir, tmp_path))
 
 
 @pytest.mark.slow
@@ -38,13 +59,7 @@ def test_the_moe_run_with_r3_is_a_valid_skyrl04_config(tmp_path):
     """The GPU run for R3: Qwen3-30B-A3B's widths at 4 layers (`--layers 4`), the vLLM servers' routes replayed
     (`moe_config.routing_replay=r3`): our checks and the host's pass, the servers return routes on vLLM's mp
     executor, and the checkpoint the bench writes is that depth under its own name."""
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import rl_step_bench
-        from policy_bench import model_config
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    from skyrl_megatron.cli import checked_config
+    rl_step_bench = _bench("rl_step_bench")
     from skyrl_megatron.hosts import current
 
     args = rl_step_bench.parse_args(["--model", "Qwen3-30B-A3B", "--layers", "4", "--out", "x",
@@ -56,9 +71,7 @@ def test_the_moe_run_with_r3_is_a_valid_skyrl04_config(tmp_path):
     assert (settings.layers, settings.checkpoint_name, settings.model_label) == (
         4, "Qwen3-30B-A3B-4L", "Qwen3-30B-A3B, 4 layers")
     assert rl_step_bench.settings_record(settings)["layers"] == 4  # reports of other depths do not merge
-    model_dir = tmp_path / settings.checkpoint_name
-    model_config(settings.model, settings.layers).save_pretrained(model_dir)
-    cfg = checked_config(rl_step_bench.run_config("megatron", settings, tmp_path / "run", model_dir, tmp_path))
+    cfg = _checked_bench_config("megatron", settings, tmp_path)
     engine = cfg.generator.inference_engine
     assert engine.enable_return_routed_experts is True and engine.distributed_executor_backend == "mp"
     view = current().our_view(cfg)
@@ -77,15 +90,9 @@ def test_the_moe_run_with_r3_is_a_valid_skyrl04_config(tmp_path):
 def test_separate_engines_are_a_valid_skyrl04_config_synced_by_nccl(tmp_path):
     """`--placement separate`: the engines on GPUs of their own, so the host's transfer is the NCCL broadcast, not
     CUDA IPC; the run takes twice `--gpus` GPUs (the report's device and per-GPU figures count them all)."""
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import rl_step_bench
-        from policy_bench import model_config
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    rl_step_bench = _bench("rl_step_bench")
     from skyrl.backends.skyrl_train.weight_sync import get_transfer_strategy
 
-    from skyrl_megatron.cli import checked_config
     from skyrl_megatron.hosts import current
 
     args = rl_step_bench.parse_args(["--model", "Qwen3-0.6B", "--gpus", "1", "--placement", "separate", "--out", "x"])
@@ -93,15 +100,12 @@ def test_separate_engines_are_a_valid_skyrl04_config_synced_by_nccl(tmp_path):
                                            engine="vllm", token_budget=args.token_budget, steps=args.steps,
                                            warmup=args.warmup, placement=args.placement)
     assert settings.devices == 2 and rl_step_bench.settings_record(settings)["placement"] == "separate"
-    model_dir = tmp_path / settings.checkpoint_name
-    model_config(settings.model, settings.layers).save_pretrained(model_dir)
-    cfg = checked_config(rl_step_bench.run_config("megatron", settings, tmp_path / "run", model_dir, tmp_path))
+    cfg = _checked_bench_config("megatron", settings, tmp_path)
     placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
     assert (placement.colocate_all, placement.colocate_policy_ref, placement.policy_num_gpus_per_node) == (False, True, 1)
     assert engine.num_engines == 1 and get_transfer_strategy(engine.weight_sync_backend, placement.colocate_all) == "nccl"
     assert current().our_view(cfg).trainer.strategy == "megatron"
-    colocated = rl_step_bench.BenchSettings(**{**settings.__dict__, "placement": "colocated"})
-    assert colocated.devices == 1
+    assert dataclasses.replace(settings, placement="colocated").devices == 1
 
     with pytest.raises(SystemExit, match=r"--placement separate needs GPUs"):
         rl_step_bench.bench_settings(rl_step_bench.parse_args(["--smoke", "--strategies", "megatron", "--placement",
@@ -111,19 +115,10 @@ def test_separate_engines_are_a_valid_skyrl04_config_synced_by_nccl(tmp_path):
 def test_the_fsdp2_side_is_skyrl04s_fsdp_worker_at_its_best(tmp_path):
     """The FSDP2 strategy of the 4B comparison composes on skyrl 0.4 as on 0.3.1: the host's FSDP worker with
     FlashAttention-2 on packed rows, no activation checkpointing, micro-batches of about our token budget."""
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import rl_step_bench
-        from policy_bench import model_config
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    from skyrl_megatron.cli import checked_config
-
+    rl_step_bench = _bench("rl_step_bench")
     settings = rl_step_bench.BenchSettings(model="Qwen3-4B", shape=rl_step_bench.StepShape(), gpus=1, engine="vllm",
                                            token_budget=8192, steps=2, warmup=1)
-    model_dir = tmp_path / settings.checkpoint_name
-    model_config(settings.model, settings.layers).save_pretrained(model_dir)
-    trainer = checked_config(rl_step_bench.run_config("fsdp2", settings, tmp_path / "run", model_dir, tmp_path)).trainer
+    trainer = _checked_bench_config("fsdp2", settings, tmp_path).trainer
     train_rows, forward_rows = rl_step_bench.fsdp2_rows(settings)
     assert (train_rows, forward_rows) == (4, 16)  # Qwen3-4B: 4 packed rows fit one H200 in training
     assert trainer.strategy in ("fsdp", "fsdp2") and trainer.flash_attn is True
