@@ -21,7 +21,11 @@ the step as well, and a background save is published once written, before the ne
 
     python bench/checkpoint_steps.py --out $OUT --shape Qwen3-4B --drop-complete --scratch /dev/shm/ck
 
-Writes $OUT/checkpoint_steps.json and $OUT/checkpoint_steps.md (the table), and each run's log.
+Writes $OUT/checkpoint_steps.json and $OUT/checkpoint_steps.md (the table), and each run's log and per-step
+metrics ($OUT/<mode>.log, $OUT/<mode>_metrics.jsonl: kept when a run fails, with the steps it finished). Runs live
+under `--workdir` (a checkpoint each is the run's own: 52 GiB at Qwen3-4B); two runs side by side on one machine
+need a `--workdir` each, and on skyrl 0.4 the second needs its own vLLM and router ports
+(`SKYRL_VLLM_START_PORT=8100`, `'generator.inference_engine.router_init_kwargs={prometheus_port: 29100}'`).
 """
 
 from __future__ import annotations
@@ -88,11 +92,22 @@ def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> f
     started = time.perf_counter()
     with log.open("w") as out, CompleteCheckpointDropper(run_dir / "ckpts") if args.drop_complete else nullcontext() as drop:
         result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout, env=env)
+    finished = keep_metrics(run_dir / "metrics.jsonl", args.out / f"{mode}_metrics.jsonl")
     if result.returncode != 0:
-        raise SystemExit(f"{mode} run failed (exit {result.returncode}); see {log}")
+        kept = f" and {args.out / f'{mode}_metrics.jsonl'}" if finished else ""
+        raise SystemExit(f"{mode} run failed (exit {result.returncode}) after {finished} finished step(s); see {log}{kept}")
     if drop is not None:
         print(f"{mode}: checkpoints deleted once complete (--drop-complete): steps {drop.dropped}", flush=True)
     return time.perf_counter() - started
+
+
+def keep_metrics(metrics_file: Path, kept: Path) -> int:
+    """Copy a run's per-step metrics out of its run directory (which the next run of the mode replaces); returns
+    how many steps it finished (0 when it wrote none)."""
+    if not metrics_file.is_file():
+        return 0
+    shutil.copyfile(metrics_file, kept)
+    return sum(1 for line in kept.read_text().splitlines() if line.strip() and "trainer/global_step" in json.loads(line))
 
 
 def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
@@ -158,10 +173,12 @@ def main() -> None:
                         help="delete each checkpoint once complete, for a disk that holds one but not two")
     parser.add_argument("--scratch", type=Path,
                         help="where the random-weight model and the conversion cache go (default: beside the runs)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/checkpoint_steps_runs"),
+                        help="where the runs (and their checkpoints) live; one per run side by side")
     parser.add_argument("overrides", nargs="*", help="more overrides for both runs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path("/tmp/checkpoint_steps_runs")
+    work = args.workdir
     model = None
     if args.shape:
         from policy_bench import write_checkpoint  # bench/ is this script's directory
@@ -174,7 +191,7 @@ def main() -> None:
         run_dir = work / mode
         seconds = run_demo(run_dir, mode, args, model, args.out / f"{mode}.log")
         model = model or run_dir / "model"
-        results[mode] = step_times(run_dir / "metrics.jsonl", args.ckpt_interval, args.steps)
+        results[mode] = step_times(args.out / f"{mode}_metrics.jsonl", args.ckpt_interval, args.steps)
         results[mode]["run_s"] = seconds
         print(f"{mode}: {json.dumps({k: v for k, v in results[mode].items() if k != 'tokens_per_s'})}", flush=True)
     (args.out / "checkpoint_steps.json").write_text(json.dumps(results, indent=2))

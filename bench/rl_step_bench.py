@@ -75,7 +75,9 @@ generator.enforce_eager=true for the demo's eager engines).
 Two runs side by side on a 2-GPU machine, one GPU each: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0 (and =1),
 a --workdir each (a strategy's run directory is cleared at its start); the memory peak reads the visible GPUs only.
 On skyrl 0.4 give the second run its own router metrics port (two vllm-routers starting together both took port
-29000 and the second exited): generator.inference_engine.router_init_kwargs={prometheus_port: 29100}.
+29000 and the second exited): generator.inference_engine.router_init_kwargs={prometheus_port: 29100}, and its own
+vLLM server ports (both servers probe from 8000 at once; the second run's trainer then reached no engine):
+SKYRL_VLLM_START_PORT=8100 in its environment.
 
 What Qwen3-4B needs on one H200 (141 GiB; estimates from bench/policy_bench.py's measured peaks, not yet
 measured colocated): while vLLM samples, its pool of gpu_memory_utilization 0.5 (about 70 GiB: 8 GB of bf16
