@@ -3,8 +3,9 @@
 Both sides run what the host trainer runs between two generation steps, through its own code: the
 host's `RayPPOTrainer.build_models` creates the policy actor group for the strategy
 (`trainer.strategy=megatron`: our workers; `trainer.strategy=fsdp2`: the host's FSDP2 workers), then `fwd_logprobs_values_reward` scores the batch (the "forward" phase: the
-policy's logprobs of the responses) and `train_critic_and_policy` runs `ppo_train` on it (the
-"train" phase: forward, backward and the optimizer step, one mini-batch). Each case gets a fresh Ray.
+policy's logprobs of the responses) and `train_critic_and_policy` trains on it (the "train" phase: forward,
+backward and the optimizer step, one mini-batch: skyrl-train 0.3.1's workers run it as `ppo_train`, skyrl 0.4's as
+`forward_backward` then `optim_step`; either host, the one installed). Each case gets a fresh Ray.
 
 The batch is RL-shaped: `--rows` sequences, prompts of 3/4 to all of `--prompt-tokens` (left
 padded), responses drawn log-uniformly between `--min-response` and `--max-response` tokens (a
@@ -458,26 +459,48 @@ class _Measured:
     def bench_startup(self) -> dict[str, float | None]:
         return dict(self._bench_startup)
 
+    # The phases' calls: scoring is `forward`; training is `ppo_train` on skyrl-train 0.3.1, `forward_backward`
+    # per mini-batch with an `optim_step` after each on skyrl 0.4. A phase's calls add up from the driver's
+    # `bench_begin(phase)`; a timed call inside another (0.3.1's FSDP2 `ppo_train` calls its own
+    # `forward_backward`) is part of the outer one.
     def forward(self, *args, **kwargs):
         return self._bench_timed("forward", super().forward, args, kwargs)
 
     def ppo_train(self, *args, **kwargs):
         return self._bench_timed("train", super().ppo_train, args, kwargs)
 
+    def forward_backward(self, *args, **kwargs):
+        return self._bench_timed("train", super().forward_backward, args, kwargs)
+
+    def optim_step(self, *args, **kwargs):
+        return self._bench_timed("train", super().optim_step, args, kwargs)
+
+    def bench_begin(self, phase: str) -> None:
+        self.__dict__.setdefault("_bench_seconds", {})[phase] = 0.0
+        self.__dict__.setdefault("_bench_allocator", {})[phase] = dict.fromkeys(ALLOCATOR_COUNTERS, 0)
+
     def _bench_timed(self, phase: str, fn, args, kwargs):
-        _synchronize()
-        counts, started = allocator_counts(), time.perf_counter()
-        result = fn(*args, **kwargs)
-        _synchronize()
-        self.__dict__.setdefault("_bench_seconds", {})[phase] = time.perf_counter() - started
-        self.__dict__.setdefault("_bench_allocator", {})[phase] = counts_between(counts, allocator_counts())
+        if self.__dict__.get("_bench_inside"):
+            return fn(*args, **kwargs)
+        self._bench_inside = True
+        try:
+            _synchronize()
+            counts, started = allocator_counts(), time.perf_counter()
+            result = fn(*args, **kwargs)
+            _synchronize()
+        finally:
+            self._bench_inside = False
+        seconds, allocator = self.__dict__.setdefault("_bench_seconds", {}), self.__dict__.setdefault("_bench_allocator", {})
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - started
+        earlier = allocator.get(phase, dict.fromkeys(ALLOCATOR_COUNTERS, 0))
+        allocator[phase] = {name: earlier[name] + n for name, n in counts_between(counts, allocator_counts()).items()}
         return result
 
     def bench_worker_seconds(self) -> dict[str, float]:
         return dict(self.__dict__.get("_bench_seconds", {}))
 
     def bench_allocator_calls(self) -> dict[str, dict[str, int]]:
-        """Per phase, the allocator's cudaMalloc / cudaFree / retry counts during its last call."""
+        """Per phase, the allocator's cudaMalloc / cudaFree / retry counts since its `bench_begin`."""
         return dict(self.__dict__.get("_bench_allocator", {}))
 
     def bench_peak_memory(self) -> float:
@@ -518,7 +541,9 @@ class _Measured:
         if path["attention"] == "flash_attention_2" and interface is not None:
             path["flash_attn"] = ("stand-in: torch FA2 varlen" if hasattr(interface, "UnsupportedByStandIn")
                                   else f"flash-attn {sys.modules['flash_attn'].__version__}")
-        torch_utils = sys.modules.get("skyrl_train.utils.torch_utils")
+        from skyrl_megatron import host_api
+
+        torch_utils = sys.modules.get(host_api.torch_utils_module)
         triton_ce = getattr(torch_utils, "FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
         path["logprobs"] = "flash-attn Triton cross entropy" if triton_ce else "torch"
         return path
@@ -565,8 +590,11 @@ def hf_sdpa_for_eager():
     would pick eager (`fsdp2_sdpa`, trainer.flash_attn=false). The host offers flash_attention_2 or
     eager, which materialises [heads, L, L] fp32 scores per layer and runs out of memory on 4k-token
     rows. SDPA is the host's default without flash-attn; flash_attention_2 (`fsdp2`) passes through."""
-    from skyrl_train import model_wrapper
+    import importlib
 
+    from skyrl_megatron import host_api
+
+    model_wrapper = importlib.import_module(host_api.hf_model_wrapper_module)
     original = model_wrapper.AutoModelForCausalLM
 
     class _SdpaInsteadOfEager:
@@ -589,6 +617,15 @@ class _HostFSDPWithSdpa:
             return super().init_model(*args, **kwargs)
 
 
+def host_fsdp_policy_base() -> type:
+    """The installed host's FSDP2 policy worker class (skyrl-train 0.3.1 or skyrl 0.4), before Ray wraps it."""
+    import importlib
+
+    from skyrl_megatron import host_api
+
+    return importlib.import_module(host_api.strategy_worker_modules["fsdp2"]).FSDPPolicyWorkerBase
+
+
 def measured_policy_class(backend: str):
     import ray
 
@@ -597,8 +634,7 @@ def measured_policy_class(backend: str):
 
         bases = (_Measured, base)
     else:
-        from skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase as base
-
+        base = host_fsdp_policy_base()
         bases = (_Measured, _HostFSDPWithSdpa, base)
     return ray.remote(num_gpus=1)(type(f"Measured{base.__name__}", bases, {}))
 
@@ -639,6 +675,13 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             return max(ray.get(policy.async_run_ray_method("pass_through", "bench_peak_memory")))
 
         peaks: dict[str, float] = {"forward": 0.0, "train": 0.0}
+        # what skyrl 0.4's trainer reads besides the tensors (0.3.1's ignores them): the prompts' rows, and the
+        # whole batch as one mini-batch (one optimizer step, as `trainer.policy_mini_batch_size` says)
+        step_metadata = {"uids": [str(row // s.batch.samples_per_prompt) for row in range(s.batch.rows)],
+                         "policy_mini_batch_boundaries": [(0, s.batch.rows)]}
+
+        def begin(phase: str) -> None:
+            ray.get(policy.async_run_ray_method("pass_through", "bench_begin", phase))
 
         def worker_seconds() -> dict[str, float]:
             per_rank = ray.get(policy.async_run_ray_method("pass_through", "bench_worker_seconds"))
@@ -651,7 +694,8 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
 
         def step(number: int, profiled: str | None = None) -> tuple[dict[str, float], dict[str, float], dict]:
             """One scoring pass and one training call; `profiled` ("step", "forward", "train") is profiled."""
-            data = training_input(batch, s.batch.max_response, global_step=number + 1)
+            data = training_input(batch, s.batch.max_response, global_step=number + 1, **step_metadata)
+            begin("forward")
             if profiled in ("step", "forward"):
                 start_profile()
             start = time.perf_counter()
@@ -660,6 +704,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             if profiled == "forward":
                 profiles.append(stop_profile(profiled))
             peaks["forward"] = max(peaks["forward"], peak())
+            begin("train")
             if profiled == "train":
                 start_profile()
             start = time.perf_counter()
@@ -822,7 +867,8 @@ def markdown_section(report: dict) -> str:
         f"{report['peak_tflops']:.0f} TFLOP/s"
         + (f" (datasheet dense bf16: {report['datasheet_tflops']:.0f})" if report.get("datasheet_tflops") else "")
         + f". Recompute: {'on' if report['recompute'] else 'off'}. "
-        f"Median of {report['steps']} steps after {report['warmup']} warm-up.",
+        + (f"Host: {report['host']}. " if report.get("host") else "")
+        + f"Median of {report['steps']} steps after {report['warmup']} warm-up.",
         *micro_batch_lines(report),
         *(f"Variant `{name}`: `{'; '.join(overrides)}`." for name, overrides in report["variants"].items()),
         "",
@@ -986,6 +1032,16 @@ def packed_micro_batch_tokens(attention_mask: torch.Tensor, rows: int) -> dict[s
     return {"mean": statistics.mean(sizes), "max": max(sizes), "count": len(sizes)}
 
 
+def installed_host() -> str:
+    """The host release whose trainer (and FSDP2 workers) the cases run through, e.g. "skyrl 0.4.0"."""
+    import importlib.metadata
+
+    from skyrl_megatron.hosts import current
+
+    distribution = current().release.distribution
+    return f"{distribution} {importlib.metadata.version(distribution)}"
+
+
 def flash_attn_for_fsdp2(choice: str, workdir: Path) -> tuple[str | None, str]:
     """Where fsdp2's workers find flash_attn: (a directory for the front of PYTHONPATH or None, what it is)."""
     import importlib.util
@@ -1143,6 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,
+        "host": installed_host(),
         "cases": [],
         "composed_only": [],
         "failed": {},

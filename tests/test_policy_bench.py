@@ -368,3 +368,70 @@ def test_ratios_name_their_fsdp2_side_and_the_loop_is_labelled(tmp_path):
     assert "- fsdp2_loop:world1 vs fsdp2:world1 (FSDP2 at its best): train 1.50x speed" in text
     assert "`fsdp2_loop`: plain FSDP2 loop (bench/fsdp2_loop.py)" in text and "8192 tokens in training, 32768 in scoring" in text
     assert bench.case_label(report, cases[2]) == "plain FSDP2 loop world1"
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _measured_worker(bench, clock: _FakeClock):
+    """`_Measured` over a worker whose calls take a known time on `clock`: skyrl 0.4's training calls
+    (`forward_backward`, `optim_step`) and a 0.3.1-style `ppo_train` that runs its own `forward_backward`."""
+
+    class Worker:
+        def forward(self, data):
+            clock.now += 1.0
+            return "scored"
+
+        def forward_backward(self, data):
+            clock.now += 2.0
+            return {"policy_loss": 0.5}
+
+        def optim_step(self):
+            clock.now += 0.5
+            return 1.0
+
+        def ppo_train(self, data):
+            clock.now += 0.25
+            self.forward_backward(data)
+            self.optim_step()
+            return "trained"
+
+    return type("MeasuredWorker", (bench._Measured, Worker), {})()
+
+
+def test_a_phase_adds_up_its_calls_from_its_beginning_and_counts_a_nested_call_once(monkeypatch):
+    """skyrl 0.4 trains a step as forward_backward + optim_step per mini-batch, 0.3.1 as one ppo_train (whose
+    host FSDP2 version calls its own forward_backward): the bench's training time is the sum of a step's calls,
+    with a call inside a timed call counted once."""
+    bench = _bench_module()
+    clock = _FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    worker = _measured_worker(bench, clock)
+
+    worker.bench_begin("forward")
+    assert worker.forward(None) == "scored"
+    worker.bench_begin("train")
+    for _ in range(2):  # two mini-batches
+        worker.forward_backward(None)
+        worker.optim_step()
+    assert worker.bench_worker_seconds() == {"forward": 1.0, "train": 5.0}
+
+    worker.bench_begin("train")  # the next step starts from zero
+    assert worker.ppo_train(None) == "trained"
+    assert worker.bench_worker_seconds()["train"] == 2.75  # not 2.75 + 2.5 for the calls inside it
+    assert worker.bench_allocator_calls()["train"] == {"cuda_mallocs": 0, "cuda_frees": 0, "alloc_retries": 0}
+
+
+def test_the_fsdp2_side_is_the_installed_hosts_worker():
+    from skyrl_megatron import host_api
+    from skyrl_megatron.activation import activate
+
+    activate()  # the host's compat fixes: its FSDP worker module imports flash_attn's padding helpers
+    base = _bench_module().host_fsdp_policy_base()
+    assert base.__name__ == "FSDPPolicyWorkerBase"
+    assert base.__module__ == host_api.strategy_worker_modules["fsdp2"]
