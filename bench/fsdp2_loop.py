@@ -42,6 +42,9 @@ class LoopSettings:
     lr: float = 1e-6
     max_grad_norm: float = 1.0
     flash_attn_site: str | None = None  # put first on sys.path (the stand-in) before flash_attn imports
+    profile_phase: str | None = None  # one more step profiled: "step" (scoring + training), "forward" or "train"
+    profile_heading: str = ""  # the report's first line
+    profile_file: str | None = None  # rank 0 writes the report there
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Measurement:
     peak_gib: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "train": 0.0})
     losses: list[float] = field(default_factory=list)
     path: dict = field(default_factory=dict)
+    profile: dict | None = None  # the profiled step's summary (gpu_idle.write_profile_report)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,4 +333,32 @@ def measure(rank: int, world: int, settings: LoopSettings, batch: dict[str, torc
             result.seconds[phase].append(float(worst[0]))
             result.peak_gib[phase] = max(result.peak_gib[phase], float(worst[1]))
         result.losses.append(loss)
+    if settings.profile_phase:
+        result.profile = profile_step(loop, scoring, training, settings)
     return result
+
+
+def profile_step(loop: PlainFSDP2Loop, scoring: list[MicroBatch], training: list[MicroBatch],
+                 settings: LoopSettings) -> dict:
+    """One more step with its `settings.profile_phase` under torch.profiler (after the measured steps, as the
+    policy bench profiles our workers); rank 0 writes the report."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import gpu_idle  # bench/, beside this file
+
+    phase, cuda = settings.profile_phase, loop.device.type == "cuda"
+    old = loop.score(scoring) if phase == "train" else None  # the training call's old logprobs, unprofiled
+    profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profiler:
+        if phase in ("step", "forward"):
+            old = loop.score(scoring)
+        if phase in ("step", "train"):
+            loop.train(training, old)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    out_file = settings.profile_file if dist.get_rank() == 0 else None
+    return gpu_idle.write_profile_report(profiler, wall, settings.profile_heading, out_file)

@@ -179,3 +179,29 @@ def from_profiler(profiler, marked_prefix: str = "skyrl_megatron.") -> IdleRepor
         elif not event.is_async:
             host.append(HostOp(event.name, start, end, event.thread, first_frame(event.stack)))
     return idle_report(kernels, host, marked)
+
+
+def write_profile_report(profiler, wall_seconds: float, heading: str, out_file: str | None) -> dict[str, float]:
+    """The summary of a finished torch profile (wall, device busy and idle seconds, host operator count) and, with
+    `out_file`, its report there: the summary under `heading`, where the device waited, and the top operators by
+    device time, by host time and by count."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    averages = profiler.key_averages()
+    idle = from_profiler(profiler)
+    summary = {"wall_seconds": wall_seconds, "device_busy_seconds": idle.busy_us / 1e6,
+               "device_idle_seconds": idle.idle_us / 1e6,
+               "host_ops": float(sum(e.count for e in averages if e.key.startswith("aten::")))}
+    if out_file:
+        sort_device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        Path(out_file).write_text(
+            f"{heading}: {json.dumps(summary)}\n\n"
+            f"where the device waited\n{idle.render()}\n"
+            f"top operators by device time\n{averages.table(sort_by=sort_device, row_limit=40)}\n"
+            f"top operators by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
+            f"most frequent operators\n{averages.table(sort_by='count', row_limit=20)}\n"
+        )
+    return summary

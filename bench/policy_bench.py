@@ -254,7 +254,7 @@ class Settings:
     warmup: int
     variants: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     profile_dir: str | None = None  # profile one extra step per case and write its tables here
-    profile_backends: tuple[str, ...] = ("megatron", "fsdp2")
+    profile_backends: tuple[str, ...] = ("megatron", "fsdp2", "fsdp2_loop")
     profile_phase: str = "step"  # what the profile covers: "step" (scoring pass + training), "forward" or "train"
     fsdp_packed_rows: int = 8  # fsdp2: rows per micro-batch, packed into one sequence by the host
     flash_attn_site: str | None = None  # fsdp2: put first on its workers' PYTHONPATH (the stand-in)
@@ -567,21 +567,9 @@ class _Measured:
         profiler.__exit__(None, None, None)
         import gpu_idle  # bench/, beside this file
 
-        averages = profiler.key_averages()
-        idle = gpu_idle.from_profiler(profiler)
-        summary = {"wall_seconds": wall, "device_busy_seconds": idle.busy_us / 1e6,
-                   "device_idle_seconds": idle.idle_us / 1e6,
-                   "host_ops": float(sum(e.count for e in averages if e.key.startswith("aten::")))}
-        if out_file and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            sort_device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            Path(out_file).write_text(
-                f"{PROFILED_PHASES[covered]}, rank 0: {json.dumps(summary)}\n\n"
-                f"where the device waited\n{idle.render()}\n"
-                f"top operators by device time\n{averages.table(sort_by=sort_device, row_limit=40)}\n"
-                f"top operators by host time\n{averages.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
-                f"most frequent operators\n{averages.table(sort_by='count', row_limit=20)}\n"
-            )
-        return summary
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        return gpu_idle.write_profile_report(profiler, wall, f"{PROFILED_PHASES[covered]}, rank 0",
+                                             out_file if rank0 else None)
 
 
 @contextlib.contextmanager
@@ -717,7 +705,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
                 raise RuntimeError(f"{case.name}: non-finite policy loss at step {number}")
             return driver, worker_seconds(), status
 
-        profile_file = str(Path(s.profile_dir or ".") / f"profile_{case.name.replace(':', '_').replace('@', '_')}.txt")
+        profile_file = profile_path(case, s)
         profiles: list[dict] = []
 
         def start_profile() -> None:  # on every rank
@@ -793,8 +781,13 @@ def run_loop_case(case: Case, s: Settings, batch: dict[str, torch.Tensor], arch,
 
     if s.variants.get(case.variant):
         raise SystemExit(f"--cases {case.name}: variants set host overrides; the plain FSDP2 loop has no host")
+    profiled = s.profile_dir is not None and case.backend in s.profile_backends
+    profile_file = profile_path(case, s)
     settings = fsdp2_loop.LoopSettings(s.model_dir, s.token_budget, s.batch.prompt_tokens, s.steps, s.warmup,
-                                       flash_attn_site=s.flash_attn_site)
+                                       flash_attn_site=s.flash_attn_site,
+                                       profile_phase=s.profile_phase if profiled else None,
+                                       profile_heading=f"{PROFILED_PHASES[s.profile_phase]}, rank 0",
+                                       profile_file=profile_file)
     threads = str(max(1, (os.cpu_count() or 1) // case.gpus))  # run_on_ranks' default is one per rank
     measured = run_on_ranks(fsdp2_loop.measure, case.gpus, settings, batch, timeout=3600,
                             backend="gloo" if s.cpu else "nccl", env={THREADS_ENV_VAR: threads})[0]
@@ -804,8 +797,12 @@ def run_loop_case(case: Case, s: Settings, batch: dict[str, torch.Tensor], arch,
               f"loss {loss:.4f}", flush=True)
         if not math.isfinite(loss):
             raise RuntimeError(f"{case.name}: non-finite policy loss at step {s.warmup + number}")
-    return case_result(case, measured.path, batch, arch, peak_tflops, measured.seconds, measured.seconds,
-                       measured.peak_gib)
+    result = case_result(case, measured.path, batch, arch, peak_tflops, measured.seconds, measured.seconds,
+                         measured.peak_gib)
+    if measured.profile is not None:
+        result["profile"] = {**measured.profile, "file": profile_file, "phase": s.profile_phase}
+        print(f"  {case.name} profiled {s.profile_phase}: {json.dumps(result['profile'])}", flush=True)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1032,6 +1029,11 @@ def packed_micro_batch_tokens(attention_mask: torch.Tensor, rows: int) -> dict[s
     return {"mean": statistics.mean(sizes), "max": max(sizes), "count": len(sizes)}
 
 
+def profile_path(case: Case, s: Settings) -> str:
+    """Where a case's profile report goes: one file per case under `--profile`."""
+    return str(Path(s.profile_dir or ".") / f"profile_{case.name.replace(':', '_').replace('@', '_')}.txt")
+
+
 def installed_host() -> str:
     """The host release whose trainer (and FSDP2 workers) the cases run through, e.g. "skyrl 0.4.0"."""
     import importlib.metadata
@@ -1107,7 +1109,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="named extra host overrides, used as backend:layout@NAME in --cases")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="profile one extra step per case (torch.profiler); operator tables to DIR")
-    parser.add_argument("--profile-backends", default="megatron,fsdp2",
+    parser.add_argument("--profile-backends", default="megatron,fsdp2,fsdp2_loop",
                         help="with --profile: which backends' cases to profile (a long FSDP2 step makes a large trace)")
     parser.add_argument("--profile-phase", choices=tuple(PROFILED_PHASES), default="step",
                         help="with --profile: profile the scoring pass and training call (step) or one of them")

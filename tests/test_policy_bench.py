@@ -435,3 +435,37 @@ def test_the_fsdp2_side_is_the_installed_hosts_worker():
     base = _bench_module().host_fsdp_policy_base()
     assert base.__name__ == "FSDPPolicyWorkerBase"
     assert base.__module__ == host_api.strategy_worker_modules["fsdp2"]
+
+
+def _loop_profiled(rank, world, model_dir, batch, prompt_tokens, phase, out_file):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fsdp2_loop
+
+    settings = fsdp2_loop.LoopSettings(model_dir, token_budget=40, prompt_tokens=prompt_tokens, steps=1,
+                                       profile_phase=phase, profile_heading=f"{phase}, rank 0", profile_file=out_file)
+    measured = fsdp2_loop.measure(rank, world, settings, batch)
+    return measured.profile, len(measured.losses)
+
+
+@pytest.mark.parametrize("phase", ["forward", "train"])
+def test_the_plain_loop_profiles_one_more_step_of_the_phase_asked(tmp_path, phase):
+    """Both sides of a ratio get a profile (`--profile`): the loop's, like our workers', is one extra step after
+    the measured ones, rank 0's report with where the device waited and the top operators."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+    from skyrl_megatron.testing.distributed import run_on_ranks
+
+    bench = _bench_module()
+    model_dir = make_tiny_hf_model("qwen3", tmp_path / "model", seed=0)
+    shape = bench.BatchShape(rows=4, prompt_tokens=8, min_response=2, max_response=16, samples_per_prompt=2)
+    batch = bench.rl_batch(shape, vocab_size=json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"],
+                           pad_token_id=0)
+    report = tmp_path / "profile_fsdp2_loop.txt"
+    summaries = run_on_ranks(_loop_profiled, 2, str(model_dir), batch, shape.prompt_tokens, phase, str(report),
+                             timeout=300)
+    for summary, measured_steps in summaries:
+        assert measured_steps == 1  # the profiled step is not one of the measured ones
+        assert summary["wall_seconds"] > 0 and summary["host_ops"] > 0
+    text = report.read_text()
+    assert text.startswith(f"{phase}, rank 0: {{") and "top operators by host time" in text
+    # the gradients' reduction and the optimizer step appear only in a profiled training call
+    assert ("FSDP::post_backward_reduce" in text) == ("Optimizer.step" in text) == (phase == "train")
