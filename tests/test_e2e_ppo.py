@@ -9,11 +9,11 @@ critic's values and trains both models every step.
 
 Asserted:
 * the mean reward of the last three steps beats the first three by REWARD_MARGIN;
-* the critic's updates lower the host's value loss on the data they train on: averaged over the
-  run, by at least VALUE_LOSS_DROP (measured on each step's batch with the values GAE used and again
-  after the update; the loss from step to step moves with the rewards' spread, which the policy
-  changes, so it is no measure of the critic); the critic took one optimizer step per mini-batch
-  every step;
+* the critic's updates lower the host's value loss on the data they train on (measured on each step's
+  batch with the values GAE used and again after the update; the loss from step to step moves with the
+  rewards' spread, which the policy changes, so it is no measure of the critic): on most steps, and by
+  VALUE_LOSS_DROP on average over the steps' after/before ratios; the critic took one optimizer step per
+  mini-batch every step;
 * the engine holds the policy's weights bitwise after every sync;
 * the critic's checkpoint is complete and its HF export is the host's critic layout (trunk +
   ``value_head.weight``, no LM head).
@@ -38,10 +38,13 @@ CKPT_INTERVAL = 5
 # rises of 0.72 (seed 42) and 0.66, 0.63, 0.79 (trainer.seed 1, 2, 3), the CI machine 0.29 (0.11 -> 0.40,
 # 2026-11-27). A policy that does not learn stays near its start: its first three steps spread by about 0.03.
 REWARD_MARGIN = 0.15
-# Measured over 10-step runs: -35% on skyrl-train 0.3.1; on skyrl 0.4 -25% on the dev box and -17% on
-# the CI machine (sampling differs between machines); an update raised it on 1 step of 10. A critic that
-# does not learn (or steps the wrong way) gives 0% or a rise.
-VALUE_LOSS_DROP = 0.1
+# The per-step ratio after/before the update, over 10-step runs on the dev box (2026-11-29): mean 0.81 on skyrl
+# 0.4 and 0.89 on skyrl-train 0.3.1, the loss lower on 9 steps of 10 in both. The drop of the run's mean loss,
+# which the few high-loss steps dominate, was 24% and 9% in those runs (35% on 0.3.1 when this test was
+# written), too spread for a bound, so the assertion takes the steps one by one. A critic that does not learn
+# gives ratios about 1 on every step; one that steps the wrong way, above 1.
+VALUE_LOSS_DROP = 0.05
+MIN_STEPS_LOWERED = 7
 TIMEOUT = 900
 
 
@@ -71,7 +74,9 @@ def test_reward_rises_and_the_critics_updates_lower_the_value_loss(ppo_run):
     assert _mean(rewards[-3:]) >= _mean(rewards[:3]) + REWARD_MARGIN, rewards
     before = [r["critic/value_loss_before_update"] for r in steps]
     after = [r["critic/value_loss_after_update"] for r in steps]
-    assert _mean(after) <= (1 - VALUE_LOSS_DROP) * _mean(before), list(zip(before, after))
+    ratios = [a / b for a, b in zip(after, before)]
+    assert sum(r < 1 for r in ratios) >= MIN_STEPS_LOWERED, ratios
+    assert _mean(ratios) <= 1 - VALUE_LOSS_DROP, ratios
     counts_updates = not isinstance(current(), SkyRL04)  # 0.3.1's ppo_train counts its steps; 0.4 steps by call
     for record in steps:
         if counts_updates:
