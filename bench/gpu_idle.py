@@ -13,6 +13,9 @@ marks its phases) are reported with their wall time and the device time inside t
 
 A profiled step runs slower than an unprofiled one (the profiler adds host time to every operator),
 so the idle time it shows is an upper bound; where it sits is what the report is for.
+
+`write_profile_report` writes one profiled step's report (this analysis and the top operators), the same for
+our workers and the plain FSDP2 loop in bench/policy_bench.py.
 """
 
 from __future__ import annotations
