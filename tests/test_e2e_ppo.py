@@ -41,7 +41,7 @@ CKPT_INTERVAL = 5
 REWARD_MARGIN = 0.15
 # The per-step ratio after/before the update, in five 10-step runs on the dev box (2026-11-29, both hosts; the
 # runs are not reproducible on CPU): the loss fell on 7-9 steps of 10; the ratios' geometric mean was 0.57-0.91;
-# single steps reached 1.85. The drop of the run's mean loss (0.63-0.91 of the start), dominated by the few
+# single steps reached 1.85. The ratio of the run's mean losses after/before (0.63-0.91), dominated by the few
 # high-loss steps, and the arithmetic mean of the ratios (0.66-0.97, moved by one outlier) each failed a bound in
 # one run of the five; the geometric mean treats a halving and a doubling alike. A critic that does not learn
 # gives ratios of 1 (lr 0: exactly), one that steps the wrong way ratios above 1.
