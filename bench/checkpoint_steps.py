@@ -107,12 +107,17 @@ def keep_metrics(metrics_file: Path, kept: Path) -> int:
     if not metrics_file.is_file():
         return 0
     shutil.copyfile(metrics_file, kept)
-    return sum(1 for line in kept.read_text().splitlines() if line.strip() and "trainer/global_step" in json.loads(line))
+    return len(step_records(kept))
+
+
+def step_records(metrics_file: Path) -> dict[int, dict]:
+    """The demo's training-step records by step (evaluations, which carry no global step, left out)."""
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in records if "trainer/global_step" in r}
 
 
 def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    by_step = {r["step"]: r for r in records if "trainer/global_step" in r}
+    by_step = step_records(metrics_file)
     middle = [s for s in sorted(by_step) if 1 < s < steps]
     # the first save is a warm-up as the first step is: it allocates the pinned staging buffers, and the host's
     # first clean-up of old checkpoints starts a Ray task on each node
