@@ -1,7 +1,7 @@
 """Step times with checkpoints written synchronously and in the background (`megatron_config.async_save`).
 
-Runs the demo (`python -m skyrl_megatron.demo --gpu`: a Qwen3-0.6B-shaped policy, its reference and the
-inference engine, vLLM where installed, colocated on one GPU) once per mode, saving every `--ckpt-interval` steps, and prints per mode the
+Runs the demo (`python -m skyrl_megatron.demo --gpu --no-weight-check`: a Qwen3-0.6B-shaped policy, its
+reference and the inference engine, vLLM where installed, colocated on one GPU) once per mode, saving every `--ckpt-interval` steps, and prints per mode the
 median time of a step without a save, of a step with one (its `save_checkpoints` part too), and how much
 longer a save step is. The first step and the first save (warm-ups) and the last step (its save is the run's final
 one) are left out of the medians; the first save is reported on its own.
@@ -79,7 +79,9 @@ class CompleteCheckpointDropper:
 
 
 def run_demo(run_dir: Path, mode: str, args, model: Path | None, log: Path) -> float:
-    command = [sys.executable, "-m", "skyrl_megatron.demo", "--out", str(run_dir), "--fresh",
+    # --no-weight-check: the demo's per-step weight comparison hashes every tensor inside the host's timed step
+    # (about 30 s of a 44 s Qwen3-4B step with our HF engine), which would hide what a save adds to a step
+    command = [sys.executable, "-m", "skyrl_megatron.demo", "--out", str(run_dir), "--fresh", "--no-weight-check",
                "--steps", str(args.steps), "--ckpt-interval", str(args.ckpt_interval)]
     command += [] if args.cpu else ["--gpu"]
     command += ["--model", str(model)] if model else []

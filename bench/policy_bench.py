@@ -529,7 +529,12 @@ class _Measured:
             # the packed kernel the model was built with (megatron_config.attention_kernel, model/layers/attention.py)
             packed = {"sdpa": "masked SDPA"}.get(self.built.segment_kernel, self.built.segment_kernel)
             attention = "TE" if te else f"ours (SDPA / {packed})"
-            return {"transformer_engine": te, "attention": attention, "fused_kernels": list(self.built.fused_kernels),
+            from skyrl_megatron.model.layers.attention import flash4_passed_over
+
+            dtype = next(self.built.chunks[0].parameters()).dtype
+            return {"transformer_engine": te, "attention": attention,
+                    "flash4_passed_over": None if te else flash4_passed_over(self.runtime, dtype),
+                    "fused_kernels": list(self.built.fused_kernels),
                     "weights": dataclasses.asdict(self.built.load_report),
                     "process_groups": dict(getattr(self, "init_parallel_seconds", {})), **threads}
         config = getattr(getattr(model, "model", model), "config", None)
@@ -652,7 +657,9 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
                     for stamps in ray.get(policy.async_run_ray_method("pass_through", "bench_startup"))]
         weights = path.get("weights")  # ours: how the weights came (cache hit, conversion, load), seconds
         print(f"  {case.name} started in {init_seconds:.1f} s" + (f"; weights: {json.dumps(weights)}" if weights else "")
-              + (f"; process groups: {json.dumps(path['process_groups'])}" if path.get("process_groups") else ""),
+              + (f"; process groups: {json.dumps(path['process_groups'])}" if path.get("process_groups") else "")
+              + (f"; flash-attn-4 installed, not taken: {path['flash4_passed_over']}" if path.get("flash4_passed_over")
+                 else ""),
               flush=True)
         # rank 0, and the rank whose actor came up last (the host creates the others once rank 0 is up)
         latest = max(range(len(startups)), key=lambda rank: startups[rank]["actor_init_entered"] or 0.0)

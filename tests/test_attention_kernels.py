@@ -190,8 +190,26 @@ def test_the_setting_reaches_the_layer_spec_and_is_checked_there(qwen3_dir, monk
 
 
 def test_the_log_line_names_the_kernel_used(device_facts):
-    device_facts(None, True)
-    assert "masked SDPA (packed)" in attention.describe_core_attention(CPU, torch.bfloat16)
+    device_facts(None, False)
+    line = attention.describe_core_attention(CPU, torch.bfloat16)
+    assert "masked SDPA (packed)" in line and "flash-attn-4" not in line
+
+
+def test_an_installed_flash_attn_4_that_auto_passes_over_is_explained(device_facts, monkeypatch):
+    """`auto` falls back without an error; where flash-attn-4 is installed, the log line (and the bench's path
+    report) say why it was not taken, and nothing where it was taken or `varlen` was asked for by name."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device_facts(A100, True)
+    line = attention.describe_core_attention(GPU, BF16)
+    assert "varlen_attn" in line and "flash-attn-4 installed, not taken: " in line and "sm80" in line
+    assert attention.flash4_passed_over(GPU, BF16) is not None
+    assert "flash-attn-4 installed, not taken: " in attention.describe_core_attention(GPU, FP32)
+    assert "not taken" not in attention.describe_core_attention(GPU, BF16, "varlen")
+    device_facts(H100, True)
+    assert attention.flash4_passed_over(GPU, BF16) is None
+    assert "not taken" not in attention.describe_core_attention(GPU, BF16)
+    device_facts(H100, False)
+    assert attention.flash4_passed_over(GPU, BF16) is None  # nothing installed: nothing to explain
 
 
 # ---- the up-front check ------------------------------------------------------------------------------------

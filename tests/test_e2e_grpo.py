@@ -157,6 +157,8 @@ def test_engine_holds_the_policy_weights_bitwise_and_reports_the_trainers_logpro
     for record in steps:
         assert record["sync/bitwise_equal"] == 1.0, record["step"]
         assert record["sync/tensors"] == NUM_EXPORTED_TENSORS
+        # the CPU engine's comparison runs inside the host's scoring phase, and says how long it took there
+        assert 0 < record["timing/weight_check"] < record["timing/fwd_logprobs_values_reward"], record
         assert record["sync/rollout_logprob_max_diff"] <= LOGPROB_TOLERANCE, record
 
 

@@ -6,7 +6,10 @@ Nothing here changes what the host trainer does; it observes:
   tensor, so "equal" means bitwise), reported as ``sync/bitwise_equal``: our HF engine's before each
   step's scoring (it still holds the last sync's weights), a vLLM engine's right after each sync (it
   discards its weights when it sleeps), read back under HF names in its worker
-  (``engines.vllm_weights``); each sync's own time is ``sync/seconds``;
+  (``engines.vllm_weights``); each sync's own time is ``sync/seconds``. The check hashes every tensor on
+  both sides inside the step the host times (our HF engine's within ``timing/fwd_logprobs_values_reward``),
+  so its own seconds are reported as ``timing/weight_check``; ``weight_check=False`` (the demo's
+  ``--no-weight-check``) leaves it out, for step times as a run without the demo's observer has them;
 * the logprobs the engine reported while sampling are compared with the policy's ``forward`` on the
   same tokens (the train-inference gap), reported as ``sync/rollout_logprob_max_diff`` and
   ``sync/rollout_logprob_mean_diff``;
@@ -59,6 +62,7 @@ CONSOLE_COLUMNS = (
     ("|lp diff|", "sync/rollout_logprob_max_diff", "{:.1e}"),
 )
 MEAN_GAP = "sync/rollout_logprob_mean_diff"
+WEIGHT_CHECK_SECONDS = "timing/weight_check"  # inside the step the host times (see the module docstring)
 
 
 class StepReporter:
@@ -226,7 +230,7 @@ def _observed_trainer_class():
     return ObservedTrainer
 
 
-def _trainer_class():
+def _trainer_class(weight_check: bool = True):
     class CheckedTrainer(_observed_trainer_class()):
         """The host trainer plus the demo's observations (see the module docstring); they ask our workers."""
 
@@ -240,13 +244,17 @@ def _trainer_class():
             return ray.get(self.policy_model.async_run_ray_method("pass_through", "weight_digests"))[0]
 
         def _check_engine_weights(self) -> None:
+            started = time.perf_counter()
             exported = self._exported_digests()
             self._record_weight_check(exported, engine_weight_digests(engine_actors(self.inference_engine_client),
-                                                                      list(exported)))
+                                                                      list(exported)), started)
 
-        def _record_weight_check(self, exported: dict[str, str], held: list[dict[str, str]]) -> None:
+        def _record_weight_check(self, exported: dict[str, str], held: list[dict[str, str]], started: float) -> None:
             """Every tensor each engine holds equals the policy's export of it (a vLLM engine with tied
-            embeddings holds one tensor where the export names two)."""
+            embeddings holds one tensor where the export names two); the check's seconds since `started`
+            add up over a step's checks."""
+            self.all_metrics[WEIGHT_CHECK_SECONDS] = (self.all_metrics.get(WEIGHT_CHECK_SECONDS, 0.0)
+                                                      + time.perf_counter() - started)
             equal = all(digests and all(exported.get(name) == digest for name, digest in digests.items())
                         for digests in held)
             # a step's record holds its last sync's check (and, at step 1, the first sync's too)
@@ -258,7 +266,7 @@ def _trainer_class():
             started = time.perf_counter()
             ray.get(super().sync_policy_weights_to_inference_engines())
             self.all_metrics["sync/seconds"] = time.perf_counter() - started
-            if self._engines_are_vllm():
+            if weight_check and self._engines_are_vllm():
                 self._check_engine_weights()
             return []
 
@@ -275,9 +283,12 @@ def _trainer_class():
                 started = time.perf_counter()
                 await sync(*sync_args, **sync_kwargs)
                 self.all_metrics["sync/seconds"] = time.perf_counter() - started
+                if not weight_check:
+                    return
+                started = time.perf_counter()
                 exported = self._exported_digests()
                 self._record_weight_check(exported, await vllm_server_digests(self.inference_engine_client,
-                                                                              list(exported)))
+                                                                              list(exported)), started)
 
             dispatch.save_weights_for_sampler = save_weights_for_sampler
 
@@ -329,7 +340,7 @@ def _trainer_class():
             return self.critic_model.run_method("mesh", "forward", inputs)["output"]
 
         def fwd_logprobs_values_reward(self, training_input):
-            if not self._engines_are_vllm():
+            if weight_check and not self._engines_are_vllm():
                 self._check_engine_weights()  # the policy is still where the last sync left it
             self._report_transfers()
             return super().fwd_logprobs_values_reward(training_input)
@@ -337,11 +348,12 @@ def _trainer_class():
     return CheckedTrainer
 
 
-def experiment_class(run_dir: Path, checked: bool = True):
+def experiment_class(run_dir: Path, checked: bool = True, weight_check: bool = True):
     """A BasePPOExp whose trainer is the checked one (`checked=False`: the observed one, which asks the
-    workers nothing, for any strategy) and whose tracker is the step reporter."""
+    workers nothing, for any strategy; `weight_check=False`: checked, without the per-step weight
+    comparison) and whose tracker is the step reporter."""
     base = current().base_experiment_class()
-    trainer_class = _trainer_class() if checked else _observed_trainer_class()
+    trainer_class = _trainer_class(weight_check) if checked else _observed_trainer_class()
 
     class DemoExperiment(base):
         def __init__(self, cfg):

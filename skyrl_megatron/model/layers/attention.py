@@ -128,10 +128,21 @@ def select_segment_kernel(
     return SegmentKernel.VARLEN if gpu_half else SegmentKernel.MASKED_SDPA
 
 
+def flash4_passed_over(runtime: Runtime, dtype: torch.dtype, device: torch.device | None = None) -> str | None:
+    """Why `attention_kernel: auto` does not take an installed flash-attn-4 here; None where it takes it or
+    where flash-attn-4 is not installed (nothing to explain then)."""
+    if not flash4_installed():
+        return None
+    obstacle = _flash4_obstacle(runtime, dtype, device)
+    return None if obstacle is None else obstacle[0]
+
+
 def describe_core_attention(runtime: Runtime, dtype: torch.dtype, setting: str = AUTO) -> str:
     """The log line's words for the kernels a model of `dtype` runs (raises where `setting` cannot run)."""
     kernel = select_segment_kernel(runtime, dtype, setting)
-    return f"torch SDPA (padded) / {kernel.label} (packed), CP all-gather"
+    passed_over = flash4_passed_over(runtime, dtype) if setting == AUTO and kernel is not SegmentKernel.FLASH4 else None
+    note = f" (flash-attn-4 installed, not taken: {passed_over})" if passed_over else ""
+    return f"torch SDPA (padded) / {kernel.label} (packed){note}, CP all-gather"
 
 
 @dataclass(frozen=True)
