@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skyrl_megatron import arrivals, multi_tensor
+from skyrl_megatron import arrivals, multi_tensor, shard_copies
 from skyrl_megatron.master_weights import attach, chained_parts, compact_masters_of, refusal
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,9 @@ class OptimizerSettings:
         multi_tensor.install()  # without TE/Apex: foreach kernels, not a host read per gradient
         optimizer = get_megatron_optimizer(config, list(chunks))
         use_fused_torch_adam(optimizer)
+        kept = {reason for part in chained_parts(optimizer) if (reason := shard_copies.install(part)) is not None}
+        if kept:
+            logger.info("distributed optimizer copies: Megatron's per-parameter ones kept (%s)", ", ".join(sorted(kept)))
         if compact_master_weights:
             reason = refusal(optimizer)
             if reason is None:
@@ -302,9 +305,27 @@ def _step_with_norm(optimizer, grad_norm: float) -> tuple[bool, int | None]:
         decoupled = config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 or (
             config.use_precision_aware_optimizer and getattr(params[0], "__fsdp_param__", False)
         )
-        clip_grad_by_total_norm_fp32(params, config.clip_grad, grad_norm, use_decoupled_grad=decoupled)
+        if decoupled or not isinstance(grad_norm, float):
+            clip_grad_by_total_norm_fp32(params, config.clip_grad, grad_norm, use_decoupled_grad=decoupled)
+        else:
+            _clip_by_total_norm(params, config.clip_grad, grad_norm)
     num_zeros_in_grad = optimizer.count_zeros() if optimizer.config.log_num_zeros_in_grad else None
     return optimizer.step_with_ready_grads(), num_zeros_in_grad
+
+
+def _clip_by_total_norm(params, max_norm: float, total_norm: float) -> None:
+    """Megatron's `clip_grad_by_total_norm_fp32` for plain `.grad`s and a float norm, through the same scale op,
+    without its per-gradient DTensor conversion and type check (a Python call and a grad-mode switch for each of
+    a MoE's thousands of parameters, every step)."""
+    from megatron.core.optimizer import clip_grads
+
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient >= 1.0:
+        return
+    grads = [param.grad for param in params if param.grad is not None]
+    if grads:
+        overflow = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+        clip_grads.multi_tensor_applier(clip_grads.multi_tensor_scale_impl, overflow, [grads, grads], coefficient)
 
 
 def current_lr(optimizer) -> float | None:

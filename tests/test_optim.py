@@ -7,6 +7,7 @@ the optimizer state and the schedule untouched.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -230,7 +231,8 @@ def test_adam_betas_bf16_main_params_and_skipped_steps_on_a_model(tmp_path):
 
 def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
     """Two builds of one MoE model, EP2 (a chain of a dense and an expert optimizer, the dense one distributed
-    over DP2): ours steps one, Megatron's own `step()` the other, on the same batches, with clipping active."""
+    over DP2): ours steps one (with our prebuilt-view shard copies, `shard_copies.py`), Megatron's own `step()`
+    the other (with Megatron's per-parameter copies), on the same batches, with clipping active."""
     from unittest import mock
 
     from megatron.core.distributed import finalize_model_grads
@@ -243,10 +245,12 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
     initialize_model_parallel(ParallelConfig(expert=2), seed=0)
     host = {**HOST, "num_warmup_steps": 0, "max_grad_norm": 0.05, "scheduler": "constant"}
     sides = []
-    for _ in range(2):
+    for side in ("ours", "megatron"):
         built = _build_bf16_ddp_model(hf_dir)
         settings = OptimizerSettings.from_host_config(host, {}, num_training_steps=4, dtype="bf16")
-        optimizer = settings.build_optimizer(built.chunks)
+        with mock.patch("skyrl_megatron.shard_copies.install", return_value="Megatron's") if side == "megatron" \
+                else contextlib.nullcontext():
+            optimizer = settings.build_optimizer(built.chunks)
         sides.append((built.chunks[0], optimizer, settings.build_scheduler(optimizer)))
     initial = [p.detach().clone() for p in sides[0][0].parameters()]
     generator = torch.Generator().manual_seed(rank)
@@ -280,6 +284,7 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
     report["params_equal"] = all(torch.equal(a, b) for a, b in zip(ours.parameters(), megatrons.parameters()))
     report["params_moved"] = any(not torch.equal(p, q) for p, q in zip(ours.parameters(), initial))
     report["chained"] = len(sides[0][1].chained_optimizers)
+    report["views"] = [hasattr(part, "_skyrl_shard_views") for _, optimizer, _ in sides for part in optimizer.chained_optimizers]
     return report
 
 
@@ -291,6 +296,7 @@ def test_our_step_reduces_the_norm_once_and_updates_as_megatrons_step_does(tmp_p
     reports = run_on_ranks(_one_norm_pass_against_megatrons_step, 2, hf_dir, timeout=300)
     for report in reports:
         assert report["chained"] == 2  # dense and expert optimizers
+        assert report["views"] == [True, True, False, False]  # ours prebuilt both parts' copies; Megatron's side not
         assert report["norm_reductions"] == [1, 1]  # Megatron's step() alone reduces it once more
         assert report["ours"] == report["megatron"] and not any(skipped for _, skipped in report["ours"])
         assert all(norm > 0.05 for norm, _ in report["ours"])  # clipping was active
