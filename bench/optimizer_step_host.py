@@ -3,12 +3,12 @@
 A Qwen3-MoE with tiny widths but the parameter count of a real one (128 experts x 8 layers: 2,107 tensors, as
 Qwen3-30B-A3B's 8-layer bench model) is built with DDP and the distributed optimizer, one backward runs, and
 `optim.optimizer_step` is timed over `--steps` steps (the first left out). The kernels are tiny, so the time is
-the step's host work: what the MoE's optimizer step pays per parameter tensor. `--megatron-copies` keeps
-Megatron's per-parameter shard copies instead of ours (`shard_copies.py`), for the comparison; `--profile`
-prints a cProfile of one more step.
+the step's host work: what the MoE's optimizer step pays per parameter tensor. `--megatron-per-tensor` keeps
+Megatron's per-parameter shard copies and norm filter instead of ours (`optimizer_prebuilt.py`), for the
+comparison; `--profile` prints a cProfile of one more step.
 
     python bench/optimizer_step_host.py                      # CPU runtime (gloo)
-    python bench/optimizer_step_host.py --megatron-copies
+    python bench/optimizer_step_host.py --megatron-per-tensor
     python bench/optimizer_step_host.py --gpu                # one GPU: the host time as a GPU run has it
 
 On CPU every torch call also passes through the CPU runtime's device mode, which a GPU run does not have.
@@ -34,7 +34,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--megatron-copies", action="store_true", help="Megatron's per-parameter shard copies")
+    parser.add_argument("--megatron-per-tensor", action="store_true",
+                        help="Megatron's per-parameter shard copies and norm filter (not optimizer_prebuilt.py's)")
     parser.add_argument("--profile", action="store_true", help="a cProfile of one more step")
     args = parser.parse_args()
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29561"), ("RANK", "0"), ("WORLD_SIZE", "1"),
@@ -60,8 +61,8 @@ def main() -> None:
     host = {"lr": 1e-5, "adam_betas": [0.9, 0.999], "weight_decay": 0.01, "max_grad_norm": 1e-3,
             "num_warmup_steps": 0, "scheduler": "constant"}
     settings = OptimizerSettings.from_host_config(host, {}, num_training_steps=args.steps + 2, dtype="bf16")
-    copies = mock.patch("skyrl_megatron.shard_copies.install", return_value="--megatron-copies") \
-        if args.megatron_copies else contextlib.nullcontext()
+    copies = mock.patch("skyrl_megatron.optimizer_prebuilt.install", return_value="--megatron-per-tensor") \
+        if args.megatron_per_tensor else contextlib.nullcontext()
     with copies:
         optimizer = settings.build_optimizer(built.chunks)
     scheduler = settings.build_scheduler(optimizer)
@@ -89,7 +90,7 @@ def main() -> None:
     seconds = [timed_step() for _ in range(args.steps)][1:]
     tensors = sum(1 for _ in model.parameters())
     print(f"{tensors} parameter tensors, {'GPU' if args.gpu else 'CPU runtime'}, "
-          f"{'Megatron' if args.megatron_copies else 'our'} shard copies: optimizer step median "
+          f"{'Megatron' if args.megatron_per_tensor else 'our'} per-tensor work: optimizer step median "
           f"{statistics.median(seconds) * 1e3:.1f} ms over {len(seconds)} steps ({', '.join(f'{s * 1e3:.1f}' for s in seconds)})")
     if args.profile:
         backward()

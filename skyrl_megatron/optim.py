@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skyrl_megatron import arrivals, multi_tensor, shard_copies
+from skyrl_megatron import arrivals, multi_tensor, optimizer_prebuilt
 from skyrl_megatron.master_weights import attach, chained_parts, compact_masters_of, refusal
 
 logger = logging.getLogger(__name__)
@@ -146,9 +146,10 @@ class OptimizerSettings:
         multi_tensor.install()  # without TE/Apex: foreach kernels, not a host read per gradient
         optimizer = get_megatron_optimizer(config, list(chunks))
         use_fused_torch_adam(optimizer)
-        kept = {reason for part in chained_parts(optimizer) if (reason := shard_copies.install(part)) is not None}
+        # the per-tensor work Megatron's distributed optimizer repeats every step, done once (a MoE has thousands)
+        kept = {reason for part in chained_parts(optimizer) if (reason := optimizer_prebuilt.install(part))}
         if kept:
-            logger.info("distributed optimizer copies: Megatron's per-parameter ones kept (%s)", ", ".join(sorted(kept)))
+            logger.info("optimizer: Megatron's per-tensor methods kept (%s)", ", ".join(sorted(kept)))
         if compact_master_weights:
             reason = refusal(optimizer)
             if reason is None:

@@ -231,7 +231,7 @@ def test_adam_betas_bf16_main_params_and_skipped_steps_on_a_model(tmp_path):
 
 def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
     """Two builds of one MoE model, EP2 (a chain of a dense and an expert optimizer, the dense one distributed
-    over DP2): ours steps one (with our prebuilt-view shard copies, `shard_copies.py`), Megatron's own `step()`
+    over DP2): ours steps one (with our prebuilt-view shard copies, `optimizer_prebuilt.py`), Megatron's own `step()`
     the other (with Megatron's per-parameter copies), on the same batches, with clipping active."""
     from unittest import mock
 
@@ -248,7 +248,7 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
     for side in ("ours", "megatron"):
         built = _build_bf16_ddp_model(hf_dir)
         settings = OptimizerSettings.from_host_config(host, {}, num_training_steps=4, dtype="bf16")
-        with mock.patch("skyrl_megatron.shard_copies.install", return_value="Megatron's") if side == "megatron" \
+        with mock.patch("skyrl_megatron.optimizer_prebuilt.install", return_value="Megatron's") if side == "megatron" \
                 else contextlib.nullcontext():
             optimizer = settings.build_optimizer(built.chunks)
         sides.append((built.chunks[0], optimizer, settings.build_scheduler(optimizer)))

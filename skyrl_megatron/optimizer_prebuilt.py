@@ -1,0 +1,129 @@
+"""What Megatron-Core's distributed optimizer works out per parameter tensor at every step, worked out once.
+
+Every step the `DistributedOptimizer` hands each fp32 main shard its gradient (a slice of DDP's gradient buffer),
+picks the gradients the norm counts (not shared, not a tensor-parallel or generalized-TP duplicate), and after
+the update copies each main shard back into DDP's parameter buffer. It finds the slices and evaluates the
+predicates per parameter, per step, in Python: range-map and buffer lookups, quantization checks, process-group
+rank queries. A MoE has thousands of parameter tensors (Qwen3-30B-A3B's widths at 8 layers: 2,107, 2,048 of
+them the experts' one weight each), and its optimizer step on an H200 ran 358 ms wall for 144 ms of kernels
+(2026-11-29).
+
+None of it changes between steps: DDP's buffers keep their tensors for the model's life (our gradient release and
+the offloads free and restore their storage in place, so views of them stay valid), the shards keep their order,
+and a parameter's sharing and parallel attributes are fixed at build. `install` therefore works them out once
+per optimizer and replaces three methods on that instance: the gradients are handed over through prebuilt views,
+the parameters copied back with one `torch._foreach_copy_`, and the norm's gradients picked by a membership
+remembered per parameter (weakly: a main shard replaced is looked at again). The main shards themselves are read
+from the optimizer at every step (compact master weights rebuild them). Only the plain path is replaced (bf16/fp32
+parameters, gradients in `.grad`); the precision-aware optimizer, fp8/fp4 parameter gathers and Megatron-FSDP
+keep Megatron's methods. Steps equal Megatron's bitwise (tests/test_optim.py, EP2 x DP2).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+
+def _replaceable(optimizer) -> str | None:
+    """Why this optimizer keeps Megatron's methods; None: it can take ours."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(optimizer, DistributedOptimizer):
+        return "not a distributed optimizer"
+    if getattr(optimizer, "is_stub_optimizer", False):
+        return "a stub (no parameters on this rank)"
+    ddp, config = optimizer.ddp_config, optimizer.config
+    if getattr(ddp, "use_megatron_fsdp", False):
+        return "Megatron-FSDP"
+    if getattr(config, "use_precision_aware_optimizer", False):
+        return "the precision-aware optimizer"
+    if getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False):
+        return "fp8/fp4 parameter gather"
+    groups = (*optimizer.model_float16_groups, *optimizer.model_fp32_groups)
+    if any(optimizer._is_distopt_quantized_param(p) for group in groups for p in group):
+        return "quantized parameters"
+    return None
+
+
+class _ShardViews:
+    """Each main shard's slice of DDP's gradient buffer and of its parameter buffer, in the optimizer's order
+    (its float16 groups, then its fp32 groups)."""
+
+    def __init__(self, optimizer):
+        self.grads: list[list[torch.Tensor]] = []
+        self.params: list[torch.Tensor] = []
+        for model_group in (*optimizer.model_float16_groups, *optimizer.model_fp32_groups):
+            group_grads = []
+            for model_param in model_group:
+                ranges = optimizer._get_model_param_range_map(model_param)
+                shard, world = ranges["param"], ranges["gbuf_world_in_bucket"]
+                group_grads.append(model_param.main_grad.view(-1)[shard.start:shard.end])
+                buffer_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
+                param_data = optimizer.buffers[buffer_index].buckets[bucket_id].param_data
+                self.params.append(param_data.view(-1)[world.start:world.end])
+            self.grads.append(group_grads)
+
+
+def _main_groups(optimizer) -> tuple:
+    return (*optimizer.shard_fp32_from_float16_groups, *optimizer.shard_fp32_groups)
+
+
+def _copy_model_grads_to_main_grads(optimizer) -> None:
+    for views, main_group in zip(optimizer._skyrl_shard_views.grads, _main_groups(optimizer)):
+        for view, main in zip(views, main_group):
+            main.grad = view.float()  # (the view itself where the buffer is fp32, as in Megatron's)
+
+
+@torch.no_grad()
+def _copy_main_params_to_model_params(optimizer) -> None:
+    mains = [main for group in _main_groups(optimizer) for main in group]
+    if mains:
+        torch._foreach_copy_(optimizer._skyrl_shard_views.params, mains)
+
+
+def _in_main_norm(param) -> bool:
+    """Megatron's filter for the main norm: not in a separately clipped norm group."""
+    from megatron.core.optimizer.optimizer import _get_param_grad_norm_group, _is_separate_grad_norm_group
+
+    return not _is_separate_grad_norm_group(_get_param_grad_norm_group(param))
+
+
+def _get_grads_for_grad_norm(optimizer, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+    """Megatron's choice of the gradients the norm counts, in its order, each parameter's membership (Megatron's
+    own predicates on that parameter alone) remembered by identity."""
+    if grad_norm_group is not None:  # a separately clipped group: Megatron's own pass
+        return type(optimizer).get_grads_for_grad_norm(optimizer, grad_norm_group)
+    members: dict[int, tuple[weakref.ref, bool]] = optimizer._skyrl_norm_members
+    grads = []
+    for param in optimizer.get_parameters():
+        if param.grad is None:
+            continue
+        known = members.get(id(param))
+        if known is None or known[0]() is not param:
+            known = (weakref.ref(param), bool(optimizer._filter_grads_for_norm([param], param_filter=_in_main_norm)))
+            members[id(param)] = known
+        if known[1]:
+            grads.append(param.grad)
+    return grads
+
+
+def install(optimizer) -> str | None:
+    """Put the prebuilt copies and norm membership on `optimizer` (one distributed optimizer, not a chain);
+    returns why it keeps Megatron's methods instead, or None."""
+    reason = _replaceable(optimizer)
+    if reason is not None:
+        return reason
+    views = _ShardViews(optimizer)
+    mains = [main for group in _main_groups(optimizer) for main in group]
+    sizes = [view.numel() for view in views.params], [main.numel() for main in mains]
+    if sizes[0] != sizes[1] or [len(g) for g in views.grads] != [len(g) for g in _main_groups(optimizer)]:
+        return "main shards in an order the views do not follow"
+    optimizer._skyrl_shard_views = views
+    optimizer._skyrl_norm_members = {}
+    optimizer._copy_model_grads_to_main_grads = types.MethodType(_copy_model_grads_to_main_grads, optimizer)
+    optimizer._copy_main_params_to_model_params = types.MethodType(_copy_main_params_to_model_params, optimizer)
+    optimizer.get_grads_for_grad_norm = types.MethodType(_get_grads_for_grad_norm, optimizer)
+    return None
