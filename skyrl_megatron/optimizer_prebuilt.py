@@ -71,6 +71,11 @@ def _main_groups(optimizer) -> tuple:
     return (*optimizer.shard_fp32_from_float16_groups, *optimizer.shard_fp32_groups)
 
 
+def _main_shards(optimizer) -> list[torch.Tensor]:
+    """Every main shard, in `_ShardViews.params`' order."""
+    return [main for group in _main_groups(optimizer) for main in group]
+
+
 def _copy_model_grads_to_main_grads(optimizer) -> None:
     for views, main_group in zip(optimizer._skyrl_shard_views.grads, _main_groups(optimizer)):
         for view, main in zip(views, main_group):
@@ -79,7 +84,7 @@ def _copy_model_grads_to_main_grads(optimizer) -> None:
 
 @torch.no_grad()
 def _copy_main_params_to_model_params(optimizer) -> None:
-    mains = [main for group in _main_groups(optimizer) for main in group]
+    mains = _main_shards(optimizer)
     if mains:
         torch._foreach_copy_(optimizer._skyrl_shard_views.params, mains)
 
@@ -117,8 +122,7 @@ def install(optimizer) -> str | None:
     if reason is not None:
         return reason
     views = _ShardViews(optimizer)
-    mains = [main for group in _main_groups(optimizer) for main in group]
-    sizes = [view.numel() for view in views.params], [main.numel() for main in mains]
+    sizes = [view.numel() for view in views.params], [main.numel() for main in _main_shards(optimizer)]
     if sizes[0] != sizes[1] or [len(g) for g in views.grads] != [len(g) for g in _main_groups(optimizer)]:
         return "main shards in an order the views do not follow"
     optimizer._skyrl_shard_views = views
