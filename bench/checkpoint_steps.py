@@ -136,6 +136,10 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     published = {s: by_step[s]["timing/checkpoint_publish"] for s in plain if "timing/checkpoint_publish" in by_step[s]}
     normal = statistics.median(by_step[s]["timing/step"] for s in plain)
     save = statistics.median(by_step[s]["timing/step"] for s in saving)
+
+    def median(steps, key):
+        return statistics.median(by_step[s].get(key, 0.0) for s in steps)
+
     return {
         "normal_step_s": normal,
         "save_step_s": save,
@@ -144,6 +148,14 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
         "save_breakdown_s": breakdown,
         "published_at_steps_s": published,
         "staged_gib": statistics.median(by_step[s].get("checkpoint/staged_gib", 0.0) for s in saving),
+        # a colocated run's offloads (zero without colocation): in a save step the offload after the save parks
+        # what the save's host copies hold there (lent), copying only the rest
+        "offload_s": {"save_steps": median(saving, "offload/policy_offload_s"),
+                      "plain_steps": median(plain, "offload/policy_offload_s")},
+        "offload_lent_gib": median(saving, "offload/policy_offload_lent_gib"),
+        # what the policy still held on the device after its last offload in a step (a save must not add to it)
+        "allocated_gib_after_offload": max(by_step[s].get("offload/policy_allocated_gib_after_offload", 0.0)
+                                           for s in middle),
         "tokens_per_s": {s: by_step[s].get("throughput/tokens_per_second") for s in sorted(by_step)},
         "save_steps": saving,
         "plain_steps": plain,
@@ -154,13 +166,15 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
 
 def table(results: dict) -> str:
     lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | of which (s) | save step vs normal "
-             "| published in a later step (s) |",
-             "|---|---|---|---|---|---|---|"]
+             "| published in a later step (s) | policy offload, save / normal step (s) | lent (GiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in r["save_breakdown_s"].items() if seconds)
         published = ", ".join(f"step {step}: {seconds:.2f}" for step, seconds in r["published_at_steps_s"].items())
+        offload = r["offload_s"]
         lines.append(f"| {mode} | {r['normal_step_s']:.2f} | {r['save_step_s']:.2f} | {r['save_checkpoints_s']:.2f} "
-                     f"| {parts or '-'} | {r['save_step_overhead']:+.0%} | {published or '-'} |")
+                     f"| {parts or '-'} | {r['save_step_overhead']:+.0%} | {published or '-'} "
+                     f"| {offload['save_steps']:.2f} / {offload['plain_steps']:.2f} | {r['offload_lent_gib']:.2f} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skyrl_megatron import arrivals, multi_tensor, optimizer_prebuilt
+from skyrl_megatron import arrivals, multi_tensor, optimizer_prebuilt, state_changes
 from skyrl_megatron.master_weights import attach, chained_parts, compact_masters_of, refusal
 
 logger = logging.getLogger(__name__)
@@ -247,6 +247,7 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     State brought back from host memory may still be arriving (`arrivals`): the step waits for it first.
     """
     arrivals.settle(optimizer)
+    state_changes.record()
     masters = compact_masters_of(optimizer)
     if masters is None:
         return _step(optimizer, scheduler)

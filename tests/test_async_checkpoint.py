@@ -270,3 +270,96 @@ def test_the_distributed_optimizer_is_saved_without_a_gather(hf_dir, three_layer
         assert written.keys() == gathered.keys(), name
         for key, tensor in gathered.items():
             assert torch.equal(written[key], tensor), (name, key)
+
+
+def _state_tensors(owners) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in owners]
+
+
+def _lent_to_a_colocated_offload(rank, world, hf_dir, root):
+    """A colocated trainer's order on one rank (Megatron's distributed optimizer): step 1; a background save
+    lending its host copies; the offload right after it; backload; step 2. Then a second save whose copies
+    go stale: a step runs before the offload. A reference run without saves or offloads takes the same steps."""
+    import gc
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver, save_checkpoint
+    from skyrl_megatron.checkpoint.async_save import _live_storages, _storage_of
+    from skyrl_megatron.workers.offload import ModelOffloader
+
+    root = Path(root)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True)
+    chunks = built.chunks
+    train_step(chunks, optimizer, scheduler, batches)
+    save_checkpoint(root / "sync1", chunks, optimizer, scheduler, step=1)
+    offloader, saver = ModelOffloader(chunks), AsyncCheckpointSaver()
+    owners = offloader.storage_owners(optimizer)
+    saver.save(root / "async1", chunks, optimizer, scheduler, step=1, storage_owners=owners)
+    # Megatron's writer holds the host copies now, not the model's or the optimizer's tensors
+    gc.collect()
+    held = [t for _, _, (_, tensors) in saver._pending.request.async_fn_args[1] for _, t in tensors]
+    live = _live_storages(chunks, optimizer)
+    writer_holds_live = sum(_storage_of(t) in live for t in held)
+    copies = dict(saver.storage_copies)
+    offloader.lend(copies)
+    before = _state_tensors(owners)
+    lent_offload = offloader.offload(model=True, optimizer=True, optimizer_obj=optimizer, pin_memory=False)
+    parked_in_copies = sorted(
+        p.host.data_ptr() for part in offloader._parked.values() for p in part if p.host.data_ptr() in
+        {c.data_ptr() for c in copies.values()}
+    )
+    offloader.backload(model=True, optimizer=True, optimizer_obj=optimizer)
+    back_equal = all(torch.equal(a, b) for a, b in zip(_state_tensors(offloader.storage_owners(optimizer)), before))
+    losses = [train_step(chunks, optimizer, scheduler, batches)[0]]
+    # stale: the copies of the second save are lent, then a step changes the state before the offload
+    saver.save(root / "async2", chunks, optimizer, scheduler, step=2, storage_owners=offloader.storage_owners(optimizer))
+    offloader.lend(saver.storage_copies)
+    losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
+    after_step = _state_tensors(offloader.storage_owners(optimizer))
+    stale_offload = offloader.offload(model=True, optimizer=True, optimizer_obj=optimizer, pin_memory=False)
+    offloader.backload(model=True, optimizer=True, optimizer_obj=optimizer)
+    stale_equal = all(torch.equal(a, b) for a, b in zip(_state_tensors(offloader.storage_owners(optimizer)), after_step))
+    losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
+    saver.finalize()
+    return {
+        "writer_holds": (len(held), writer_holds_live),
+        "copies": len(copies),
+        "copies_bytes": sum(c.nbytes for c in copies.values()),
+        "lent": (lent_offload.bytes_lent, lent_offload.bytes_moved, len(parked_in_copies)),
+        "stale_lent": stale_offload.bytes_lent,
+        "back_equal": back_equal,
+        "stale_equal": stale_equal,
+        "losses": losses,
+        "params": local_params(chunks),
+    }
+
+
+def _steps_without_saves(rank, world, hf_dir):
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True)
+    losses = [train_step(built.chunks, optimizer, scheduler, batches)[0] for _ in range(4)][1:]
+    return {"losses": losses, "params": local_params(built.chunks)}
+
+
+def test_a_colocated_offload_parks_the_state_in_the_saves_host_copies(hf_dir, tmp_path):
+    """The save's host copies of whole storages serve the offload that follows it (nothing copied again), the
+    state comes back bitwise, training matches a run without saves or offloads bitwise, the checkpoint equals a
+    synchronous save of the same step; copies made stale by a step are not used. Megatron's writer holds only
+    the host copies while it writes."""
+    root = tmp_path / "saves"
+    (result,) = run_on_ranks(_lent_to_a_colocated_offload, 1, hf_dir, str(root), timeout=300)
+    (reference,) = run_on_ranks(_steps_without_saves, 1, hf_dir, timeout=300)
+    held, writer_holds_live = result["writer_holds"]
+    assert held > 0 and writer_holds_live == 0
+    lent, moved, parked_in_copies = result["lent"]
+    # every storage the save copied whole was parked in its copy; what the save does not hold (the gradient
+    # buffer) was copied by the offload
+    assert parked_in_copies == result["copies"] > 0
+    assert lent == result["copies_bytes"] and 0 < lent < moved
+    assert result["stale_lent"] == 0
+    assert result["back_equal"] and result["stale_equal"]
+    assert result["losses"] == reference["losses"]
+    for name, param in reference["params"].items():
+        assert torch.equal(result["params"][name], param), name
+    written, expected = global_tensors(root / "async1", tmp_path / "a.pt"), global_tensors(root / "sync1", tmp_path / "s.pt")
+    assert written.keys() == expected.keys() and any(".exp_avg" in key for key in written)
+    for key, tensor in expected.items():
+        assert torch.equal(written[key], tensor), key

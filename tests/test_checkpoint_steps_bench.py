@@ -32,10 +32,15 @@ def _write_metrics(path: Path, steps: int, interval: int, *, normal: float = 4.0
             seconds = 30.0
         if step == interval:
             seconds = 60.0
-        record = {"step": step, "trainer/global_step": step, "timing/step": seconds + step * 0.01}
+        record = {"step": step, "trainer/global_step": step, "timing/step": seconds + step * 0.01,
+                  "offload/policy_offload_s": 1.0, "offload/policy_allocated_gib_after_offload": 0.06}
         if step % interval == 0:
             record["timing/save_checkpoints"] = seconds - normal
             record["timing/checkpoint_capture"] = 0.3
+            # the offload after a save parks most of the state in the save's host copies
+            record.update({"offload/policy_offload_s": 0.25, "offload/policy_offload_lent_gib": 37.5})
+        if step == interval + 1:
+            record["offload/policy_allocated_gib_after_offload"] = 15.1  # a save's device tensors held a step on
         lines.append(json.dumps(record))
     path.write_text("\n".join(lines) + "\n")
 
@@ -50,6 +55,10 @@ def test_save_step_medians_leave_out_the_warm_ups_and_the_last_step(checkpoint_s
     assert result["save_step_s"] == pytest.approx(5.075)  # median of 5.06 and 5.09
     assert result["save_step_overhead"] == pytest.approx(5.075 / 4.05 - 1)
     assert result["save_breakdown_s"]["checkpoint_capture"] == pytest.approx(0.3)
+    assert result["offload_s"] == {"save_steps": 0.25, "plain_steps": 1.0} and result["offload_lent_gib"] == 37.5
+    assert result["allocated_gib_after_offload"] == 15.1
+    row = checkpoint_steps.table({"async": {**result, "run_s": 1.0}}).splitlines()[-1]
+    assert row.endswith("| 0.25 / 1.00 | 37.50 |"), row
 
 
 def test_a_run_too_short_for_two_saves_is_refused_with_the_fix(checkpoint_steps, tmp_path):

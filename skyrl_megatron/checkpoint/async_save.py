@@ -8,8 +8,14 @@ finalisation as separate steps):
    for a synchronous save; then every tensor that the next step could change is copied to host
    memory (device tensors into pinned buffers, kept for the next save, with no wait on the device;
    host tensors that belong to the model or optimizer by a plain copy; tensors made for the save,
-   such as the distributed optimizer's gathered state, as they are). The write then starts in a
-   thread of this process, and `save` returns.
+   such as the distributed optimizer's gathered state, as they are). Where the caller names the
+   tensors that own the state's storages (`storage_owners`: a colocated trainer's offloader), each
+   such storage is copied whole, once, and its tensors in the save are views of that copy: the
+   copies stay valid until the next save (`storage_copies`), and the offload that follows the save
+   parks the storages in them instead of copying again (`workers/offload.py`). Megatron's own
+   references to the device tensors are replaced by the host copies, so nothing keeps device
+   memory of the save alive while it is written. The write then starts in a thread of this
+   process, and `save` returns.
 2. the write: each rank's shard files, with fsync, from the copies (Megatron's file writer).
 3. `finalize` (collective; before the next save and when training ends): waits for the write, then
    the steps a synchronous save ends with: the shard index, the metadata file, the check of the index
@@ -64,6 +70,9 @@ class AsyncCheckpointSaver:
     def __init__(self) -> None:
         self._pending: _PendingSave | None = None
         self._pinned = _PinnedBuffers()
+        # host copies of whole storages made by the last save, by device storage (`storage_owners`); valid
+        # until the next save starts
+        self.storage_copies: dict[int, torch.Tensor] = {}
         self.last_timings = SaveTimings()
         self._finished = SaveTimings()  # the last finalize of a save in flight: until the next save reports it
 
@@ -81,10 +90,12 @@ class AsyncCheckpointSaver:
         step: int,
         extra: dict[str, Any] | None = None,
         tokenizer=None,
+        storage_owners: Sequence[torch.Tensor] = (),
     ) -> Path:
         """Start saving to `ckpt_dir` (collective); the arguments and the checks are `save_checkpoint`'s.
-        The save in flight before, if any, is finalized first. Returns the final path, which exists
-        once `finalize` has returned."""
+        The save in flight before, if any, is finalized first. `storage_owners`: tensors each standing for
+        a whole storage of the state (contiguous), copied whole into `storage_copies`. Returns the final
+        path, which exists once `finalize` has returned."""
         if self._pending is None:  # published before this call: its finishing took none of this one's time
             self._finished = dataclasses.replace(self._finished, finish_previous_s=0.0)
         self.finalize()
@@ -92,7 +103,8 @@ class AsyncCheckpointSaver:
         target = begin_save(ckpt_dir, extra, tokenizer)
         with captured_state(chunks, optimizer, scheduler, step, extra) as (metadata, sharded):
             request = write_shards(sharded, target, in_background=True)
-            write_args, copied = self._stage(request, chunks, optimizer)  # inside: compact masters exist here only
+            # inside: compact masters exist here only
+            write_args, copied = self._stage(request, chunks, optimizer, storage_owners)
         pending = _PendingSave(target, metadata, request)
         pending.thread = threading.Thread(
             target=pending.write, args=(write_args,), name=f"checkpoint-write-{target.final.name}", daemon=True
@@ -124,6 +136,7 @@ class AsyncCheckpointSaver:
     def _finish(self, pending: "_PendingSave") -> Path:
         pending.thread.join()
         self._pinned.release()
+        self.storage_copies = {}
         # every rank's files are written; Megatron's finalisation gathers the write results, writes the
         # shard index and fails on every rank when one rank's write failed
         from torch.distributed.checkpoint.api import CheckpointException
@@ -141,36 +154,65 @@ class AsyncCheckpointSaver:
                                   "the previous checkpoint stays in place") from None
         return finish_save(pending.target, pending.metadata)
 
-    def _stage(self, request, chunks, optimizer) -> tuple[list, int]:
+    def _stage(self, request, chunks, optimizer, storage_owners: Sequence[torch.Tensor]) -> tuple[list, int]:
         """The write's arguments with every tensor the training could change replaced by a host copy."""
         if request.async_fn is None:  # nothing to write on this rank
             return [], 0
         args = list(request.async_fn_args)
+        self.storage_copies = {}
         live = _live_storages(chunks, optimizer)
+        owners = {_storage_of(t): t.detach() for t in storage_owners if t.is_contiguous()}
         staged, copied, device_copies = [], 0, False
         for path, name, (bytes_data, tensor_data) in args[1]:
             tensors = []
             for item, tensor in tensor_data:
                 tensor = tensor.detach()
-                if tensor.device.type != "cpu":
+                host, whole_bytes = self._view_in_storage_copy(tensor, owners.get(_storage_of(tensor)))
+                if host is not None:
+                    copied += whole_bytes
+                elif tensor.device.type != "cpu":
                     host = self._pinned.take(tensor)
                     host.copy_(tensor, non_blocking=True)
-                    device_copies = True
+                    copied += tensor.nbytes
                 elif _storage_of(tensor) in live:
                     host = tensor.clone()
+                    copied += tensor.nbytes
                 else:
                     tensors.append((item, tensor))  # made for this save: nothing else holds it
                     continue
+                device_copies |= tensor.device.type != "cpu"
                 tensors.append((item, host))
-                copied += tensor.numel() * tensor.element_size()
             staged.append((path, name, (bytes_data, tensors)))
-        args[1] = staged
+        # in place: Megatron's writer and preload step hold this list too; with the host copies in it they
+        # keep no device tensor of the save alive while it is written
+        args[1][:] = staged
         # device copies are queued on the current stream; the writer waits for them, not the training
         ready = None
         if device_copies:
             ready = torch.cuda.Event()
             ready.record()
         return [request.async_fn, args, request.async_fn_kwargs, ready], copied
+
+    def _view_in_storage_copy(self, tensor: torch.Tensor, owner: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+        """`tensor` as a view of the host copy of its storage's owner (copied whole at its first tensor), and
+        the bytes that copy took (0 after the first); (None, 0) without an owner or outside its bytes."""
+        if owner is None or tensor.numel() == 0:
+            return None, 0
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size - owner.storage_offset() * owner.element_size()
+        span = (sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride())) + 1) * size
+        if start < 0 or start % size or start + span > owner.nbytes:
+            return None, 0
+        key, copied = _storage_of(owner), 0
+        whole = self.storage_copies.get(key)
+        if whole is None:
+            whole = self._pinned.take(owner)
+            whole.copy_(owner, non_blocking=whole.is_pinned())
+            self.storage_copies[key] = whole
+            copied = owner.nbytes
+        view = torch.empty(0, dtype=tensor.dtype).set_(whole.untyped_storage(), start // size, tensor.shape,
+                                                       tensor.stride())
+        return view, copied
 
 
 @dataclass
@@ -207,13 +249,15 @@ class _PinnedBuffers:
     the same shapes; pinning host memory costs far more than copying into it)."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
-        self._used: list[tuple[tuple[torch.dtype, int], torch.Tensor]] = []
+        self._free: dict[tuple[torch.dtype, int, bool], list[torch.Tensor]] = {}
+        self._used: list[tuple[tuple[torch.dtype, int, bool], torch.Tensor]] = []
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
-        key = (like.dtype, like.numel())
+        """A host buffer shaped as `like`, pinned when `like` is on an accelerator."""
+        pinned = like.device.type != "cpu"
+        key = (like.dtype, like.numel(), pinned)
         free = self._free.get(key)
-        buffer = free.pop() if free else torch.empty(like.numel(), dtype=like.dtype, device="cpu", pin_memory=True)
+        buffer = free.pop() if free else torch.empty(like.numel(), dtype=like.dtype, device="cpu", pin_memory=pinned)
         self._used.append((key, buffer))
         return buffer.view(like.shape)
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from skyrl_megatron import state_changes
 from skyrl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, check_replaceable, commit, sibling, write_durably
 from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from skyrl_megatron.checkpoint.integrity import (
@@ -220,6 +221,7 @@ def load_checkpoint(
     Raises CheckpointNotFoundError, CorruptCheckpointError or CheckpointMismatchError before any
     weight is touched. With strict=False, tensors missing from the checkpoint keep their values.
     """
+    state_changes.record()
     # compact master weights: the fp32 masters take the saved values, then are released against the
     # loaded model weights
     with masters_materialised(optimizer):

@@ -27,6 +27,12 @@ Pinned host buffers are kept from one offload to the next, one per parked storag
 (52 GiB in 1.0 s), and PyTorch's pinned-memory cache, which the offloads otherwise relied on, lends freed
 blocks to any later request (a background checkpoint's staging took them once, 2026-11-29, and the next
 offload pinned 52 GiB anew).
+
+A background checkpoint copies most of the same storages to host memory just before a colocated trainer
+offloads them (the save comes right after training; the offload before the weights go to the engine). The
+save can lend those copies (`lend`): an offload that finds a lent, still current copy of a storage parks it
+there and copies nothing. A lent copy is current while no optimizer step or checkpoint load has run since it
+was made (`state_changes`), and it is used for one offload at most.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from skyrl_megatron import arrivals
+from skyrl_megatron import arrivals, state_changes
 from skyrl_megatron.compute.gradient_buffers import ddp_buffers
 from skyrl_megatron.master_weights import compact_masters_of
 from skyrl_megatron.optim import torch_optimizers
@@ -49,11 +55,13 @@ class TransferReport:
     bytes_moved: int = 0
     seconds: float = 0.0
     parts: list[str] = field(default_factory=list)
+    bytes_lent: int = 0  # of bytes_moved: parked in copies lent by a checkpoint (nothing copied)
 
     def as_dict(self) -> dict:
         return {
             "direction": self.direction,
             "gib_moved": self.bytes_moved / 2**30,
+            "gib_lent": self.bytes_lent / 2**30,
             "seconds": self.seconds,
             "parts": list(self.parts),
         }
@@ -94,6 +102,7 @@ class TransferLog:
             moved = [e for e in entries if e["direction"] == direction]
             summary[f"{direction}_gib"] = sum(e["gib_moved"] for e in moved)
             summary[f"{direction}_s"] = sum(e["seconds"] for e in moved)
+        summary["offload_lent_gib"] = sum(e["gib_lent"] for e in entries if e["direction"] == "offload")
         offloads = [e for e in entries if e["direction"] == "offload" and "allocated_gib" in e]
         if offloads:
             summary["allocated_gib_after_offload"] = offloads[-1]["allocated_gib"]
@@ -104,10 +113,11 @@ class TransferLog:
 class _ParkedTensor:
     """A tensor whose storage is parked in `host` (shaped as it) while its device storage is freed."""
 
-    def __init__(self, tensor: torch.Tensor, host: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor, holds_values: bool = False):
         self.tensor = tensor
         self.host = host
-        self.host.copy_(tensor, non_blocking=host.is_pinned())
+        if not holds_values:
+            self.host.copy_(tensor, non_blocking=host.is_pinned())
         self.nbytes = tensor.untyped_storage().nbytes()
 
     def free_device(self) -> None:
@@ -167,6 +177,10 @@ def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 class ModelOffloader:
     def __init__(self, chunks, overlap_optimizer: bool = False, keep_host_buffers: bool | None = None):
         self.chunks = chunks
@@ -177,6 +191,32 @@ class ModelOffloader:
         # runtime "device" memory is host memory, and a kept copy would double it)
         self.keep_host_buffers = keep_host_buffers
         self._host_buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lent: dict[int, torch.Tensor] = {}  # host copies by device storage (`lend`)
+        self._lent_at = -1  # state_changes.count() when they were made
+
+    def storage_owners(self, optimizer_obj=None) -> list[torch.Tensor]:
+        """The tensors an offload parks, each standing for its whole storage: what a lent copy must copy."""
+        model = _model_tensors(self.chunks)
+        if optimizer_obj is None:
+            return model
+        in_model = {_storage_key(t) for t in model}
+        return model + [t for t in _optimizer_tensors(optimizer_obj) if _storage_key(t) not in in_model]
+
+    def lend(self, copies: dict[int, torch.Tensor]) -> None:
+        """Host copies of device storages' current values (by `untyped_storage().data_ptr()`), each shaped as
+        its storage's owner in `storage_owners`, whose copies have been queued on the current stream. The next
+        offload of those storages parks them there instead of copying, while the state has not changed. The
+        caller keeps the copies unchanged until the storages are back on the device."""
+        self._lent, self._lent_at = dict(copies), state_changes.count()
+
+    def _take_lent(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        if self._lent_at != state_changes.count():
+            self._lent.clear()
+            return None
+        host = self._lent.pop(_storage_key(tensor), None)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            return None
+        return host
 
     def _host_buffer(self, tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
         """Where `tensor` is parked: the buffer kept for its storage when it still fits, else a new one."""
@@ -196,15 +236,22 @@ class ModelOffloader:
         if name != "model":
             # optimizer tensors that are views of the model's storage (fp32 main params) move with
             # the model, never on their own
-            model_storages = {t.untyped_storage().data_ptr() for t in _model_tensors(self.chunks)}
-            model_storages |= {p.tensor.untyped_storage().data_ptr() for p in self._parked.get("model", [])}
-            tensors = [t for t in tensors if t.untyped_storage().data_ptr() not in model_storages]
+            model_storages = {_storage_key(t) for t in _model_tensors(self.chunks)}
+            model_storages |= {_storage_key(p.tensor) for p in self._parked.get("model", [])}
+            tensors = [t for t in tensors if _storage_key(t) not in model_storages]
         if self._arrival_stream is not None:
             # a kept host buffer may still be the source of the last backload's optimizer copies
             torch.cuda.current_stream().wait_stream(self._arrival_stream)
-        parked = [_ParkedTensor(t, self._host_buffer(t, pin_memory)) for t in tensors]
+        parked = []
+        for t in tensors:
+            lent = self._take_lent(t)
+            if lent is None:
+                parked.append(_ParkedTensor(t, self._host_buffer(t, pin_memory)))
+            else:
+                parked.append(_ParkedTensor(t, lent, holds_values=True))
+                report.bytes_lent += parked[-1].nbytes
         if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies must land before the storage goes
+            torch.cuda.synchronize()  # the non-blocking copies (ours and a lender's) must land before the storage goes
         for p in parked:
             p.free_device()
         self._parked[name] = parked
@@ -255,6 +302,7 @@ class ModelOffloader:
     def backload(self, *, model: bool, optimizer: bool, optimizer_obj=None) -> TransferReport:
         report = TransferReport("backload")
         started = time.perf_counter()
+        self._lent.clear()  # what comes back is the parked values: a copy lent before is no longer needed
         if model and "model" in self._parked:
             self._restore("model", report)
         arriving = False

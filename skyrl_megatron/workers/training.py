@@ -63,7 +63,9 @@ class TrainedRoleMixin(MegatronWorkerMixin):
     def save_checkpoint(self, ckpt_dir, tokenizer=None):
         """The checkpoint of the current state at `ckpt_dir`: written before returning, or with
         ``async_save`` staged and written in the background (`finalize_pending_saves` publishes it).
-        State a colocated run parked in host memory comes back for the save."""
+        State a colocated run parked in host memory comes back for the save. A background save's host
+        copies of the state's storages are lent to the offloader: a colocated trainer offloads right after
+        the save, and parks the state in them instead of copying it again."""
         arguments = dict(
             step=int(self.scheduler.num_steps),
             extra={"skipped_steps": self.skipped_steps},
@@ -71,7 +73,9 @@ class TrainedRoleMixin(MegatronWorkerMixin):
         )
         with self._watched("checkpoint save", long_waits=True), self.model_resident(optimizer=True):
             if self.megatron_cfg.async_save:
-                self.background_saves.save(ckpt_dir, self.built.chunks, self.optimizer, self.scheduler, **arguments)
+                self.background_saves.save(ckpt_dir, self.built.chunks, self.optimizer, self.scheduler,
+                                           storage_owners=self.offloader.storage_owners(self.optimizer), **arguments)
+                self.offloader.lend(self.background_saves.storage_copies)
                 self.last_save_timings = self.background_saves.last_timings
             else:
                 self.background_saves.finalize()  # (none is in flight unless async_save changed)
