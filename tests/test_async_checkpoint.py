@@ -359,7 +359,32 @@ def test_a_colocated_offload_parks_the_state_in_the_saves_host_copies(hf_dir, tm
     assert result["losses"] == reference["losses"]
     for name, param in reference["params"].items():
         assert torch.equal(result["params"][name], param), name
+    # the same files: each tensor written as its own bytes, not as the storage copy it lies in
+    sizes = {name: sum(f.stat().st_size for f in (root / name).rglob("*") if f.is_file()) for name in ("async1", "sync1")}
+    assert abs(sizes["async1"] - sizes["sync1"]) < 0.02 * sizes["sync1"], sizes
     written, expected = global_tensors(root / "async1", tmp_path / "a.pt"), global_tensors(root / "sync1", tmp_path / "s.pt")
     assert written.keys() == expected.keys() and any(".exp_avg" in key for key in written)
     for key, tensor in expected.items():
         assert torch.equal(written[key], tensor), key
+
+
+def test_a_tensor_in_a_storage_copied_whole_is_written_as_its_own_bytes():
+    """Tensors that share a storage copied whole (a DDP parameter buffer on a GPU) come back as tensors over that
+    copy whose storages are their own bytes: the file writer serialises a tensor's whole storage, so a plain view
+    would write the whole buffer once per parameter."""
+    import io
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver
+
+    saver = AsyncCheckpointSaver()
+    owner = torch.randn(100_000).to(torch.bfloat16)
+    first, second = owner[10:110].view(10, 10), owner[500:600]
+    (a, copied_a), (b, copied_b) = (saver._view_in_storage_copy(t, owner) for t in (first, second))
+    assert (copied_a, copied_b) == (owner.nbytes, 0) and len(saver.storage_copies) == 1
+    (copy,) = saver.storage_copies.values()
+    assert a.data_ptr() == copy.data_ptr() + 20 and b.data_ptr() == copy.data_ptr() + 1000  # in the copy
+    assert torch.equal(a, first) and torch.equal(b, second) and a.untyped_storage().nbytes() == first.nbytes
+    written = io.BytesIO()
+    torch.save(a, written)
+    assert len(written.getvalue()) < first.nbytes + 2048 < owner.nbytes
+    assert saver._view_in_storage_copy(owner.view(200, 500)[:, :10], owner) == (None, 0)  # not contiguous: own copy

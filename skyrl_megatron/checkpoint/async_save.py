@@ -194,14 +194,14 @@ class AsyncCheckpointSaver:
         return [request.async_fn, args, request.async_fn_kwargs, ready], copied
 
     def _view_in_storage_copy(self, tensor: torch.Tensor, owner: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-        """`tensor` as a view of the host copy of its storage's owner (copied whole at its first tensor), and
-        the bytes that copy took (0 after the first); (None, 0) without an owner or outside its bytes."""
-        if owner is None or tensor.numel() == 0:
+        """`tensor`'s bytes in the host copy of its storage's owner (copied whole at its first tensor), as a
+        tensor whose storage is exactly those bytes, and the bytes that copy took (0 after the first); (None, 0)
+        without an owner, for a non-contiguous tensor, or outside the owner's bytes. (The file writer
+        serialises a tensor's whole storage: a plain view of the copy would write all of it per tensor.)"""
+        if owner is None or tensor.numel() == 0 or not tensor.is_contiguous():
             return None, 0
-        size = tensor.element_size()
-        start = tensor.storage_offset() * size - owner.storage_offset() * owner.element_size()
-        span = (sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride())) + 1) * size
-        if start < 0 or start % size or start + span > owner.nbytes:
+        start = tensor.storage_offset() * tensor.element_size() - owner.storage_offset() * owner.element_size()
+        if start < 0 or start + tensor.nbytes > owner.nbytes:
             return None, 0
         key, copied = _storage_of(owner), 0
         whole = self.storage_copies.get(key)
@@ -210,9 +210,10 @@ class AsyncCheckpointSaver:
             whole.copy_(owner, non_blocking=whole.is_pinned())
             self.storage_copies[key] = whole
             copied = owner.nbytes
-        view = torch.empty(0, dtype=tensor.dtype).set_(whole.untyped_storage(), start // size, tensor.shape,
-                                                       tensor.stride())
-        return view, copied
+        # the numpy array keeps `whole` alive for as long as the returned tensor lives
+        data = whole.reshape(-1).view(torch.uint8).numpy()
+        own_bytes = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=start)
+        return own_bytes.view(tensor.dtype).view(tensor.shape), copied
 
 
 @dataclass
