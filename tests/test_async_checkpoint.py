@@ -388,3 +388,45 @@ def test_a_tensor_in_a_storage_copied_whole_is_written_as_its_own_bytes():
     torch.save(a, written)
     assert len(written.getvalue()) < first.nbytes + 2048 < owner.nbytes
     assert saver._view_in_storage_copy(owner.view(200, 500)[:, :10], owner) == (None, 0)  # not contiguous: own copy
+
+
+def _finished_before_the_next_save(rank, world, hf_dir, root):
+    """A trainer's order: the save in flight is finished (`finalize`) before the next save is called; once while its
+    write still runs (held half a second longer), once after it is written."""
+    import threading
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver
+
+    root = Path(root)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=False)
+    train_step(built.chunks, optimizer, scheduler, batches)
+    release = threading.Event()
+    _hold_writer(release)
+    saver = AsyncCheckpointSaver()
+    saver.save(root / "a", built.chunks, optimizer, scheduler, step=1)
+    threading.Timer(0.5, release.set).start()
+    started = time.perf_counter()
+    saver.finalize()  # the trainer's, before it saves again: waits for the held write
+    finalize_s = time.perf_counter() - started
+    saver.save(root / "b", built.chunks, optimizer, scheduler, step=1)
+    after_a_wait = saver.last_timings
+    while not saver.write_done():
+        time.sleep(0.01)
+    saver.finalize()  # published once written (the trainer checks as a step's training starts)
+    saver.save(root / "c", built.chunks, optimizer, scheduler, step=1)
+    after_publishing = saver.last_timings
+    saver.finalize()
+    return {"finalize_s": finalize_s, "after_a_wait": dataclasses.asdict(after_a_wait),
+            "after_publishing": dataclasses.asdict(after_publishing)}
+
+
+def test_a_wait_for_the_previous_write_before_a_save_is_that_saves_to_account(hf_dir, tmp_path):
+    """The trainer finishes the save in flight before it calls the next save: when that had to wait for the write,
+    the next save's `finish_previous_s` is the wait (a save step's extra seconds are the capture and this wait);
+    when the write was done and the save published, nothing."""
+    (result,) = run_on_ranks(_finished_before_the_next_save, 1, hf_dir, str(tmp_path), timeout=300)
+    waited = result["after_a_wait"]["finish_previous_s"]
+    assert 0.3 < waited <= result["finalize_s"]
+    assert result["after_a_wait"]["previous_write_s"] > 0.3  # the write, held until the wait ended
+    assert result["after_publishing"]["finish_previous_s"] == 0.0
+    assert result["after_publishing"]["previous_write_s"] > 0

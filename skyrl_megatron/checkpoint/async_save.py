@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 class SaveTimings:
     """Where one save call's time went on this rank, in seconds (the trainer logs them per save step)."""
 
-    finish_previous_s: float = 0.0  # finishing the background save before it in this call: waiting for its write,
-    # publishing it (zero when it was published earlier, once written)
+    finish_previous_s: float = 0.0  # finishing the background save before it: waiting for its write, publishing it;
+    # in this call, or in a `finalize` since the last save that found the write still running (a trainer finishes
+    # the save in flight before it saves); zero when it was published once written
     previous_write_s: float = 0.0  # how long that background write ran (against the steps between saves)
     capture_s: float = 0.0  # background save: the state described and copied to host memory, the write started
     write_s: float = 0.0  # synchronous save: the whole save
@@ -96,8 +97,6 @@ class AsyncCheckpointSaver:
         The save in flight before, if any, is finalized first. `storage_owners`: tensors each standing for
         a whole storage of the state (contiguous), copied whole into `storage_copies`. Returns the final
         path, which exists once `finalize` has returned."""
-        if self._pending is None:  # published before this call: its finishing took none of this one's time
-            self._finished = dataclasses.replace(self._finished, finish_previous_s=0.0)
         self.finalize()
         started = time.perf_counter()
         target = begin_save(ckpt_dir, extra, tokenizer)
@@ -126,11 +125,12 @@ class AsyncCheckpointSaver:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        waits = pending.thread.is_alive()  # a save whose write is done costs its finisher only the publishing
         started = time.perf_counter()
         try:
             return self._finish(pending)
         finally:
-            self._finished = SaveTimings(finish_previous_s=time.perf_counter() - started,
+            self._finished = SaveTimings(finish_previous_s=time.perf_counter() - started if waits else 0.0,
                                          previous_write_s=pending.write_s)
 
     def _finish(self, pending: "_PendingSave") -> Path:
