@@ -10,9 +10,10 @@ finalisation as separate steps):
    host tensors that belong to the model or optimizer by a plain copy; tensors made for the save,
    such as the distributed optimizer's gathered state, as they are). Where the caller names the
    tensors that own the state's storages (`storage_owners`: a colocated trainer's offloader), each
-   such storage is copied whole, once, and its tensors in the save are views of that copy: the
-   copies stay valid until the next save (`storage_copies`), and the offload that follows the save
-   parks the storages in them instead of copying again (`workers/offload.py`). Megatron's own
+   such storage is copied whole, once, and its tensors in the save are tensors over their own bytes
+   within that copy (the writer serialises a tensor's whole storage): the copies stay valid until
+   the next save (`storage_copies`), and the offload that follows the save parks the storages in
+   them instead of copying again (`workers/offload.py`). Megatron's own
    references to the device tensors are replaced by the host copies, so nothing keeps device
    memory of the save alive while it is written. The write then starts in a thread of this
    process, and `save` returns.
