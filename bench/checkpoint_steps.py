@@ -120,6 +120,10 @@ def step_records(metrics_file: Path) -> dict[int, dict]:
 
 def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     by_step = step_records(metrics_file)
+
+    def median(steps, key):  # a metric some steps may lack counts 0 there
+        return statistics.median(by_step[s].get(key, 0.0) for s in steps)
+
     middle = [s for s in sorted(by_step) if 1 < s < steps]
     # the first save is a warm-up as the first step is: it allocates the pinned staging buffers, and the host's
     # first clean-up of old checkpoints starts a Ray task on each node
@@ -131,23 +135,20 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     # the workers' account of each save (trainer_faults.py) and the host's deferred clean-up
     parts = sorted({k for s in saving for k in by_step[s] if k.startswith("timing/checkpoint_")}
                    | {"timing/cleanup_old_checkpoints"})
-    breakdown = {k.removeprefix("timing/"): statistics.median(by_step[s].get(k, 0.0) for s in saving) for k in parts}
+    breakdown = {k.removeprefix("timing/"): median(saving, k) for k in parts}
     # a background save published once written, by a later step as its training starts
     published = {s: by_step[s]["timing/checkpoint_publish"] for s in plain if "timing/checkpoint_publish" in by_step[s]}
     normal = statistics.median(by_step[s]["timing/step"] for s in plain)
     save = statistics.median(by_step[s]["timing/step"] for s in saving)
 
-    def median(steps, key):
-        return statistics.median(by_step[s].get(key, 0.0) for s in steps)
-
     return {
         "normal_step_s": normal,
         "save_step_s": save,
-        "save_checkpoints_s": statistics.median(by_step[s].get("timing/save_checkpoints", 0.0) for s in saving),
+        "save_checkpoints_s": median(saving, "timing/save_checkpoints"),
         "save_step_overhead": save / normal - 1,
         "save_breakdown_s": breakdown,
         "published_at_steps_s": published,
-        "staged_gib": statistics.median(by_step[s].get("checkpoint/staged_gib", 0.0) for s in saving),
+        "staged_gib": median(saving, "checkpoint/staged_gib"),
         # a colocated run's offloads (zero without colocation): in a save step the offload after the save parks
         # what the save's host copies hold there (lent), copying only the rest
         "offload_s": {"save_steps": median(saving, "offload/policy_offload_s"),
