@@ -66,16 +66,23 @@ def writer_errors():
 WRITE_THREADS = 4
 
 
-def save_strategy():
+def save_strategy(*, repeated: bool = False):
     """Megatron's torch_dist save strategy with `WRITE_THREADS` writers per rank; where ranks replicate
     shards, the save is spread over the replicas (each writes a share) instead of falling to the first
-    replica."""
+    replica.
+
+    `repeated`: one strategy serves a series of saves of the same state's structure (a trainer's
+    checkpoints): it keeps what it planned, and once a save's plan came out equal to the previous one,
+    later saves reuse it and the global metadata instead of planning and gathering again (Megatron's
+    `cached_metadata`); the replicas' share of the shards is kept too (`do_cache_distribution`)."""
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    strategy = TorchDistSaveShardedStrategy(thread_count=WRITE_THREADS)
+    strategy = TorchDistSaveShardedStrategy(thread_count=WRITE_THREADS, cached_metadata=repeated)
     replicas = replica_group()
-    return strategy if replicas is None else FullyParallelSaveStrategyWrapper(strategy, replicas)
+    if replicas is None:
+        return strategy
+    return FullyParallelSaveStrategyWrapper(strategy, replicas, do_cache_distribution=repeated)
 
 
 def replica_group():

@@ -387,17 +387,33 @@ class CompactMasterWeights:
         return [t for run in self._runs for p in run.pieces for t in (p.remainder, p.tie_indices)]
 
     @contextlib.contextmanager
-    def materialised(self) -> Iterator[None]:
+    def materialised(self, *, read_only: bool = False) -> Iterator[None]:
         """The fp32 masters present inside (checkpoints, reloading the masters from the model), released
-        again after when they were released before; a no-op when they are present already."""
+        again after when they were released before; a no-op when they are present already.
+
+        `read_only`: the block changes neither the masters nor the model weights (a save). Their
+        remainders then still hold, and the masters go back to them as they were, without the release's
+        kernel pass and its wait for the device: where every run was released whole, as from the second
+        release on."""
         was_released = self.released
+        kept = self._released_runs() if was_released and read_only else None
         if was_released:
             self.rebuild()
         try:
             yield
         finally:
-            if was_released:
+            if kept is not None:
+                _release_as_before(kept)
+            elif was_released:
                 self.release()
+
+    def _released_runs(self) -> list[tuple["_Run", list["_Piece"]]] | None:
+        """Every released run with its pieces, or None unless each was released whole (one piece over
+        its span: all its masters released, none kept in fp32)."""
+        runs = [(run, list(run.pieces)) for run in self._runs if run.pieces]
+        if any([(p.start, p.stop) for p in pieces] != [(0, run.span)] for run, pieces in runs):
+            return None
+        return runs
 
 
 def _gather(run: _Run) -> None:
@@ -417,6 +433,16 @@ def _gather(run: _Run) -> None:
         m.master.data = buffer[m.offset : m.offset + m.numel].view(m.shape)
         m.released = False
     run.buffer, run.pieces = buffer, []
+
+
+def _release_as_before(runs: list[tuple[_Run, list[_Piece]]]) -> None:
+    """Give each run its pieces back and free its fp32 buffer, as the release that made them left it."""
+    for run, pieces in runs:
+        for m in run.members:
+            m.master.grad = None
+            m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
+            m.released = True
+        run.buffer, run.pieces = None, pieces
 
 
 def _settle(group: list[_Split]) -> tuple[int, int]:
@@ -500,11 +526,11 @@ def compact_masters_of(optimizer) -> CompactMasterWeights | None:
 
 
 @contextlib.contextmanager
-def masters_materialised(optimizer) -> Iterator[None]:
+def masters_materialised(optimizer, *, read_only: bool = False) -> Iterator[None]:
     """`CompactMasterWeights.materialised` of this optimizer; a no-op without compact masters."""
     masters = compact_masters_of(optimizer)
     if masters is None:
         yield
         return
-    with masters.materialised():
+    with masters.materialised(read_only=read_only):
         yield

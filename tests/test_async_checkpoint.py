@@ -390,6 +390,84 @@ def test_a_tensor_in_a_storage_copied_whole_is_written_as_its_own_bytes():
     assert saver._view_in_storage_copy(owner.view(200, 500)[:, :10], owner) == (None, 0)  # not contiguous: own copy
 
 
+def _a_series_of_saves(rank, world, hf_dir, root):
+    """A trainer's series (Megatron's distributed optimizer): four steps, each followed by a background save and a
+    synchronous save of the same state; then a background save of the model alone (another structure). Returns,
+    per background save, whether Megatron validated its sharding and whether its strategy found the plan unchanged
+    (from then on it plans no more)."""
+    import megatron.core.dist_checkpointing.state_dict_utils as state_dict_utils
+
+    from skyrl_megatron.checkpoint import AsyncCheckpointSaver, save_checkpoint
+
+    root = Path(root)
+    validations = []
+    validate = state_dict_utils.validate_sharding_integrity
+    state_dict_utils.validate_sharding_integrity = lambda *a, **k: validations.append(1) or validate(*a, **k)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True)
+    saver, saves = AsyncCheckpointSaver(), []
+    for step in range(1, 5):
+        train_step(built.chunks, optimizer, scheduler, batches)
+        before = len(validations)
+        saver.save(root / f"async{step}", built.chunks, optimizer, scheduler, step=step)
+        validated = len(validations) > before
+        saver.finalize()
+        saves.append((validated, saver._strategy.validated_cache_reuse))
+        save_checkpoint(root / f"sync{step}", built.chunks, optimizer, scheduler, step=step)
+    before = len(validations)
+    saver.save(root / "model_only", built.chunks, step=5)
+    saves.append((len(validations) > before, saver._strategy.validated_cache_reuse))
+    saver.finalize()
+    return saves
+
+
+def test_a_series_of_background_saves_plans_and_validates_once_and_writes_what_a_synchronous_save_writes(hf_dir, tmp_path):
+    """One save strategy serves a saver's series: Megatron validates the sharding at the first save and again only
+    when the structure changes (here: the model saved without its optimizer); from the second save on the plan is
+    found unchanged and reused. Every checkpoint of the series holds what a synchronous save of the same state
+    holds, bit for bit, also the ones written from the reused plan."""
+    root = tmp_path / "saves"
+    (saves,) = run_on_ranks(_a_series_of_saves, 1, hf_dir, str(root), timeout=300)
+    assert [validated for validated, _ in saves] == [True, False, False, False, True]
+    assert [reused for _, reused in saves[:4]] == [False, True, True, True]
+    for step in range(1, 5):
+        written = global_tensors(root / f"async{step}", tmp_path / f"a{step}.pt")
+        expected = global_tensors(root / f"sync{step}", tmp_path / f"s{step}.pt")
+        assert written.keys() == expected.keys() and any(".exp_avg" in key for key in written)
+        for key, tensor in expected.items():
+            assert torch.equal(written[key], tensor), (step, key)
+    model_only = global_tensors(root / "model_only", tmp_path / "m.pt")
+    assert model_only and not any(key.startswith("optimizer.") for key in model_only)
+    assert all(torch.equal(model_only[key], tensor) for key, tensor in expected.items() if key in model_only)
+
+
+def test_the_state_is_copied_ahead_whole_and_handed_to_the_writer_as_its_own_bytes(monkeypatch):
+    """Before the write is planned, each storage the state's shards lie in is copied to host memory once and whole
+    (an owner's storage as the owner stands, lent to the offload; any other over all its bytes, not lent); the
+    plan's tensors are then their own bytes of those copies, which later changes of the state do not reach."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import skyrl_megatron.checkpoint.async_save as async_save
+
+    monkeypatch.setattr(async_save, "_copied_ahead", lambda tensor: True)  # as for an accelerator's storages
+    owned, other = torch.randn(1000), torch.randn(500).to(torch.bfloat16)
+    tensors = [owned[:100], owned[300:400].view(10, 10), other[64:128], owned[100:200]]
+    sharded = {"a": ShardedTensor.from_rank_offsets("a", tensors[0]),
+               "nested": [ShardedTensor.from_rank_offsets("b", tensors[1]), ShardedTensor.from_rank_offsets("c", tensors[2])]}
+    saver = async_save.AsyncCheckpointSaver()
+    copied = saver._copy_ahead(sharded, {async_save._storage_of(owned): owned})
+    assert copied == owned.nbytes + other.nbytes
+    assert list(saver.storage_copies) == [async_save._storage_of(owned)]  # the owner's copy alone is lent
+    before = [t.clone() for t in tensors]
+    # the plan's tensors (one not in the sharded state, as Megatron's factories make them): nothing copied again
+    handed = [saver._view_in_storage_copy(t, None) for t in tensors]
+    assert [n for _, n in handed] == [0, 0, 0, 0]
+    owned.add_(1)
+    other.add_(1)  # the next step
+    for (host, _), tensor, value in zip(handed, tensors, before, strict=True):
+        assert torch.equal(host, value) and host.untyped_storage().nbytes() == tensor.nbytes
+    assert saver._view_in_storage_copy(owned.view(50, 20)[:, :5], None) == (None, 0)  # not contiguous: its own copy
+
+
 def _finished_before_the_next_save(rank, world, hf_dir, root):
     """A trainer's order: the save in flight is finished (`finalize`) before the next save is called; once while its
     write still runs (held half a second longer), once after it is written."""

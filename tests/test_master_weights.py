@@ -217,6 +217,39 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
     assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
 
 
+def test_a_read_only_materialise_returns_the_masters_to_their_remainders_without_splitting_again(monkeypatch):
+    """A save reads the masters: inside the read-only block they are exact; after it each run is released again with
+    the pieces it had (the same remainder and tie tensors), with no split kernel and no read of its checks; the next
+    rebuild is exact. Where a run was not released whole (the first release after attach splits tensor by tensor),
+    the block ends with a release, as a writing block does, and the run is whole from then on."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    calls = _counting(monkeypatch, master_weights._EAGER)
+    values = _adversarial_masters()
+    sizes = [1000, 37, 4096, 129]
+    pairs = _back_to_back([list(torch.split(values[: sum(sizes)], sizes))])
+    expected = _bits(pairs)
+    masters = CompactMasterWeights(pairs)
+    masters.release()  # tensor by tensor: not whole
+    with masters.materialised(read_only=True):
+        _assert_exact(pairs, expected)
+    assert calls["split"] == len(pairs) + 1 and masters.released  # released again, the run whole: one call
+    stored = masters.stored_tensors()
+    assert len(stored) == 2  # one remainder and one list of ties for the run
+    settled = []
+    monkeypatch.setattr(master_weights, "_settle", lambda group: settled.append(group) or (0, 0))
+    for _ in range(2):
+        calls.update(split=0, tie_mask=0, join=0)
+        with masters.materialised(read_only=True):
+            _assert_exact(pairs, expected)
+        assert calls == {"split": 0, "tie_mask": 0, "join": 1} and not settled
+        assert masters.released and all(master.numel() == 0 for master, _ in pairs)
+        assert all(a is b for a, b in zip(masters.stored_tensors(), stored, strict=True))
+    monkeypatch.undo()
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+
+
 def _corrupt(model: torch.Tensor, index: int) -> None:
     """Flip an exponent bit: the weight is no longer its master rounded."""
     model.view(torch.int16)[index] ^= 0x4000

@@ -4,19 +4,23 @@ A save has three parts, as in Megatron-Core's own asynchronous path (whose piece
 `dist_checkpointing.save(async_sharded_save=True)` plans the save and returns the write and its
 finalisation as separate steps):
 
-1. `save` (collective, in the training step): the sharded state and the save plan, made exactly as
-   for a synchronous save; then every tensor that the next step could change is copied to host
-   memory (device tensors into pinned buffers, kept for the next save, with no wait on the device;
-   host tensors that belong to the model or optimizer by a plain copy; tensors made for the save,
-   such as the distributed optimizer's gathered state, as they are). Where the caller names the
-   tensors that own the state's storages (`storage_owners`: a colocated trainer's offloader), each
-   such storage is copied whole, once, and its tensors in the save are tensors over their own bytes
-   within that copy (the writer serialises a tensor's whole storage): the copies stay valid until
-   the next save (`storage_copies`), and the offload that follows the save parks the storages in
-   them instead of copying again (`workers/offload.py`). Megatron's own
-   references to the device tensors are replaced by the host copies, so nothing keeps device
-   memory of the save alive while it is written. The write then starts in a thread of this
-   process, and `save` returns.
+1. `save` (collective, in the training step): the sharded state, as for a synchronous save; then,
+   before the write is planned, every accelerator storage the state's tensors lie in is queued for a
+   copy into pinned host memory, whole and once (buffers kept for the next save; no wait on the
+   device), so the device copies while the host plans. The plan is Megatron's, from one strategy kept
+   while the state's structure stays (`_structure`): once a save's plan came out as the previous
+   one's, later saves reuse it (`dist_io.save_strategy(repeated=True)`). Megatron's kept plan assumes
+   the structure it was made for, so a state of another structure (saved without its optimizer, say)
+   gets a fresh strategy, and Megatron's check that every shard is written once runs with it. Every tensor of the plan is then
+   handed to the writer as its own bytes within its storage's copy (the writer serialises a tensor's
+   whole storage); what lies outside those copies is copied on its own (host tensors that belong to
+   the model or optimizer by a plain copy; tensors made for the save, such as pieces of the
+   distributed optimizer's state, as they are). Where the caller names the tensors that own the
+   state's storages (`storage_owners`: a colocated trainer's offloader), their copies stay valid until
+   the next save (`storage_copies`), and the offload that follows the save parks the storages in them
+   instead of copying again (`workers/offload.py`). Megatron's own references to the device tensors
+   are replaced by the host copies, so nothing keeps device memory of the save alive while it is
+   written. The write then starts in a thread of this process, and `save` returns.
 2. the write: each rank's shard files, with fsync, from the copies (Megatron's file writer).
 3. `finalize` (collective; before the next save and when training ends): waits for the write, then
    the steps a synchronous save ends with: the shard index, the metadata file, the check of the index
@@ -46,8 +50,9 @@ import torch.distributed as dist
 
 from skyrl_megatron.checkpoint.errors import CheckpointError
 from skyrl_megatron.checkpoint.integrity import CheckpointMetadata
+from skyrl_megatron.checkpoint.megatron_state import on_any_rank
 from skyrl_megatron.checkpoint.training import SaveTarget, begin_save, captured_state, finish_save, write_shards
-from skyrl_megatron.dist_io import writer_errors
+from skyrl_megatron.dist_io import save_strategy, writer_errors
 from skyrl_megatron.optim import torch_optimizers
 
 logger = logging.getLogger(__name__)
@@ -72,11 +77,17 @@ class AsyncCheckpointSaver:
     def __init__(self) -> None:
         self._pending: _PendingSave | None = None
         self._pinned = _PinnedBuffers()
-        # host copies of whole storages made by the last save, by device storage (`storage_owners`); valid
-        # until the next save starts
-        self.storage_copies: dict[int, torch.Tensor] = {}
+        # host copies of whole storages made by the last save, by device storage; valid until the next save starts
+        self._copies: dict[int, _StorageCopy] = {}
+        self._strategy = None  # Megatron's save strategy, kept while the state's structure stays (it reuses its plan)
+        self._validated: tuple | None = None  # that structure, which Megatron validated at the strategy's first save
         self.last_timings = SaveTimings()
         self._finished = SaveTimings()  # the last finalize of a save in flight: until the next save reports it
+
+    @property
+    def storage_copies(self) -> dict[int, torch.Tensor]:
+        """The last save's host copies of the storages of its `storage_owners`, by device storage."""
+        return {key: copy.host for key, copy in self._copies.items() if copy.lendable}
 
     def write_done(self) -> bool:
         """Whether this rank's files of the save in flight are written (True when none is in flight)."""
@@ -96,21 +107,31 @@ class AsyncCheckpointSaver:
     ) -> Path:
         """Start saving to `ckpt_dir` (collective); the arguments and the checks are `save_checkpoint`'s.
         The save in flight before, if any, is finalized first. `storage_owners`: tensors each standing for
-        a whole storage of the state (contiguous), copied whole into `storage_copies`. Returns the final
-        path, which exists once `finalize` has returned."""
+        a whole storage of the state (contiguous), whose copies are kept in `storage_copies`. Returns the
+        final path, which exists once `finalize` has returned."""
         self.finalize()
         started = time.perf_counter()
         target = begin_save(ckpt_dir, extra, tokenizer)
         with captured_state(chunks, optimizer, scheduler, step, extra) as (metadata, sharded):
-            request = write_shards(sharded, target, in_background=True)
             # inside: compact masters exist here only
-            write_args, copied = self._stage(request, chunks, optimizer, storage_owners)
+            structure = _structure(sharded)
+            # Megatron's kept plan assumes the structure it was made for: another one is planned and validated by
+            # a fresh strategy (on every rank, or on none)
+            if on_any_rank(structure != self._validated):
+                self._strategy, self._validated = save_strategy(repeated=True), None
+            validate = self._validated is None
+            owners = {_storage_of(t): t.detach() for t in storage_owners if t.is_contiguous()}
+            copied = self._copy_ahead(sharded, owners)  # the device copies while the host plans the write
+            request = write_shards(sharded, target, in_background=True, strategy=self._strategy, validate=validate)
+            self._validated = structure
+            write_args, staged = self._stage(request, chunks, optimizer, owners)
         pending = _PendingSave(target, metadata, request)
         pending.thread = threading.Thread(
             target=pending.write, args=(write_args,), name=f"checkpoint-write-{target.final.name}", daemon=True
         )
         pending.thread.start()
         self._pending = pending
+        copied += staged
         self.last_timings = dataclasses.replace(
             self._finished, capture_s=time.perf_counter() - started, staged_gib=copied / 2**30
         )
@@ -137,7 +158,7 @@ class AsyncCheckpointSaver:
     def _finish(self, pending: "_PendingSave") -> Path:
         pending.thread.join()
         self._pinned.release()
-        self.storage_copies = {}
+        self._copies = {}
         # every rank's files are written; Megatron's finalisation gathers the write results, writes the
         # shard index and fails on every rank when one rank's write failed
         from torch.distributed.checkpoint.api import CheckpointException
@@ -155,14 +176,36 @@ class AsyncCheckpointSaver:
                                   "the previous checkpoint stays in place") from None
         return finish_save(pending.target, pending.metadata)
 
-    def _stage(self, request, chunks, optimizer, storage_owners: Sequence[torch.Tensor]) -> tuple[list, int]:
-        """The write's arguments with every tensor the training could change replaced by a host copy."""
+    def _copy_ahead(self, sharded: dict, owners: dict[int, torch.Tensor]) -> int:
+        """Queue the host copy of every accelerator storage the state's tensors lie in, whole, once: an owner's
+        as that tensor stands (lent), any other storage over all its bytes. Returns the bytes. (Host storages, in
+        the CPU runtime, have nothing to overlap a copy with: `_stage` copies what the plan needs of them.)"""
+        self._copies = {}
+        copied = 0
+        for tensor in _state_tensors(sharded):
+            key = _storage_of(tensor)
+            if not _copied_ahead(tensor) or key == 0 or key in self._copies:
+                continue
+            owner = owners.get(key)
+            if owner is not None and _lies_in(tensor, owner):
+                copied += self._copy_whole(key, owner, lendable=True)
+            elif owner is None:
+                copied += self._copy_whole(key, _whole_storage(tensor), lendable=False)
+        return copied
+
+    def _copy_whole(self, key: int, owner: torch.Tensor, *, lendable: bool) -> int:
+        host = self._pinned.take(owner)
+        host.copy_(owner, non_blocking=host.is_pinned())
+        self._copies[key] = _StorageCopy(owner, host, lendable)
+        return owner.nbytes
+
+    def _stage(self, request, chunks, optimizer, owners: dict[int, torch.Tensor]) -> tuple[list, int]:
+        """The write's arguments with every tensor the training could change replaced by a host copy, and the
+        bytes copied here (beside `_copy_ahead`'s)."""
         if request.async_fn is None:  # nothing to write on this rank
             return [], 0
         args = list(request.async_fn_args)
-        self.storage_copies = {}
         live = _live_storages(chunks, optimizer)
-        owners = {_storage_of(t): t.detach() for t in storage_owners if t.is_contiguous()}
         staged, copied, device_copies = [], 0, False
         for path, name, (bytes_data, tensor_data) in args[1]:
             tensors = []
@@ -175,13 +218,13 @@ class AsyncCheckpointSaver:
                     host = self._pinned.take(tensor)
                     host.copy_(tensor, non_blocking=True)
                     copied += tensor.nbytes
+                    device_copies = True
                 elif _storage_of(tensor) in live:
                     host = tensor.clone()
                     copied += tensor.nbytes
                 else:
                     tensors.append((item, tensor))  # made for this save: nothing else holds it
                     continue
-                device_copies |= tensor.device.type != "cpu"
                 tensors.append((item, host))
             staged.append((path, name, (bytes_data, tensors)))
         # in place: Megatron's writer and preload step hold this list too; with the host copies in it they
@@ -189,32 +232,97 @@ class AsyncCheckpointSaver:
         args[1][:] = staged
         # device copies are queued on the current stream; the writer waits for them, not the training
         ready = None
-        if device_copies:
+        if device_copies or any(copy.owner.device.type != "cpu" for copy in self._copies.values()):
             ready = torch.cuda.Event()
             ready.record()
         return [request.async_fn, args, request.async_fn_kwargs, ready], copied
 
     def _view_in_storage_copy(self, tensor: torch.Tensor, owner: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-        """`tensor`'s bytes in the host copy of its storage's owner (copied whole at its first tensor), as a
-        tensor whose storage is exactly those bytes, and the bytes that copy took (0 after the first); (None, 0)
-        without an owner, for a non-contiguous tensor, or outside the owner's bytes. (The file writer
-        serialises a tensor's whole storage: a plain view of the copy would write all of it per tensor.)"""
-        if owner is None or tensor.numel() == 0 or not tensor.is_contiguous():
-            return None, 0
-        start = tensor.storage_offset() * tensor.element_size() - owner.storage_offset() * owner.element_size()
-        if start < 0 or start + tensor.nbytes > owner.nbytes:
-            return None, 0
-        key, copied = _storage_of(owner), 0
-        whole = self.storage_copies.get(key)
+        """`tensor`'s bytes in the host copy of its storage (`_copy_ahead`'s, or its owner's copied whole at its
+        first tensor here), as a tensor whose storage is exactly those bytes, and the bytes that copy took here (0
+        when it was made before); (None, 0) without a copy or an owner, for a non-contiguous tensor, or outside
+        the copy's bytes. (The file writer serialises a tensor's whole storage: a plain view of the copy would
+        write all of it per tensor.)"""
+        key, copied = _storage_of(tensor), 0
+        whole = self._copies.get(key)
         if whole is None:
-            whole = self._pinned.take(owner)
-            whole.copy_(owner, non_blocking=whole.is_pinned())
-            self.storage_copies[key] = whole
-            copied = owner.nbytes
-        # the numpy array keeps `whole` alive for as long as the returned tensor lives
-        data = whole.reshape(-1).view(torch.uint8).numpy()
+            if owner is None or not _lies_in(tensor, owner):
+                return None, 0
+            copied = self._copy_whole(key, owner, lendable=True)
+            whole = self._copies[key]
+        if not _lies_in(tensor, whole.owner):
+            return None, 0
+        return whole.bytes_of(tensor), copied
+
+
+@dataclass(frozen=True)
+class _StorageCopy:
+    """A host copy of a whole device storage, shaped as `owner` (the tensor over the bytes that were copied)."""
+
+    owner: torch.Tensor
+    host: torch.Tensor
+    lendable: bool  # the caller's owner: lent to the offload that follows the save
+
+    def bytes_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (contiguous, within the owner's bytes) as a tensor over its own bytes of the copy."""
+        start = tensor.storage_offset() * tensor.element_size() - self.owner.storage_offset() * self.owner.element_size()
+        # the numpy array keeps the copy alive for as long as the returned tensor lives
+        data = self.host.reshape(-1).view(torch.uint8).numpy()
         own_bytes = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=start)
-        return own_bytes.view(tensor.dtype).view(tensor.shape), copied
+        return own_bytes.view(tensor.dtype).view(tensor.shape)
+
+
+def _copied_ahead(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s storage is copied before the write is planned: on an accelerator, where the copy runs
+    beside the host's planning (a copy of host memory is host work)."""
+    return tensor.device.type != "cpu"
+
+
+def _lies_in(tensor: torch.Tensor, owner: torch.Tensor) -> bool:
+    """Whether `tensor` is contiguous, not empty, and within `owner`'s bytes of their shared storage."""
+    if tensor.numel() == 0 or not tensor.is_contiguous() or _storage_of(tensor) != _storage_of(owner):
+        return False
+    start = tensor.storage_offset() * tensor.element_size() - owner.storage_offset() * owner.element_size()
+    return 0 <= start and start + tensor.nbytes <= owner.nbytes
+
+
+def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A byte tensor over all of `tensor`'s storage."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def _state_tensors(sharded: dict) -> list[torch.Tensor]:
+    """The tensors the sharded state's shards hold (Megatron's ShardedTensors and their factories)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return [value.data.detach() for value in nested_values(sharded)
+            if isinstance(value, ShardedTensor | ShardedTensorFactory) and isinstance(value.data, torch.Tensor)]
+
+
+def _structure(sharded: dict) -> tuple:
+    """What a save's plan and Megatron's validation of it depend on in a sharded state: each shard's
+    key, shape and type, where it lies in its global tensor or object, and which replica it is; not the
+    values. Equal for the saves of one model and optimizer under one layout."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for key in sorted(node, key=str):
+                yield from walk(node[key], (*path, key))
+        elif isinstance(node, list | tuple):
+            for index, value in enumerate(node):
+                yield from walk(value, (*path, index))
+        elif isinstance(node, ShardedBase):
+            data = getattr(node, "data", None)
+            held = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
+            yield (path, type(node).__name__, node.key, held, *(repr(getattr(node, name, None)) for name in (
+                "dtype", "local_shape", "global_shape", "global_offset", "axis_fragmentations", "replica_id",
+                "flattened_range")))
+        else:
+            yield path, type(node).__name__
+
+    return tuple(walk(sharded, ()))
 
 
 @dataclass

@@ -160,9 +160,14 @@ def model_state_of(chunks) -> str:
     """MODEL_STATE_ADAPTERS when the model carries LoRA adapters. Collective: a pipeline stage may hold
     none of the adapted modules, and all ranks must save and load the same kind of state."""
     local = any(is_adapter_name(name) for chunk in chunks for name, _ in chunk.named_parameters())
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return MODEL_STATE_ADAPTERS if flag.item() else MODEL_STATE_FULL
+    return MODEL_STATE_ADAPTERS if on_any_rank(local) else MODEL_STATE_FULL
+
+
+def on_any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on some rank (collective)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def load_model_state(model: torch.nn.Module, state: dict, model_state: str, *, strict: bool) -> None:

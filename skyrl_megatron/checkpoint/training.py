@@ -150,7 +150,8 @@ def begin_save(ckpt_dir: str | os.PathLike, extra: dict[str, Any] | None, tokeni
 def captured_state(chunks, optimizer, scheduler, step: int, extra: dict[str, Any] | None):
     """The metadata of a save of the current state (its files still empty) and Megatron's sharded state
     dict of it, for the block (collective). Compact master weights are saved as the fp32 masters they
-    stand for (the same checkpoint either way): those exist only inside the block."""
+    stand for (the same checkpoint either way): those exist only inside the block, which must change no
+    state (the masters then go back to the remainders they had)."""
     model_state = model_state_of(chunks)  # collective: every rank takes part
     metadata = CheckpointMetadata(
         step=int(step),
@@ -162,16 +163,18 @@ def captured_state(chunks, optimizer, scheduler, step: int, extra: dict[str, Any
         files={},
         model_state=model_state,
     )
-    with masters_materialised(optimizer):
+    with masters_materialised(optimizer, read_only=True):
         yield metadata, sharded_training_state(
             chunks, optimizer, scheduler, is_loading=False, with_rng=True, model_state=model_state
         )
 
 
-def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool):
+def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool, strategy=None, validate: bool = True):
     """Megatron's save of `sharded` into `target` (collective): written now, or (`in_background`) only
     planned, the write and its finalisation returned as Megatron's AsyncRequest. A save that would not fit
-    on a node's disk is refused first (`space.ensure_room`)."""
+    on a node's disk is refused first (`space.ensure_room`). `strategy`: Megatron's save strategy (a fresh
+    `save_strategy()` by default); `validate`: Megatron's check that every shard is written exactly once
+    (`validate_access_integrity`), which a series of saves of one structure needs only once."""
     from megatron.core import dist_checkpointing
 
     try:
@@ -184,8 +187,9 @@ def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool):
 
     with writer_results_in_process(), fast_shard_bookkeeping(), writer_errors() as logged:
         try:
-            return dist_checkpointing.save(sharded, str(target.dist_dir), sharded_strategy=save_strategy(),
-                                           async_sharded_save=in_background, async_strategy="mcore")
+            return dist_checkpointing.save(sharded, str(target.dist_dir), sharded_strategy=strategy or save_strategy(),
+                                           validate_access_integrity=validate, async_sharded_save=in_background,
+                                           async_strategy="mcore")
         # torch.distributed.checkpoint reports write failures as a BaseException subclass
         except (Exception, CheckpointException) as exc:
             if not logged:
