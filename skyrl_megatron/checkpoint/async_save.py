@@ -51,7 +51,14 @@ import torch.distributed as dist
 from skyrl_megatron.checkpoint.errors import CheckpointError
 from skyrl_megatron.checkpoint.integrity import CheckpointMetadata
 from skyrl_megatron.checkpoint.megatron_state import on_any_rank
-from skyrl_megatron.checkpoint.training import SaveTarget, begin_save, captured_state, finish_save, write_shards
+from skyrl_megatron.checkpoint.training import (
+    SaveTarget,
+    begin_save,
+    captured_state,
+    check_room,
+    finish_save,
+    write_shards,
+)
 from skyrl_megatron.dist_io import save_strategy, writer_errors
 from skyrl_megatron.optim import torch_optimizers
 
@@ -120,9 +127,12 @@ class AsyncCheckpointSaver:
             if on_any_rank(structure != self._validated):
                 self._strategy, self._validated = save_strategy(repeated=True), None
             validate = self._validated is None
+            # the last collective that waits for the device once the plan is reused: ahead of the copies
+            check_room(sharded, target)
             owners = {_storage_of(t): t.detach() for t in storage_owners if t.is_contiguous()}
             copied = self._copy_ahead(sharded, owners)  # the device copies while the host plans the write
-            request = write_shards(sharded, target, in_background=True, strategy=self._strategy, validate=validate)
+            request = write_shards(sharded, target, in_background=True, strategy=self._strategy, validate=validate,
+                                   room_checked=True)
             self._validated = structure
             write_args, staged = self._stage(request, chunks, optimizer, owners)
         pending = _PendingSave(target, metadata, request)
@@ -196,7 +206,8 @@ class AsyncCheckpointSaver:
     def _copy_whole(self, key: int, owner: torch.Tensor, *, lendable: bool) -> int:
         host = self._pinned.take(owner)
         host.copy_(owner, non_blocking=host.is_pinned())
-        self._copies[key] = _StorageCopy(owner, host, lendable)
+        # where the copy lies in the storage, not the device tensor: a save must not keep device memory alive
+        self._copies[key] = _StorageCopy(host, _byte_offset(owner), owner.device.type != "cpu", lendable)
         return owner.nbytes
 
     def _stage(self, request, chunks, optimizer, owners: dict[int, torch.Tensor]) -> tuple[list, int]:
@@ -232,7 +243,7 @@ class AsyncCheckpointSaver:
         args[1][:] = staged
         # device copies are queued on the current stream; the writer waits for them, not the training
         ready = None
-        if device_copies or any(copy.owner.device.type != "cpu" for copy in self._copies.values()):
+        if device_copies or any(copy.from_device for copy in self._copies.values()):
             ready = torch.cuda.Event()
             ready.record()
         return [request.async_fn, args, request.async_fn_kwargs, ready], copied
@@ -250,22 +261,25 @@ class AsyncCheckpointSaver:
                 return None, 0
             copied = self._copy_whole(key, owner, lendable=True)
             whole = self._copies[key]
-        if not _lies_in(tensor, whole.owner):
-            return None, 0
-        return whole.bytes_of(tensor), copied
+        host = whole.bytes_of(tensor)
+        return (host, copied) if host is not None else (None, 0)
 
 
 @dataclass(frozen=True)
 class _StorageCopy:
-    """A host copy of a whole device storage, shaped as `owner` (the tensor over the bytes that were copied)."""
+    """A host copy of a storage's bytes from `offset` on (an owner's, or all of them)."""
 
-    owner: torch.Tensor
     host: torch.Tensor
+    offset: int  # bytes into the storage
+    from_device: bool
     lendable: bool  # the caller's owner: lent to the offload that follows the save
 
-    def bytes_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (contiguous, within the owner's bytes) as a tensor over its own bytes of the copy."""
-        start = tensor.storage_offset() * tensor.element_size() - self.owner.storage_offset() * self.owner.element_size()
+    def bytes_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor` (of the copied storage) as a tensor over its own bytes of the copy; None where it is not
+        contiguous or not within the copied bytes."""
+        start = _byte_offset(tensor) - self.offset
+        if tensor.numel() == 0 or not tensor.is_contiguous() or start < 0 or start + tensor.nbytes > self.host.nbytes:
+            return None
         # the numpy array keeps the copy alive for as long as the returned tensor lives
         data = self.host.reshape(-1).view(torch.uint8).numpy()
         own_bytes = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=start)
@@ -282,8 +296,12 @@ def _lies_in(tensor: torch.Tensor, owner: torch.Tensor) -> bool:
     """Whether `tensor` is contiguous, not empty, and within `owner`'s bytes of their shared storage."""
     if tensor.numel() == 0 or not tensor.is_contiguous() or _storage_of(tensor) != _storage_of(owner):
         return False
-    start = tensor.storage_offset() * tensor.element_size() - owner.storage_offset() * owner.element_size()
+    start = _byte_offset(tensor) - _byte_offset(owner)
     return 0 <= start and start + tensor.nbytes <= owner.nbytes
+
+
+def _byte_offset(tensor: torch.Tensor) -> int:
+    return tensor.storage_offset() * tensor.element_size()
 
 
 def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:

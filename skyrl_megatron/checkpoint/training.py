@@ -169,20 +169,29 @@ def captured_state(chunks, optimizer, scheduler, step: int, extra: dict[str, Any
         )
 
 
-def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool, strategy=None, validate: bool = True):
-    """Megatron's save of `sharded` into `target` (collective): written now, or (`in_background`) only
-    planned, the write and its finalisation returned as Megatron's AsyncRequest. A save that would not fit
-    on a node's disk is refused first (`space.ensure_room`). `strategy`: Megatron's save strategy (a fresh
-    `save_strategy()` by default); `validate`: Megatron's check that every shard is written exactly once
-    (`validate_access_integrity`), which a series of saves of one structure needs only once."""
-    from megatron.core import dist_checkpointing
-
+def check_room(sharded: dict, target: SaveTarget) -> None:
+    """Refuse a save that would not fit on a node's disk (`space.ensure_room`; collective), its partial
+    directory removed."""
     try:
         ensure_room(sharded, target.final)
     except CheckpointError:
         if dist.get_rank() == 0:
             shutil.rmtree(target.partial, ignore_errors=True)
         raise
+
+
+def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool, strategy=None, validate: bool = True,
+                 room_checked: bool = False):
+    """Megatron's save of `sharded` into `target` (collective): written now, or (`in_background`) only
+    planned, the write and its finalisation returned as Megatron's AsyncRequest. A save that would not fit
+    on a node's disk is refused first (`check_room`, unless `room_checked`). `strategy`: Megatron's save
+    strategy (a fresh `save_strategy()` by default); `validate`: Megatron's check that every shard is
+    written exactly once (`validate_access_integrity`), which a series of saves of one structure needs
+    only once."""
+    from megatron.core import dist_checkpointing
+
+    if not room_checked:
+        check_room(sharded, target)
     from torch.distributed.checkpoint.api import CheckpointException
 
     with writer_results_in_process(), fast_shard_bookkeeping(), writer_errors() as logged:
