@@ -459,7 +459,8 @@ def test_the_state_is_copied_ahead_whole_and_handed_to_the_writer_as_its_own_byt
     assert list(saver.storage_copies) == [async_save._storage_of(owned)]  # the owner's copy alone is lent
     # the copies keep none of the state's storages alive (on a GPU: the compact masters' buffer made for the save)
     state = {async_save._storage_of(t) for t in (owned, other)}
-    held = [f for copy in saver._copies.values() for f in dataclasses.astuple(copy) if isinstance(f, torch.Tensor)]
+    held = [value for copy in saver._copies.values() for field in dataclasses.fields(copy)
+            if isinstance(value := getattr(copy, field.name), torch.Tensor)]
     assert held and not any(async_save._storage_of(t) in state for t in held)
     before = [t.clone() for t in tensors]
     # the plan's tensors (one not in the sharded state, as Megatron's factories make them): nothing copied again
