@@ -138,6 +138,8 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     breakdown = {k.removeprefix("timing/"): median(saving, k) for k in parts}
     # a background save published once written, by a later step as its training starts
     published = {s: by_step[s]["timing/checkpoint_publish"] for s in plain if "timing/checkpoint_publish" in by_step[s]}
+    # the trainer's offload after a save: in the save step's record, or (skyrl-train 0.3.1) in the next step's
+    after_saves = [after for s in saving if (after := _offload_after(by_step, s)) in by_step]
     normal = statistics.median(by_step[s]["timing/step"] for s in plain)
     save = statistics.median(by_step[s]["timing/step"] for s in saving)
 
@@ -149,11 +151,11 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
         "save_breakdown_s": breakdown,
         "published_at_steps_s": published,
         "staged_gib": median(saving, "checkpoint/staged_gib"),
-        # a colocated run's offloads (zero without colocation): in a save step the offload after the save parks
-        # what the save's host copies hold there (lent), copying only the rest
-        "offload_s": {"save_steps": median(saving, "offload/policy_offload_s"),
-                      "plain_steps": median(plain, "offload/policy_offload_s")},
-        "offload_lent_gib": median(saving, "offload/policy_offload_lent_gib"),
+        # a colocated run's offloads (zero without colocation): the offload after a save parks what the save's host
+        # copies hold there (lent), copying only the rest
+        "offload_s": {"after_saves": median(after_saves, "offload/policy_offload_s"),
+                      "other_steps": median([s for s in plain if s not in after_saves], "offload/policy_offload_s")},
+        "offload_lent_gib": median(after_saves, "offload/policy_offload_lent_gib"),
         # what the policy still held on the device after its last offload in a step (a save must not add to it)
         "allocated_gib_after_offload": max(by_step[s].get("offload/policy_allocated_gib_after_offload", 0.0)
                                            for s in middle),
@@ -165,9 +167,16 @@ def step_times(metrics_file: Path, interval: int, steps: int) -> dict:
     }
 
 
+def _offload_after(by_step: dict[int, dict], save: int) -> int:
+    """The step whose record holds the offload after the save of step `save`: the one that parked state in the
+    save's copies, else the next."""
+    lent = [s for s in (save, save + 1) if by_step.get(s, {}).get("offload/policy_offload_lent_gib", 0.0) > 0]
+    return lent[0] if lent else save + 1
+
+
 def table(results: dict) -> str:
     lines = ["| mode | normal step (s) | save step (s) | save_checkpoints (s) | of which (s) | save step vs normal "
-             "| published in a later step (s) | policy offload, save / normal step (s) | lent (GiB) |",
+             "| published in a later step (s) | policy offload after a save / other steps (s) | lent (GiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in r["save_breakdown_s"].items() if seconds)
@@ -175,7 +184,7 @@ def table(results: dict) -> str:
         offload = r["offload_s"]
         lines.append(f"| {mode} | {r['normal_step_s']:.2f} | {r['save_step_s']:.2f} | {r['save_checkpoints_s']:.2f} "
                      f"| {parts or '-'} | {r['save_step_overhead']:+.0%} | {published or '-'} "
-                     f"| {offload['save_steps']:.2f} / {offload['plain_steps']:.2f} | {r['offload_lent_gib']:.2f} |")
+                     f"| {offload['after_saves']:.2f} / {offload['other_steps']:.2f} | {r['offload_lent_gib']:.2f} |")
     return "\n".join(lines)
 
 

@@ -22,9 +22,10 @@ def checkpoint_steps():
         sys.path.remove(str(BENCH_DIR))
 
 
-def _write_metrics(path: Path, steps: int, interval: int, *, normal: float = 4.0, save: float = 5.0) -> None:
+def _write_metrics(path: Path, steps: int, interval: int, *, normal: float = 4.0, save: float = 5.0,
+                   offload_after: int = 0) -> None:
     """A demo's metrics.jsonl: an eval record first (no global step), then one record per step; step 1 is slow
-    (warm-up) and the first save slower still."""
+    (warm-up) and the first save slower still. The offload after a save is recorded `offload_after` steps later."""
     lines = [json.dumps({"step": 0, "eval/accuracy": 0.1})]
     for step in range(1, steps + 1):
         seconds = save if step % interval == 0 else normal
@@ -37,6 +38,7 @@ def _write_metrics(path: Path, steps: int, interval: int, *, normal: float = 4.0
         if step % interval == 0:
             record["timing/save_checkpoints"] = seconds - normal
             record["timing/checkpoint_capture"] = 0.3
+        if step % interval == offload_after:
             # the offload after a save parks most of the state in the save's host copies
             record.update({"offload/policy_offload_s": 0.25, "offload/policy_offload_lent_gib": 37.5})
         if step == interval + 1:
@@ -55,10 +57,18 @@ def test_save_step_medians_leave_out_the_warm_ups_and_the_last_step(checkpoint_s
     assert result["save_step_s"] == pytest.approx(5.075)  # median of 5.06 and 5.09
     assert result["save_step_overhead"] == pytest.approx(5.075 / 4.05 - 1)
     assert result["save_breakdown_s"]["checkpoint_capture"] == pytest.approx(0.3)
-    assert result["offload_s"] == {"save_steps": 0.25, "plain_steps": 1.0} and result["offload_lent_gib"] == 37.5
+    assert result["offload_s"] == {"after_saves": 0.25, "other_steps": 1.0} and result["offload_lent_gib"] == 37.5
     assert result["allocated_gib_after_offload"] == 15.1
     row = checkpoint_steps.table({"async": {**result, "run_s": 1.0}}).splitlines()[-1]
     assert row.endswith("| 0.25 / 1.00 | 37.50 |"), row
+
+
+def test_the_offload_after_a_save_is_read_from_the_step_that_recorded_it(checkpoint_steps, tmp_path):
+    """skyrl-train 0.3.1 records the offload that follows a save in the next step's metrics."""
+    metrics = tmp_path / "metrics.jsonl"
+    _write_metrics(metrics, steps=10, interval=3, offload_after=1)
+    result = checkpoint_steps.step_times(metrics, interval=3, steps=10)
+    assert result["offload_s"] == {"after_saves": 0.25, "other_steps": 1.0} and result["offload_lent_gib"] == 37.5
 
 
 def test_a_run_too_short_for_two_saves_is_refused_with_the_fix(checkpoint_steps, tmp_path):
