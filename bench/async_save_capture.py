@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import os
 import pstats
 import statistics
 import tempfile
@@ -41,9 +40,6 @@ def main() -> None:
                         help="the seconds of the capture's parts (and of the training step's master-weight work)")
     parser.add_argument("--out", type=Path, help="where the checkpoints go (default: a temporary directory)")
     args = parser.parse_args()
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29563"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                        ("LOCAL_RANK", "0")):
-        os.environ.setdefault(name, value)
 
     import torch
     from megatron.core.distributed import finalize_model_grads
@@ -51,12 +47,10 @@ def main() -> None:
     from skyrl_megatron.checkpoint import AsyncCheckpointSaver
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
-    from skyrl_megatron.testing import make_tiny_hf_model
+    from skyrl_megatron.testing import init_single_rank, make_tiny_hf_model
     from skyrl_megatron.workers.offload import ModelOffloader
 
-    init_distributed("cuda" if args.gpu else "cpu")
-    initialize_model_parallel(ParallelConfig(), seed=0)
+    init_single_rank("cuda" if args.gpu else "cpu", port=29563)
     root = args.out or Path(tempfile.mkdtemp(prefix="async_save_capture_"))
     shape = {**DEMO_SHAPE, **(TINY_WIDTHS if args.tiny else {}), "num_hidden_layers": args.layers}
     hf_dir = make_tiny_hf_model("qwen3", root / "hf", **shape)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import os
 import pstats
 import statistics
 import tempfile
@@ -38,20 +37,15 @@ def main() -> None:
                         help="Megatron's per-parameter shard copies and norm filter (not optimizer_prebuilt.py's)")
     parser.add_argument("--profile", action="store_true", help="a cProfile of one more step")
     args = parser.parse_args()
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29561"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                        ("LOCAL_RANK", "0")):
-        os.environ.setdefault(name, value)
 
     import torch
     from megatron.core.distributed import finalize_model_grads
 
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings, optimizer_step
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
-    from skyrl_megatron.testing import make_tiny_hf_model
+    from skyrl_megatron.testing import init_single_rank, make_tiny_hf_model
 
-    init_distributed("cuda" if args.gpu else "cpu")
-    initialize_model_parallel(ParallelConfig(), seed=0)
+    init_single_rank("cuda" if args.gpu else "cpu", port=29561)
     hf_dir = make_tiny_hf_model("qwen3_moe", Path(tempfile.mkdtemp()) / "moe", num_experts=args.experts,
                                 num_experts_per_tok=8, moe_intermediate_size=16, num_hidden_layers=args.layers)
     built = build_model(ModelSpec(str(hf_dir), dtype="bf16", transformer_overrides={"cross_entropy_loss_fusion": False},

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from skyrl_megatron.testing.distributed import DistributedTestError, run_on_ranks
+    from skyrl_megatron.testing.distributed import DistributedTestError, init_single_rank, run_on_ranks
     from skyrl_megatron.testing.rl_batches import make_rl_batch
     from skyrl_megatron.testing.tiny_models import FAMILIES, make_tiny_hf_model, tiny_config
     from skyrl_megatron.testing.tokenizer import make_tiny_tokenizer, save_tiny_tokenizer
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "DistributedTestError": "distributed",
     "run_on_ranks": "distributed",
+    "init_single_rank": "distributed",
     "make_rl_batch": "rl_batches",
     "FAMILIES": "tiny_models",
     "make_tiny_hf_model": "tiny_models",

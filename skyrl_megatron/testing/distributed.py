@@ -118,6 +118,18 @@ def _rank_server() -> mp.context.BaseContext:
     return ctx
 
 
+def init_single_rank(device: str, port: int) -> None:
+    """This process as the only rank of a process group ("cpu": gloo, "cuda": NCCL) with Megatron's parallel
+    state at the default layout: for benchmarks that time one rank's work in the process that runs them."""
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, value)
+    init_distributed(device)
+    initialize_model_parallel(ParallelConfig(), seed=0)
+
+
 def free_port() -> int:
     """Ask the OS for an unused TCP port for the rendezvous store."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
