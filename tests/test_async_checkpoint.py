@@ -411,22 +411,32 @@ def _a_series_of_saves(rank, world, hf_dir, root):
         saver.save(root / f"async{step}", built.chunks, optimizer, scheduler, step=step)
         validated = len(validations) > before
         saver.finalize()
-        saves.append((validated, saver._strategy.validated_cache_reuse))
+        saves.append((validated, _torch_strategy(saver).validated_cache_reuse))
         save_checkpoint(root / f"sync{step}", built.chunks, optimizer, scheduler, step=step)
     before = len(validations)
     saver.save(root / "model_only", built.chunks, step=5)
-    saves.append((len(validations) > before, saver._strategy.validated_cache_reuse))
+    saves.append((len(validations) > before, _torch_strategy(saver).validated_cache_reuse))
     saver.finalize()
     return saves
 
 
-def test_a_series_of_background_saves_plans_and_validates_once_and_writes_what_a_synchronous_save_writes(hf_dir, tmp_path):
+def _torch_strategy(saver):
+    """The saver's Megatron torch_dist strategy (inside the replicas' wrapper at DP > 1)."""
+    return getattr(saver._strategy, "base_strategy", saver._strategy)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["world1", "dp2"])
+def test_a_series_of_background_saves_plans_and_validates_once_and_writes_what_a_synchronous_save_writes(
+        hf_dir, tmp_path, world):
     """One save strategy serves a saver's series: Megatron validates the sharding at the first save and again only
     when the structure changes (here: the model saved without its optimizer); from the second save on the plan is
-    found unchanged and reused. Every checkpoint of the series holds what a synchronous save of the same state
-    holds, bit for bit, also the ones written from the reused plan."""
+    found unchanged and reused (at DP2 with the replicas' share of the shards kept too). Every checkpoint of the
+    series holds what a synchronous save of the same state holds, bit for bit, also the ones written from the
+    reused plan."""
     root = tmp_path / "saves"
-    (saves,) = run_on_ranks(_a_series_of_saves, 1, hf_dir, str(root), timeout=300)
+    series = run_on_ranks(_a_series_of_saves, world, hf_dir, str(root), timeout=300)
+    assert all(saves == series[0] for saves in series)
+    saves = series[0]
     assert [validated for validated, _ in saves] == [True, False, False, False, True]
     assert [reused for _, reused in saves[:4]] == [False, True, True, True]
     for step in range(1, 5):

@@ -11,11 +11,11 @@ finalisation as separate steps):
    while the state's structure stays (`_structure`): once a save's plan came out as the previous
    one's, later saves reuse it (`dist_io.save_strategy(repeated=True)`). Megatron's kept plan assumes
    the structure it was made for, so a state of another structure (saved without its optimizer, say)
-   gets a fresh strategy, and Megatron's check that every shard is written once runs with it. Every tensor of the plan is then
-   handed to the writer as its own bytes within its storage's copy (the writer serialises a tensor's
-   whole storage); what lies outside those copies is copied on its own (host tensors that belong to
-   the model or optimizer by a plain copy; tensors made for the save, such as pieces of the
-   distributed optimizer's state, as they are). Where the caller names the tensors that own the
+   gets a fresh strategy, and Megatron's check that every shard is written once runs with it. Every
+   tensor of the plan is then handed to the writer as its own bytes within its storage's copy (the
+   writer serialises a tensor's whole storage); what lies outside those copies is copied on its own
+   (host tensors that belong to the model or optimizer by a plain copy; tensors made for the save,
+   such as pieces of the distributed optimizer's state, as they are). Where the caller names the tensors that own the
    state's storages (`storage_owners`: a colocated trainer's offloader), their copies stay valid until
    the next save (`storage_copies`), and the offload that follows the save parks the storages in them
    instead of copying again (`workers/offload.py`). Megatron's own references to the device tensors
