@@ -36,6 +36,7 @@ leaves nothing running behind it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -131,8 +132,7 @@ class AsyncCheckpointSaver:
             check_room(sharded, target)
             owners = {_storage_of(t): t.detach() for t in storage_owners if t.is_contiguous()}
             copied = self._copy_ahead(sharded, owners)  # the device copies while the host plans the write
-            request = write_shards(sharded, target, in_background=True, strategy=self._strategy, validate=validate,
-                                   room_checked=True)
+            request = write_shards(sharded, target, in_background=True, strategy=self._strategy, validate=validate)
             self._validated = structure
             write_args, staged = self._stage(request, chunks, optimizer, owners)
         pending = _PendingSave(target, metadata, request)
@@ -216,7 +216,8 @@ class AsyncCheckpointSaver:
         if request.async_fn is None:  # nothing to write on this rank
             return [], 0
         args = list(request.async_fn_args)
-        live = _live_storages(chunks, optimizer)
+        # the model's and optimizer's host storages, found once a host tensor of the plan asks (the CPU runtime)
+        live = functools.cache(lambda: _live_storages(chunks, optimizer))
         staged, copied, device_copies = [], 0, False
         for path, name, (bytes_data, tensor_data) in args[1]:
             tensors = []
@@ -230,7 +231,7 @@ class AsyncCheckpointSaver:
                     host.copy_(tensor, non_blocking=True)
                     copied += tensor.nbytes
                     device_copies = True
-                elif _storage_of(tensor) in live:
+                elif _storage_of(tensor) in live():
                     host = tensor.clone()
                     copied += tensor.nbytes
                 else:

@@ -111,6 +111,7 @@ def save_checkpoint(
     """
     target = begin_save(ckpt_dir, extra, tokenizer)
     with captured_state(chunks, optimizer, scheduler, step, extra) as (metadata, sharded):
+        check_room(sharded, target)
         write_shards(sharded, target, in_background=False)  # returns after a barrier: every rank's shards are on disk
     return finish_save(target, metadata)
 
@@ -180,18 +181,13 @@ def check_room(sharded: dict, target: SaveTarget) -> None:
         raise
 
 
-def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool, strategy=None, validate: bool = True,
-                 room_checked: bool = False):
-    """Megatron's save of `sharded` into `target` (collective): written now, or (`in_background`) only
-    planned, the write and its finalisation returned as Megatron's AsyncRequest. A save that would not fit
-    on a node's disk is refused first (`check_room`, unless `room_checked`). `strategy`: Megatron's save
-    strategy (a fresh `save_strategy()` by default); `validate`: Megatron's check that every shard is
-    written exactly once (`validate_access_integrity`), which a series of saves of one structure needs
-    only once."""
+def write_shards(sharded: dict, target: SaveTarget, *, in_background: bool, strategy=None, validate: bool = True):
+    """Megatron's save of `sharded` into `target` (collective; after `check_room`): written now, or
+    (`in_background`) only planned, the write and its finalisation returned as Megatron's AsyncRequest.
+    `strategy`: Megatron's save strategy (a fresh `save_strategy()` by default); `validate`: Megatron's check
+    that every shard is written exactly once (`validate_access_integrity`), which a series of saves of one
+    structure needs only once."""
     from megatron.core import dist_checkpointing
-
-    if not room_checked:
-        check_room(sharded, target)
     from torch.distributed.checkpoint.api import CheckpointException
 
     with writer_results_in_process(), fast_shard_bookkeeping(), writer_errors() as logged:
