@@ -201,6 +201,12 @@ class _Master:
     def numel(self) -> int:
         return self.model.numel()
 
+    def free(self) -> None:
+        """Release the master's fp32 values (its remainder stands for them now)."""
+        self.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
+        self.master.data = torch.empty(0, dtype=torch.float32, device=self.master.device)
+        self.released = True
+
 
 @dataclass
 class _Piece:
@@ -439,9 +445,7 @@ def _release_as_before(runs: list[tuple[_Run, list[_Piece]]]) -> None:
     """Give each run its pieces back and free its fp32 buffer, as the release that made them left it."""
     for run, pieces in runs:
         for m in run.members:
-            m.master.grad = None
-            m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
-            m.released = True
+            m.free()
         run.buffer, run.pieces = None, pieces
 
 
@@ -467,9 +471,7 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
         split.run.pieces.append(piece)
         freed += 4 * (split.stop - split.start) - piece.remainder.nbytes - piece.tie_indices.nbytes
         for m in split.members:
-            m.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
-            m.master.data = torch.empty(0, dtype=torch.float32, device=m.master.device)
-            m.released = True
+            m.free()
         if split.whole_run:
             split.run.buffer = None  # its last views are gone: the memory is free
     return freed, kept
