@@ -56,6 +56,11 @@ _device_env() {  # SITE: /tmp/site (skyrl-train 0.3.1, parts 1-5) or /tmp/site04
     # run from the source tree: the wheel would install config/ as the package skyrl_megatron.conf
     ln -sfn ../config skyrl_megatron/conf
     export PYTHONPATH=$site:$PWD:$PWD/bench PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
+    if [ "$site" = /tmp/site ] && [ -d /tmp/fa4site ]; then
+        # flash-attn-4 (part 4): its distribution metadata and the CuTe DSL (whose .pth a --target directory does not
+        # read). Without them on the path, `attention_kernel: auto` sees no flash-attn-4 and takes varlen_attn.
+        export PYTHONPATH=$site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/bench
+    fi
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     if [ -d "$site/vllm" ]; then
         # the bridges: skyrl-train 0.3.1's vLLM 0.11 names, skyrl 0.4's vLLM 0.30 transfer API, on vLLM 0.24
@@ -157,10 +162,7 @@ case "$1" in
     ${PIP/\/tmp\/site//tmp/fa4site} /tmp/stage/fa4/*.whl >/dev/null 2>&1
     # flash-attn-4 is the namespace flash_attn.cute: put it inside the flash_attn package already there
     cp -r /tmp/fa4site/flash_attn/cute /tmp/site/flash_attn/
-    # the DSL's .pth (not read from a --target directory) puts its dsl_packages on the path
-    export PYTHONPATH=/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/bench
-    export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    ln -sfn ../config skyrl_megatron/conf
+    _device_env /tmp/site  # with /tmp/fa4site on the path (as `env` in later calls and device_jobs.sh's jobs)
     echo "device_setup: part 4 done"
     ;;
   *)

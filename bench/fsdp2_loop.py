@@ -5,8 +5,9 @@ a framework around it: an HF transformers model, `fully_shard` per decoder layer
 master weights, bf16 compute, fp32 gradient reduction), the RL batch's rows packed first-fit-decreasing
 into micro-batches of a token budget (our planner's `plan_micro_batches`; each micro-batch one sequence,
 positions restarting per row), varlen attention registered in transformers' attention interface
-(flash-attn's `flash_attn_varlen_func` on GPU, the stand-in where flash-attn has no CUDA build; on CPU, SDPA
-row by row, for the smoke test), the output layer only at the positions that predict response tokens,
+(on GPU flash-attn-4's `flash_attn.cute.flash_attn_varlen_func` where the bench runs ours on it, else
+flash-attn's `flash_attn_varlen_func`, the stand-in where flash-attn has no CUDA build; on CPU, SDPA row by
+row, for the smoke test), the output layer only at the positions that predict response tokens,
 logprobs through flash-attn's Triton cross entropy where it imports (else a chunked log_softmax gather),
 the PPO clipped loss averaged over the batch's response tokens, fused AdamW, no activation recompute.
 Scoring packs 4x the training budget (no activations are kept for backward).
@@ -42,6 +43,7 @@ class LoopSettings:
     lr: float = 1e-6
     max_grad_norm: float = 1.0
     flash_attn_site: str | None = None  # put first on sys.path (the stand-in) before flash_attn imports
+    attention_kernel: str = "flash2"  # on GPU: "flash4" (flash-attn-4's varlen kernels) or "flash2"
     profile_phase: str | None = None  # one more step profiled: "step" (scoring + training), "forward" or "train"
     profile_heading: str = ""  # the report's first line
     profile_file: str | None = None  # rank 0 writes the report there
@@ -149,6 +151,9 @@ def micro_batches(rows: list[Row], indices: list[int], budget: int, device: torc
 # ----------------------------------------------------------------------------------------------
 
 
+_KERNEL = {"name": "flash2"}  # the GPU's varlen kernel, set by `register_attention`
+
+
 def _flash_varlen():
     try:
         from flash_attn import flash_attn_varlen_func
@@ -157,12 +162,24 @@ def _flash_varlen():
     return flash_attn_varlen_func
 
 
+def _flash4_varlen():
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention call on one packed sequence ([1, heads, T, dim]); rows end at `cu_seq_lens_q`."""
     cu_seqlens, max_length = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     if query.is_cuda:
-        out = _flash_varlen()(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                              cu_seqlens, cu_seqlens, max_length, max_length, softmax_scale=scaling, causal=True)
+        q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+        if _KERNEL["name"] == "flash4":
+            out = _flash4_varlen()(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_length,
+                                   max_seqlen_k=max_length, softmax_scale=scaling, causal=True)
+            out = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+        else:
+            out = _flash_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, softmax_scale=scaling,
+                                  causal=True)
         return out[None], None  # [1, T, heads, dim]
     # CPU (the smoke test): causal SDPA row by row
     bounds = cu_seqlens.tolist()
@@ -172,9 +189,11 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
-def register_attention() -> None:
+def register_attention(kernel: str = "flash2") -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
+    _KERNEL["name"] = kernel
 
     AttentionInterface.register(ATTENTION, varlen_attention)
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # the row bounds are the mask
@@ -208,7 +227,7 @@ class PlainFSDP2Loop:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        register_attention()
+        register_attention(settings.attention_kernel)
         self.device = device
         torch.manual_seed(0)
         with device:
@@ -229,8 +248,12 @@ class PlainFSDP2Loop:
         gpu = self.device.type == "cuda"
         if gpu and _flash_varlen() is None:  # imports it: the attention's first call may not have run yet
             raise RuntimeError("fsdp2_loop on GPU needs flash-attn (or bench/flash_attn_standin first on sys.path)")
+        flash4 = gpu and self.settings.attention_kernel == "flash4"
+        if flash4:
+            _flash4_varlen()  # fails here, not in the first step, where flash-attn-4 does not import
         flash = sys.modules.get("flash_attn.flash_attn_interface")
         kernel = ("SDPA per row (CPU)" if not gpu else
+                  "flash-attn-4 (flash_attn.cute) varlen" if flash4 else
                   "stand-in: torch FA2 varlen" if hasattr(flash, "UnsupportedByStandIn") else
                   f"flash-attn {sys.modules['flash_attn'].__version__} varlen")
         triton = gpu and _triton_cross_entropy() is not None

@@ -259,8 +259,11 @@ class Settings:
     fsdp_packed_rows: int = 8  # fsdp2: rows per micro-batch, packed into one sequence by the host
     flash_attn_site: str | None = None  # fsdp2: put first on its workers' PYTHONPATH (the stand-in)
     fsdp_forward_rows: int | None = None  # fsdp2: rows per scoring micro-batch (None: fsdp_packed_rows)
+    baseline_attention: str = "flash2"  # fsdp2, fsdp2_loop: "flash4" (flash-attn-4, as ours takes it) or "flash2"
 
 
+FLASH4 = "flash4"
+STANDIN_KERNEL_VARIABLE = "FLASH_ATTN_STANDIN_KERNEL"  # read by bench/flash_attn_standin's flash_attn_interface
 PROFILED_PHASES = {"step": "one scoring pass + one training call", "forward": "one scoring pass",
                    "train": "one training call"}
 ENV_PREFIX = "env:"  # a variant entry "env:NAME=VALUE" sets an environment variable for the case
@@ -278,6 +281,8 @@ def case_environment(case: Case, s: Settings) -> dict[str, str]:
     values = {name: value for name, _, value in pairs}
     if case.backend == "fsdp2" and s.flash_attn_site:
         values["PYTHONPATH"] = pythonpath_first(s.flash_attn_site, values.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")))
+        if s.baseline_attention == FLASH4:
+            values[STANDIN_KERNEL_VARIABLE] = FLASH4  # the stand-in's calls go to flash-attn-4's kernels
     return values
 
 
@@ -791,7 +796,7 @@ def run_loop_case(case: Case, s: Settings, batch: dict[str, torch.Tensor], arch,
     profiled = s.profile_dir is not None and case.backend in s.profile_backends
     profile_file = profile_path(case, s)
     settings = fsdp2_loop.LoopSettings(s.model_dir, s.token_budget, s.batch.prompt_tokens, s.steps, s.warmup,
-                                       flash_attn_site=s.flash_attn_site,
+                                       flash_attn_site=s.flash_attn_site, attention_kernel=s.baseline_attention,
                                        profile_phase=s.profile_phase if profiled else None,
                                        profile_heading=f"{PROFILED_PHASES[s.profile_phase]}, rank 0",
                                        profile_file=profile_file)
@@ -1072,6 +1077,23 @@ def flash_attn_for_fsdp2(choice: str, workdir: Path) -> tuple[str | None, str]:
     return str(site), "stand-in (bench/flash_attn_standin: PyTorch's FlashAttention-2 kernels, flash-attn's Triton cross entropy)"
 
 
+def baseline_attention_kernel(choice: str, cpu: bool, flash_attn_site: str | None, host_side: bool) -> str:
+    """The FSDP2 sides' attention kernel: flash-attn-4 wherever ours' `attention_kernel: auto` takes it (installed,
+    an sm90/sm100 GPU) and the host's workers reach it (through the stand-in), so every side runs the same
+    kernel; else FlashAttention-2 (`--baseline-attention flash2` asks for it)."""
+    from skyrl_megatron.attention_kernels import FLASH4_COMPUTE_MAJORS, flash4_installed
+
+    if choice == "flash2" or cpu or not flash4_installed():
+        return "flash2"
+    if torch.cuda.get_device_capability(0)[0] not in FLASH4_COMPUTE_MAJORS:
+        return "flash2"
+    if host_side and flash_attn_site is None:
+        raise SystemExit("--baseline-attention auto: flash-attn-4 runs ours, but the host's FSDP2 workers use an "
+                         "installed flash-attn 2 build, which cannot take it; use --fsdp-flash-attn standin or "
+                         "--baseline-attention flash2")
+    return FLASH4
+
+
 def publish(report: dict, markdown: Path | None, chart: Path | None) -> None:
     section = markdown_section(report)
     print(section)
@@ -1110,6 +1132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp-flash-attn", choices=("auto", "standin", "installed"), default="auto",
                         help="fsdp2's flash_attn: the installed CUDA build, or bench/flash_attn_standin (PyTorch's "
                              "FA2 kernels); auto: the build where its CUDA extension imports, else the stand-in")
+    parser.add_argument("--baseline-attention", choices=("auto", "flash2"), default="auto",
+                        help="fsdp2 and fsdp2_loop: auto takes flash-attn-4 where ours' attention_kernel auto takes it "
+                             "(the same kernel on every side), flash2 keeps FlashAttention-2 kernels")
     parser.add_argument("--layers", type=int, help="keep the model's first N layers (e.g. MoE widths that fit)")
     parser.add_argument("--recompute", action="store_true", help="activation recompute on both sides")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME='KEY=VALUE;...'",
@@ -1178,10 +1203,14 @@ def main(argv: list[str] | None = None) -> int:
     flash_attn_site, flash_attn_used = None, None
     if not cpu and any(case.backend in ("fsdp2", LOOP_BACKEND) for case in cases):
         flash_attn_site, flash_attn_used = flash_attn_for_fsdp2(args.fsdp_flash_attn, workdir)
+    baseline_attention = baseline_attention_kernel(args.baseline_attention, cpu, flash_attn_site,
+                                                   any(case.backend == "fsdp2" for case in cases))
+    if baseline_attention == FLASH4 and flash_attn_used:
+        flash_attn_used += f"; attention through flash-attn-4 ({STANDIN_KERNEL_VARIABLE}={FLASH4})"
     settings = Settings(str(model_dir), batch_shape, str(workdir), cpu, args.token_budget, args.fsdp_micro_rows,
                         args.recompute, args.steps, args.warmup, variants,
                         str(args.profile) if args.profile else None, tuple(args.profile_backends.split(",")),
-                        args.profile_phase, packed_rows, flash_attn_site, args.fsdp_forward_rows)
+                        args.profile_phase, packed_rows, flash_attn_site, args.fsdp_forward_rows, baseline_attention)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     peak_tflops = measured_bf16_peak_tflops()
@@ -1203,6 +1232,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdp_forward_rows": args.fsdp_forward_rows or packed_rows,
         "fsdp_packed_tokens": packed_micro_batch_tokens(batch["attention_mask"], packed_rows),
         "fsdp_flash_attn": flash_attn_used,
+        "baseline_attention": baseline_attention,
         "layers": args.layers,
         "variants": variants,
         "steps": args.steps,

@@ -264,6 +264,59 @@ def test_fsdp2_gets_the_standin_where_flash_attn_has_no_cuda_build(tmp_path, mon
     assert (Path(site) / "flash_attn-2.8.3.dist-info" / "METADATA").read_text().startswith("Metadata-Version")
 
 
+def test_the_fsdp2_sides_take_flash_attn_4_where_ours_does(tmp_path, monkeypatch):
+    import skyrl_megatron.attention_kernels as kernels
+
+    bench = _bench_module()
+    monkeypatch.setattr(kernels, "flash4_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    assert bench.baseline_attention_kernel("auto", False, "/standin", host_side=True) == bench.FLASH4
+    assert bench.baseline_attention_kernel("flash2", False, "/standin", host_side=True) == "flash2"
+    assert bench.baseline_attention_kernel("auto", True, None, host_side=True) == "flash2"  # the CPU smoke run
+    # the host's workers on an installed flash-attn 2 build cannot take it: said before any case runs
+    with pytest.raises(SystemExit, match="--fsdp-flash-attn standin or --baseline-attention flash2"):
+        bench.baseline_attention_kernel("auto", False, None, host_side=True)
+    assert bench.baseline_attention_kernel("auto", False, None, host_side=False) == bench.FLASH4  # the loop alone
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))  # ours takes varlen there
+    assert bench.baseline_attention_kernel("auto", False, "/standin", host_side=True) == "flash2"
+    monkeypatch.setattr(kernels, "flash4_installed", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    assert bench.baseline_attention_kernel("auto", False, "/standin", host_side=True) == "flash2"
+    # the host's workers are told through the stand-in's variable
+    settings = _settings(bench, tmp_path, flash_attn_site="/standin", baseline_attention=bench.FLASH4)
+    monkeypatch.setenv("PYTHONPATH", "")
+    assert bench.case_environment(bench.Case.parse("fsdp2:world1"), settings) == {
+        "PYTHONPATH": "/standin", bench.STANDIN_KERNEL_VARIABLE: bench.FLASH4}
+    assert bench.case_environment(bench.Case.parse("megatron:world1"), settings) == {}
+
+
+def test_the_plain_loop_sends_packed_attention_to_flash_attn_4_when_asked(monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fsdp2_loop
+
+    class OnGpu(torch.Tensor):  # reports CUDA without a GPU, for the dispatch alone
+        @property
+        def is_cuda(self):
+            return True
+
+    calls = []
+
+    def flash4(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        calls.append((q.shape, cu_seqlens_q.tolist(), max_seqlen_q, softmax_scale, causal))
+        return torch.zeros(q.shape).as_subclass(OnGpu), None  # (out, lse), as some releases return
+
+    monkeypatch.setattr(fsdp2_loop, "_flash4_varlen", lambda: flash4)
+    monkeypatch.setattr(fsdp2_loop, "_flash_varlen", lambda: pytest.fail("flash-attn 2 called"))
+    monkeypatch.setitem(fsdp2_loop._KERNEL, "name", "flash2")
+    fsdp2_loop.register_attention("flash4")
+    query = torch.randn(1, 4, 7, 8).as_subclass(OnGpu)  # [1, heads, T, dim]
+    key = torch.randn(1, 2, 7, 8).as_subclass(OnGpu)
+    out, _ = fsdp2_loop.varlen_attention(None, query, key, key, None, scaling=0.5,
+                                         cu_seq_lens_q=torch.tensor([0, 3, 7]), max_length_q=4)
+    assert out.shape == (1, 7, 4, 8)
+    assert calls == [(torch.Size([7, 4, 8]), [0, 3, 7], 4, 0.5, True)]
+
+
 def test_a_training_phase_peak_counts_the_passes_before_the_optimizer_step():
     """Our workers reset the allocator's peak counter per phase: after a training call the counter holds
     only the optimizer step's peak, their own record the training passes' higher one (the bench's runs of

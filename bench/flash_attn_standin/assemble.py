@@ -3,6 +3,8 @@
     DEST/flash_attn/                   our __init__ and flash_attn_interface (PyTorch FA2 kernels), plus
                                        flash-attn's own bert_padding.py and ops/triton/cross_entropy.py,
                                        copied unchanged from an installed flash-attn's Python files
+                                       and flash-attn-4's flash_attn/cute where the library holds it
+                                       (the route FLASH_ATTN_STANDIN_KERNEL=flash4 takes)
     DEST/flash_attn-2.8.3.dist-info/   the distribution metadata transformers checks for flash_attention_2
 
     python bench/flash_attn_standin/assemble.py DEST [--library DIR]
@@ -23,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 VERSION = "2.8.3"
 OURS = ("__init__.py", "flash_attn_interface.py")
+FLASH4_PACKAGE = "cute"  # flash-attn-4's namespace, flash_attn.cute: carried along where the library has it
 LIBRARY_FILES = ("bert_padding.py", "ops/__init__.py", "ops/triton/__init__.py", "ops/triton/cross_entropy.py")
 
 
@@ -50,6 +53,8 @@ def assemble(dest: Path, library: Path | None = None) -> Path:
         shutil.copyfile(library / name, package / name)
     for name in OURS:
         shutil.copyfile(HERE / "flash_attn" / name, package / name)
+    if (library / FLASH4_PACKAGE).is_dir():  # flash-attn-4 installed inside the library's package (device_setup.sh 4)
+        shutil.copytree(library / FLASH4_PACKAGE, package / FLASH4_PACKAGE)
     info = dest / f"flash_attn-{VERSION}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(

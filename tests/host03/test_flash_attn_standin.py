@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -262,3 +263,69 @@ def test_float32_kv_cache_and_cpu_tensors_are_refused_clearly(monkeypatch):
     q = q.bfloat16()
     with pytest.raises(RuntimeError, match="run on CUDA only"):
         interface.flash_attn_func(q, q, q)
+
+
+def _fake_flash4(calls: list):
+    """flash_attn.cute's varlen entry as a CPU reference (keywords as flash-attn-4 takes them), returning
+    (out, lse) as some of its releases do."""
+
+    def flash4_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        calls.append({"causal": causal, "max": (max_seqlen_q, max_seqlen_k), "dtype": cu_seqlens_q.dtype})
+        from torch.nn.attention.varlen import AuxRequest
+
+        return reference.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          return_aux=AuxRequest(lse=True), scale=softmax_scale, window_size=(-1, 0))
+
+    return flash4_varlen
+
+
+@pytest.fixture
+def flash4_route(monkeypatch, reference_kernel):
+    import types
+
+    calls = []
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = _fake_flash4(calls)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setenv(interface.KERNEL_VARIABLE, "flash4")
+    return calls
+
+
+def test_the_flash4_route_gives_the_fa2_routes_packed_causal_attention(flash4_route, monkeypatch):
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(11, h, 8, dtype=torch.bfloat16) for h in (4, 2, 2))
+    bounds = torch.tensor([0, 3, 11], dtype=torch.int64)  # int64, as transformers may pass them
+    args = (q, k, v, bounds, bounds, torch.tensor(8), 8)
+    got = interface.flash_attn_varlen_func(*args, softmax_scale=0.4, causal=True)
+    assert flash4_route == [{"causal": True, "max": (8, 8), "dtype": torch.int32}]
+    monkeypatch.delenv(interface.KERNEL_VARIABLE)
+    assert torch.equal(got, interface.flash_attn_varlen_func(*args, softmax_scale=0.4, causal=True))
+    # the padded entry goes the same way, without asking for the log-sum-exp
+    monkeypatch.setenv(interface.KERNEL_VARIABLE, "flash4")
+    padded = interface.flash_attn_func(q[None, :8], k[None, :8], v[None, :8], causal=True)
+    assert padded.shape == (1, 8, 4, 8) and len(flash4_route) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"causal": False}, "causal full-context attention only"),
+    ({"causal": True, "window_size": (4, 0)}, "causal full-context attention only"),
+    ({"causal": True, "return_attn_probs": True}, "no log-sum-exp on this route"),
+])
+def test_the_flash4_route_refuses_what_it_does_not_run(flash4_route, kwargs, message):
+    q = torch.randn(4, 2, 8, dtype=torch.bfloat16)
+    bounds = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(interface.UnsupportedByStandIn, match=f"{interface.KERNEL_VARIABLE}=flash4 does not support: .*{message}"):
+        interface.flash_attn_varlen_func(q, q, q, bounds, bounds, 4, 4, **kwargs)
+    assert flash4_route == []
+
+
+def test_assembly_carries_flash_attn_4_where_the_library_holds_it(tmp_path):
+    library = tmp_path / "library"
+    shutil.copytree(assemble.installed_library(), library, ignore=lambda d, names: [n for n in names if n == "cute"])
+    without = assemble.assemble(tmp_path / "without", library)
+    assert not (without / "flash_attn" / "cute").exists()
+    (library / "cute").mkdir()
+    (library / "cute" / "__init__.py").write_text("flash4 = True\n")
+    with_flash4 = assemble.assemble(tmp_path / "with", library)
+    assert (with_flash4 / "flash_attn" / "cute" / "__init__.py").read_text() == "flash4 = True\n"

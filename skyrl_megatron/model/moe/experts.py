@@ -17,7 +17,8 @@ The expert weights are stacked into one [E, out, in] operand per GEMM; where the
 in memory (as Megatron DDP's buffers place them, see `_GroupedLinear`) the stack is a view,
 otherwise a copy made in the forward and again in the backward, never kept alive in between. Weight
 gradients come out of one grouped GEMM and, under gradient-accumulation fusion, are added into
-DDP's fp32 `main_grad` buffers with one add per back-to-back run (one in all, as DDP lays them out).
+DDP's fp32 `main_grad` buffers with one add per back-to-back run (one in all, as DDP lays them out; on
+GPU a vectorized kernel, `grad_accumulate.py`, where PyTorch's mixed-dtype add is not).
 
 Where DDP's per-parameter hooks have nothing to do for them (fusion on, `overlap_grad_reduce` off:
 `model/build.py` says so through `_GroupedLinear.grads_bypass_autograd`), the weights do not enter
@@ -35,6 +36,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from skyrl_megatron.model.moe.grad_accumulate import accumulate_
 
 logger = logging.getLogger(__name__)
 
@@ -148,9 +151,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
 
 def _add_into(targets: Sequence[Tensor], grads: Tensor, runs: list[tuple[int, int]]) -> None:
-    """targets[g] += grads[g] ([E, out, in]), one mixed-dtype add per back-to-back run of DDP's buffer."""
+    """targets[g] += grads[g] ([E, out, in]), one mixed-dtype add per back-to-back run of DDP's buffer
+    (a vectorized kernel on GPU: `grad_accumulate`)."""
     for start, end in runs:
-        _run_view(targets[start:end]).add_(grads[start:end])
+        accumulate_(_run_view(targets[start:end]), grads[start:end])
 
 
 def _weight_gradients(x: Tensor, grad_output: Tensor, offsets: Tensor, weights: Sequence[Tensor], fuse: bool):
