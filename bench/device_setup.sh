@@ -16,12 +16,12 @@
 # The folders are ignored (.gitignore: /.whl*/); `bash bench/fetch_wheels.sh` rebuilds them
 # on a fresh checkout with `pip download`, at the versions installed in .venv-skyrl-train (about 57 and 50
 # MiB: with the working tree, each call stays under 64).
-# .whl:  megatron-core, megatron-bridge, transformers 5.12.1 and tokenizers 0.22 (the image has 5.17
+# .whl:  megatron-core, megatron-bridge, transformers 5.12.1 (tokenizers 0.22 in .whl5; the image has 5.17
 #        and 0.23; Megatron-Bridge 0.6.2 allows transformers <= 5.12.1), omegaconf, hydra-core, antlr4
 # .whl2: skyrl-train and the small pure-Python packages its imports and Ray's need (loguru, pydantic,
 #        fastapi, starlette, uvicorn, opentelemetry, jsonschema, ...)
 # .whl3, .whl4: the two halves of ray-2.51.1 (cp312 manylinux2014)
-# .whl5: annotated-types, sniffio, py-spy (stack dumps of a stalled run)
+# .whl5: annotated-types, sniffio, tokenizers 0.22, py-spy (stack dumps of a stalled run)
 # .whl7, .whl8: flash-attn-4 4.0.0b36 (flash_attn.cute), quack-kernels, the CuTe DSL (its CUDA 13 library wheel
 #        in two halves, its libs-core), apache-tvm-ffi, torch-c-dlpack-ext
 # .whl9: aiohttp, aiohttp_cors, opencensus, prometheus_client, smart_open, virtualenv, ... (ray[default]'s extras)
@@ -159,6 +159,7 @@ case "$1" in
   4)
     test -f /tmp/stage/fa4/cutlasspart_aa || { echo "device_setup: run part 3 first, within 30 s" >&2; return 1 2>/dev/null || exit 1; }
     cat /tmp/stage/fa4/cutlasspart_aa .whl8/cutlasspart_ab > /tmp/stage/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+    cp .whl8/*.whl /tmp/stage/fa4/  # the wheels that ride with the second half
     ${PIP/\/tmp\/site//tmp/fa4site} /tmp/stage/fa4/*.whl >/dev/null 2>&1
     # flash-attn-4 is the namespace flash_attn.cute: put it inside the flash_attn package already there
     cp -r /tmp/fa4site/flash_attn/cute /tmp/site/flash_attn/

@@ -66,8 +66,8 @@ if [[ $ONLY == all ]]; then
 rm -rf .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8 .whl9
 mkdir -p .whl .whl2 .whl3 .whl4 .whl5 .whl6 .whl7 .whl8 .whl9
 
-# .whl (call 1): the training stack
-download .whl $(pinned megatron-core megatron-bridge transformers tokenizers omegaconf hydra-core)
+# .whl (call 1): the training stack (tokenizers travels in .whl5: call 1 carries Ray's first half too)
+download .whl $(pinned megatron-core megatron-bridge transformers omegaconf hydra-core)
 # antlr4's 4.9.3 (the only version hydra-core 1.3.2 takes) is published as an sdist only
 "$PY" -m pip download -q --no-deps --no-binary :all: -d .whl "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
 
@@ -82,7 +82,7 @@ download .whl2 $(pinned skyrl-train loguru pydantic pydantic_core typing-inspect
     opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common googleapis-common-protos \
     jsonschema jsonschema-specifications referencing rpds-py)
 # .whl5 (call 2); py-spy (not in the venv: pinned here) dumps the stacks of a run that stalls on the machine
-download .whl5 $(pinned annotated-types sniffio)
+download .whl5 $(pinned annotated-types sniffio tokenizers)
 # ray[default]'s own dependencies: with them Ray's dashboard agent serves the metrics exporter (a minimal Ray
 # logs an error in every process); a call of their own (call 5) for the 64 MiB limit
 download .whl9 $(pinned aiohttp aiohttp_cors aiosignal aiohappyeyeballs frozenlist multidict propcache yarl wrapt colorful \
@@ -105,6 +105,8 @@ FA4_PINS=(flash-attn-4==4.0.0b36 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 
           nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5)  # the image has
 # cuda-bindings, cuda-pathfinder and einops (.library/device/KINDS.md)
 download .whl7 --pre "${FA4_PINS[@]}"
+# two of them ride with the second half (call 3 stays under 64 MiB with the working tree)
+mv .whl7/apache_tvm_ffi-*.whl .whl7/nvidia_cutlass_dsl_libs_base-*.whl .whl8/
 # (the wheel's name is the one device_setup.sh 4 joins into)
 download_in_halves nvidia-cutlass-dsl-libs-cu13==4.8.1 nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
     47M cutlasspart_ .whl7 .whl8

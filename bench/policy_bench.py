@@ -58,6 +58,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -549,7 +550,8 @@ class _Measured:
             path["experts"] = config._experts_implementation
         interface = sys.modules.get("flash_attn.flash_attn_interface")
         if path["attention"] == "flash_attention_2" and interface is not None:
-            path["flash_attn"] = ("stand-in: torch FA2 varlen" if hasattr(interface, "UnsupportedByStandIn")
+            standin_kernel = "flash-attn-4" if os.environ.get(STANDIN_KERNEL_VARIABLE) == FLASH4 else "torch FA2"
+            path["flash_attn"] = (f"stand-in: {standin_kernel} varlen" if hasattr(interface, "UnsupportedByStandIn")
                                   else f"flash-attn {sys.modules['flash_attn'].__version__}")
         from skyrl_megatron import host_api
 
@@ -1132,6 +1134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fsdp-flash-attn", choices=("auto", "standin", "installed"), default="auto",
                         help="fsdp2's flash_attn: the installed CUDA build, or bench/flash_attn_standin (PyTorch's "
                              "FA2 kernels); auto: the build where its CUDA extension imports, else the stand-in")
+    parser.add_argument("--keep-workdir", action="store_true",
+                        help="keep the run's work directory (model, conversion cache), removed at the end otherwise")
     parser.add_argument("--baseline-attention", choices=("auto", "flash2"), default="auto",
                         help="fsdp2 and fsdp2_loop: auto takes flash-attn-4 where ours' attention_kernel auto takes it "
                              "(the same kernel on every side), flash2 keeps FlashAttention-2 kernels")
@@ -1243,6 +1247,19 @@ def main(argv: list[str] | None = None) -> int:
         "composed_only": [],
         "failed": {},
     }
+    try:
+        run_cases(cases, settings, tokenizer, batch, arch, peak_tflops, report, args)
+    finally:
+        # model, conversion cache, the host's checkpoints: tens of GB a run on a 64 GB disk
+        if not args.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    publish(report, args.markdown, args.chart)
+    return 0
+
+
+def run_cases(cases, settings, tokenizer, batch, arch, peak_tflops, report: dict, args) -> None:
+    """Each case in turn into `report`, written to `args.out` after every case."""
+    cpu = settings.cpu
     for case in cases:
         if cpu and case.backend in FSDP_BACKENDS:
             compose(case, settings)  # the host's FSDP2 workers need CUDA; the config must still hold
@@ -1260,10 +1277,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 report["failed"][case.name] = f"{type(error).__name__}: {str(error)[-2000:]}"
                 print(f"{case.name} FAILED: {report['failed'][case.name]}", flush=True)
+        for written in ("ckpt", "export"):  # the host's saves: the next case needs none of them
+            shutil.rmtree(Path(settings.workdir) / written, ignore_errors=True)
         # written after every case: a run cut short by a time limit keeps what it measured
         args.out.write_text(json.dumps(report, indent=2))
-    publish(report, args.markdown, args.chart)
-    return 0
 
 
 if __name__ == "__main__":

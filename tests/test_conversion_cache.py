@@ -249,8 +249,10 @@ def _wait_for_peers(rendezvous: str, jobs: int) -> None:
         time.sleep(0.05)
 
 
-def _start(rank, world_size, hf_dir, root, layout, force=False, ddp=False, rendezvous=None, slow_conversion_s=0.0):
-    """One job's start: build the model through the cache, run a forward pass, export the weights."""
+def _start(rank, world_size, hf_dir, root, layout, force=False, ddp=False, rendezvous=None, slow_conversion_s=0.0,
+           free_bytes=None):
+    """One job's start: build the model through the cache, run a forward pass, export the weights.
+    `free_bytes`: what the disk reports free (a nearly full disk)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from skyrl_megatron.compute.schedule import forward_only
@@ -275,6 +277,9 @@ def _start(rank, world_size, hf_dir, root, layout, force=False, ddp=False, rende
     logging.getLogger("skyrl_megatron.model.conversion.cache").addHandler(records)
     logging.getLogger("skyrl_megatron.model.conversion.cache").setLevel(logging.INFO)
 
+    if free_bytes is not None:
+        real_usage = shutil.disk_usage
+        shutil.disk_usage = lambda path: real_usage(path)._replace(free=free_bytes)
     init_distributed("cpu")
     parallel = ParallelConfig(**layout)
     initialize_model_parallel(parallel)
@@ -452,3 +457,26 @@ def test_truncated_cache_file_is_reported_and_rebuilt(concurrent_first_starts, c
     assert shard.stat().st_size == size  # rebuilt in place, and intact again
     manifest = json.loads((entry / "manifest.json").read_text())
     assert manifest["files"][shard.name]["size"] == size
+
+
+@pytest.mark.slow
+def test_an_entry_that_does_not_fit_is_not_stored_and_the_start_goes_on(checkpoint, tmp_path):
+    """A cache disk without room for the entry: nothing is written, every rank says why with the fix, and the
+    start runs on the converted weights (the same logits and exported weights as one that stored its entry)."""
+    hf_dir, hf_weights = checkpoint
+    layout = {"tensor": 2}
+    full = _run_job(hf_dir, tmp_path / "full", world_size=2, layout=layout, free_bytes=10_000)
+    stored = _run_job(hf_dir, tmp_path / "roomy", world_size=2, layout=layout)
+    for rank, result in enumerate(full):
+        report = result["report"]
+        assert report.hit is False and result["conversions"] == 1
+        assert "GiB to write" in report.not_stored and "GiB free under" in report.not_stored
+        assert "not stored as" in report.summary()
+        warnings = [line for level, line in result["log"] if level == "WARNING" and "not stored" in line]
+        assert warnings and "megatron_config.checkpoint_cache_dir" in warnings[0]
+        assert torch.equal(result["logits"], stored[rank]["logits"])
+    _assert_exports_hf_weights(full[0], hf_weights)
+    # nothing of the entry on the disk: no entry, no staging directory
+    entry = _entry_dir(full[0]["report"])
+    assert not entry.parent.exists() or not any(p.name.startswith(entry.name) for p in entry.parent.iterdir())
+    assert stored[0]["report"].not_stored == "" and _entry_dir(stored[0]["report"]).is_dir()

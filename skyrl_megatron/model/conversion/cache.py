@@ -47,6 +47,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from skyrl_megatron.disk_room import bytes_to_write, existing, node_shortfall
+
 logger = logging.getLogger(__name__)
 
 CACHE_ROOT_ENV = "SKYRL_MEGATRON_CHECKPOINT_DIR"
@@ -439,8 +441,8 @@ def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
     return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(unwrap_model(list(chunks)))}
 
 
-def save_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None:
-    """Collective: write the chunks' weights as a Megatron distributed checkpoint."""
+def save_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path, sharded_state: dict | None = None) -> None:
+    """Collective: write the chunks' weights (`sharded_state`, theirs when None) as a Megatron distributed checkpoint."""
     from megatron.core import dist_checkpointing
 
     from skyrl_megatron.dist_io import fast_shard_bookkeeping, save_strategy, writer_results_in_process
@@ -448,7 +450,8 @@ def save_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None
     # Data-parallel replicas hold the same shards; by default only the first replica writes them.
     # Spreading the writes over the replicas divides the one-time save by the DP size.
     with writer_results_in_process(), fast_shard_bookkeeping():  # no helper process left by a killed rank
-        dist_checkpointing.save(_sharded_state_dict(chunks), str(checkpoint_dir), sharded_strategy=save_strategy())
+        state = sharded_state if sharded_state is not None else _sharded_state_dict(chunks)
+        dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=save_strategy())
 
 
 def load_chunks(chunks: Sequence[torch.nn.Module], checkpoint_dir: Path) -> None:
@@ -481,6 +484,7 @@ class LoadReport:
     save_seconds: float = 0.0  # writing and committing the entry
     load_seconds: float = 0.0  # building the model and reading the entry
     entry_conversion_seconds: float | None = None  # on a hit: what converting took when the entry was written
+    not_stored: str = ""  # on a miss: why the converted weights were not stored (a disk without room)
 
     def summary(self) -> str:
         if self.hit is None:
@@ -495,6 +499,11 @@ class LoadReport:
                 else ""
             )
             return f"loaded {self.entry} in {self.load_seconds:.2f} s{saved}; lookup {self.lookup_seconds:.2f} s"
+        if self.not_stored:
+            return (
+                f"converted through Megatron-Bridge in {self.conversion_seconds:.2f} s ({self.reason}); not stored "
+                f"as {self.entry}: {self.not_stored}; lookup {self.lookup_seconds:.2f} s"
+            )
         return (
             f"converted through Megatron-Bridge in {self.conversion_seconds:.2f} s ({self.reason}) and saved "
             f"{self.entry} in {self.save_seconds:.2f} s; lookup {self.lookup_seconds:.2f} s"
@@ -519,6 +528,7 @@ class EntryClaim:
         self.lookup_seconds = lookup_seconds
         self._entry_conversion_seconds = verdict.entry_conversion_seconds
         self._digests = digests  # rank 0 only
+        self._not_stored = ""
 
     def load(self, chunks: Sequence[torch.nn.Module]) -> float:
         """Collective: read the entry into freshly built chunks; returns the seconds spent."""
@@ -536,8 +546,19 @@ class EntryClaim:
         if self.hit:
             raise ConversionCacheError(f"{self.entry.dir} is already a valid entry; nothing to store")
         started = time.perf_counter()
+        state = _sharded_state_dict(chunks)
+        # the entry is an optimisation: where it does not fit, this start goes on with the converted weights
+        short = node_shortfall(bytes_to_write(state), shutil.disk_usage(existing(self.entry.root)).free)
+        if short is not None:
+            self._not_stored = (f"{short.needed / 2**30:.1f} GiB to write{short.where()}, {short.free / 2**30:.1f} "
+                                f"GiB free under {existing(self.entry.root)}")
+            logger.warning(
+                "conversion cache: %s not stored (%s); this start goes on with the converted weights and the next "
+                "one converts again. Fix: free space there, or point megatron_config.checkpoint_cache_dir (of "
+                "trainer.policy, trainer.ref, trainer.critic) or $%s at a larger disk", self.entry.dir, self._not_stored, CACHE_ROOT_ENV)
+            return time.perf_counter() - started
         staging = _decided_on_rank0(self._make_staging_dir)
-        save_chunks(chunks, staging / CHECKPOINT_DIRNAME)
+        save_chunks(chunks, staging / CHECKPOINT_DIRNAME, state)
         _decided_on_rank0(lambda: self._commit(staging, details))
         return time.perf_counter() - started
 
@@ -548,6 +569,7 @@ class EntryClaim:
             reason=self.reason,
             lookup_seconds=self.lookup_seconds,
             entry_conversion_seconds=self._entry_conversion_seconds if self.hit else None,
+            not_stored=self._not_stored,
             **timings,
         )
 
