@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--megatron-per-tensor", action="store_true",
                         help="Megatron's per-parameter shard copies and norm filter (not optimizer_prebuilt.py's)")
     parser.add_argument("--profile", action="store_true", help="a cProfile of one more step")
+    parser.add_argument("--callers", metavar="REGEX", help="with --profile: who calls the functions matching REGEX")
     args = parser.parse_args()
 
     import torch
@@ -92,7 +93,10 @@ def main() -> None:
         profiler.enable()
         optimizer_step(optimizer, scheduler)
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+        stats = pstats.Stats(profiler).sort_stats("cumulative")
+        stats.print_stats(30)
+        if args.callers:
+            stats.print_callers(args.callers)
 
 
 if __name__ == "__main__":

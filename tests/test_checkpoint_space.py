@@ -1,7 +1,7 @@
 """A full disk: a save that would not fit is refused before anything is written, on every rank, with the
 fix named; checkpoints set aside for deletion count as freed; the estimate matches what a save writes
 (real saves of a tiny Qwen3, distributed optimizer, DP=2 over gloo). A write that fails anyway names what
-the writer hit, synchronously and in the background."""
+the writer hit, synchronously and in the background. An HF export is checked the same way against rank 0's disk."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_megatron.testing import run_on_ranks
-from skyrl_megatron.testing.checkpoint_steps import WORLD1, setup_training, train_step
+from skyrl_megatron.testing.checkpoint_steps import TP2_SP, WORLD1, setup_training, train_step
 
 pytestmark = pytest.mark.slow
 
@@ -137,3 +137,52 @@ def test_a_write_that_fails_names_the_writers_error(tmp_path):
     assert "the previous checkpoint stays" in errors["sync"] and "the previous checkpoint stays" in errors["async"]
     assert "skyrl_megatron_checkpoint.json" in result["kept"]  # step 1's checkpoint, still published
     assert result["background"] is False
+
+
+def _exports_against_a_small_disk(rank, world, hf_dir, root):
+    import shutil
+    from collections import namedtuple
+
+    import torch.distributed as dist
+
+    from skyrl_megatron.checkpoint import CheckpointError, save_hf_model
+
+    built, _, _, _ = setup_training(hf_dir, TP2_SP, False)
+    root = Path(root)
+    kept = save_hf_model(root / "export", built)  # a first export, with room
+    dist.barrier()
+    written = sum(p.stat().st_size for p in kept.glob("*.safetensors"))
+    Usage = namedtuple("Usage", "total used free")
+    real_disk_usage = shutil.disk_usage
+    shutil.disk_usage = lambda path: Usage(10 * written, 9 * written, written // 2)  # half of what it writes
+    try:
+        try:
+            save_hf_model(root / "export", built)
+            refused = None
+        except CheckpointError as exc:
+            refused = str(exc)
+        dist.barrier()
+        left = sorted(p.name for p in root.iterdir())
+        # the estimate is the export's size, not a multiple of it: a tenth more room than it writes suffices
+        shutil.disk_usage = lambda path: Usage(10 * written, 9 * written, int(1.1 * written))
+        save_hf_model(root / "export", built)
+    finally:
+        shutil.disk_usage = real_disk_usage
+    return {"written": written, "refused": refused, "left": left, "kept": sorted(p.name for p in kept.iterdir())}
+
+
+def test_an_hf_export_that_does_not_fit_is_refused_before_gathering(tmp_path):
+    """TP2: the shards of each rank add up to the export's size, checked against rank 0's disk."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=6))
+    results = run_on_ranks(_exports_against_a_small_disk, 2, hf_dir, str(tmp_path / "exports"), timeout=300)
+    first = results[0]
+    assert first["written"] > 0
+    for result in results:  # every rank raised the same error, naming the fix
+        message = result["refused"]
+        assert message is not None and message == first["refused"]
+        assert "HF export" in message and "GiB free" in message and "nothing was written" in message
+        assert "trainer.export_path" in message
+        assert result["left"] == ["export"]  # no partial directory beside it
+        assert "model.safetensors" in result["kept"] or "model.safetensors.index.json" in result["kept"]

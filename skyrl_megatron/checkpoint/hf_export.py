@@ -11,6 +11,10 @@ import torch
 import torch.distributed as dist
 
 from skyrl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, check_replaceable, commit, sibling
+from skyrl_megatron.checkpoint.errors import CheckpointError
+from skyrl_megatron.checkpoint.integrity import MODEL_STATE_FULL
+from skyrl_megatron.checkpoint.megatron_state import sharded_training_state
+from skyrl_megatron.disk_room import bytes_to_write, existing, node_shortfall
 from skyrl_megatron.model.adapters.lora import PeftAdapter
 from skyrl_megatron.peft_support import PEFT_CONFIG_FILE
 from skyrl_megatron.weights import iter_hf_weights
@@ -31,7 +35,8 @@ def save_hf_model(
     in gathering the weights (the bridge hands each rank full tensors under HF names); rank 0
     writes them shard by shard, so it holds at most one shard in memory. Published atomically
     like `save_checkpoint`; an existing export there is replaced, any other non-empty directory
-    refused. A model with LoRA adapters is written merged (base + scale * BA); with
+    refused, and one that would not fit rank 0's disk is refused before any weight is gathered. A model with LoRA
+    adapters is written merged (base + scale * BA); with
     `adapters_only`, as a PEFT adapter directory instead (adapter_config.json and
     adapter_model.safetensors, for `peft.PeftModel.from_pretrained(base, export_dir)`). A critic's
     value head is written as `value_head_name` (the host's `<value_head_prefix>.weight`), no LM head.
@@ -42,6 +47,7 @@ def save_hf_model(
     check_replaceable(final, marker="config.json", what="a Hugging Face checkpoint")
     partial = sibling(final, PARTIAL_SUFFIX)
     rank = dist.get_rank()
+    _ensure_room(built_model, final)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         # config, generation config and the source's tokenizer files
@@ -56,6 +62,26 @@ def save_hf_model(
             pass
     commit(partial, final)
     return final
+
+
+def _ensure_room(built_model, final: Path) -> None:
+    """Raise CheckpointError on every rank when the merged weights (the model's tensors in their dtype, each
+    counted once over its replicas: about the export's size, adapters counted in) do not fit on rank 0's disk,
+    where all of them are written. Collective."""
+    from skyrl_megatron.runtime import current_runtime
+
+    state = sharded_training_state(built_model.chunks, None, None, is_loading=False, with_rng=False,
+                                   model_state=MODEL_STATE_FULL)
+    total = torch.tensor([bytes_to_write(state)], dtype=torch.int64, device=current_runtime().torch_device)
+    dist.all_reduce(total)
+    rank0 = dist.get_rank() == 0
+    # an export being replaced is deleted only after the new one is complete: its room does not count
+    short = node_shortfall(int(total.item()) if rank0 else 0, shutil.disk_usage(existing(final)).free if rank0 else 0)
+    if short is not None:
+        raise CheckpointError(
+            f"HF export {final}: {short.needed / 2**30:.1f} GiB to write, {short.free / 2**30:.1f} GiB free under "
+            f"{existing(final)}; nothing was written (an export already there stays). Free space there, or point "
+            f"trainer.export_path at a larger disk (or export less often: trainer.hf_save_interval)")
 
 
 def _save_peft_adapter(final: Path, built_model, tokenizer) -> Path:
