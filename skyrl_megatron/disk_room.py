@@ -5,7 +5,8 @@ Megatron's result queue: `AssertionError: <class 'RuntimeError'>`), naming neith
 is known up front: the tensors each rank writes (its main replicas), summed per node, against the free space the
 node's first rank sees. Per node, because node-local disks each hold their node's shards; on a file system the
 nodes share, each node's share is compared with the whole free space, which can miss a shortfall but never
-reports a false one. Used by checkpoint saves (`checkpoint/space.py`) and the conversion cache's entries.
+reports a false one. Used by checkpoint saves (`checkpoint/space.py`), the HF export (`checkpoint/hf_export.py`:
+all of it on rank 0's node) and the conversion cache's entries.
 """
 
 from __future__ import annotations
