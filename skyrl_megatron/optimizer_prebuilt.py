@@ -13,7 +13,9 @@ the offloads free and restore their storage in place, so views of them stay vali
 and a parameter's sharing and parallel attributes are fixed at build. `install` therefore works them out once
 per optimizer and replaces three methods on that instance: the gradients are handed over through prebuilt views,
 the parameters copied back with one `torch._foreach_copy_`, and the norm's gradients picked by a membership
-remembered per parameter (weakly: a main shard replaced is looked at again). The main shards themselves are read
+remembered per parameter (weakly: a main shard replaced is looked at again). After each step's parameter gather,
+DDP's bucket groups look through every parameter for quantized (TE fp8/fp4) storage to post-process; a bucket group
+whose parameters have none (all of them without TE) has nothing to do there, and is told so once. The main shards themselves are read
 from the optimizer at every step (compact master weights rebuild them). Only the plain path is replaced (bf16/fp32
 parameters, gradients in `.grad`); the precision-aware optimizer, fp8/fp4 parameter gathers and Megatron-FSDP
 keep Megatron's methods. Steps equal Megatron's bitwise (tests/test_optim.py, EP2 x DP2).
@@ -115,6 +117,27 @@ def _get_grads_for_grad_norm(optimizer, grad_norm_group: str | None = None) -> l
     return grads
 
 
+def _nothing_after_param_sync() -> None:
+    """A bucket group's post-gather work where none of its parameters has quantized storage."""
+
+
+def _skip_empty_post_param_sync(optimizer) -> int:
+    """Replace `_post_param_sync` on the DDP bucket groups of `optimizer`'s model chunks that have nothing to post-
+    process (no parameter with quantized storage, no MXFP8 reuse of the gradient buffer); returns how many."""
+    from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
+
+    skipped = 0
+    for chunk in getattr(optimizer, "model_chunks", ()):
+        for group in (*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ())):
+            if getattr(group.ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+                continue
+            if any(_param_uses_quantized_storage(param) for bucket in group.buckets for param in bucket.params):
+                continue
+            group._post_param_sync = _nothing_after_param_sync
+            skipped += 1
+    return skipped
+
+
 def install(optimizer) -> str | None:
     """Put the prebuilt copies and norm membership on `optimizer` (one distributed optimizer, not a chain);
     returns why it keeps Megatron's methods instead, or None."""
@@ -130,4 +153,5 @@ def install(optimizer) -> str | None:
     optimizer._copy_model_grads_to_main_grads = types.MethodType(_copy_model_grads_to_main_grads, optimizer)
     optimizer._copy_main_params_to_model_params = types.MethodType(_copy_main_params_to_model_params, optimizer)
     optimizer.get_grads_for_grad_norm = types.MethodType(_get_grads_for_grad_norm, optimizer)
+    _skip_empty_post_param_sync(optimizer)
     return None

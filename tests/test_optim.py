@@ -285,6 +285,12 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir):
     report["params_moved"] = any(not torch.equal(p, q) for p, q in zip(ours.parameters(), initial))
     report["chained"] = len(sides[0][1].chained_optimizers)
     report["views"] = [hasattr(part, "_skyrl_shard_views") for _, optimizer, _ in sides for part in optimizer.chained_optimizers]
+    # after the gather, DDP's bucket groups have nothing to post-process without TE: ours are told so once
+    from skyrl_megatron.optimizer_prebuilt import _nothing_after_param_sync
+
+    report["post_sync_skipped"] = [
+        [group._post_param_sync is _nothing_after_param_sync for group in model.bucket_groups + model.expert_parallel_bucket_groups]
+        for model, _, _ in sides]
     return report
 
 
@@ -297,6 +303,8 @@ def test_our_step_reduces_the_norm_once_and_updates_as_megatrons_step_does(tmp_p
     for report in reports:
         assert report["chained"] == 2  # dense and expert optimizers
         assert report["views"] == [True, True, False, False]  # ours prebuilt both parts' copies; Megatron's side not
+        ours_groups, megatrons_groups = report["post_sync_skipped"]
+        assert ours_groups and all(ours_groups) and not any(megatrons_groups)
         assert report["norm_reductions"] == [1, 1]  # Megatron's step() alone reduces it once more
         assert report["ours"] == report["megatron"] and not any(skipped for _, skipped in report["ours"])
         assert all(norm > 0.05 for norm, _ in report["ours"])  # clipping was active
