@@ -1083,11 +1083,13 @@ def baseline_attention_kernel(choice: str, cpu: bool, flash_attn_site: str | Non
     """The FSDP2 sides' attention kernel: flash-attn-4 wherever ours' `attention_kernel: auto` takes it (installed,
     an sm90/sm100 GPU) and the host's workers reach it (through the stand-in), so every side runs the same
     kernel; else FlashAttention-2 (`--baseline-attention flash2` asks for it)."""
-    from skyrl_megatron.attention_kernels import FLASH4_COMPUTE_MAJORS, flash4_installed
+    from skyrl_megatron.attention_kernels import SegmentKernel
+    from skyrl_megatron.model.layers.attention import select_segment_kernel
+    from skyrl_megatron.runtime import Device, Runtime
 
-    if choice == "flash2" or cpu or not flash4_installed():
+    if choice == "flash2" or cpu:
         return "flash2"
-    if torch.cuda.get_device_capability(0)[0] not in FLASH4_COMPUTE_MAJORS:
+    if select_segment_kernel(Runtime(Device.CUDA), torch.bfloat16) is not SegmentKernel.FLASH4:  # ours' choice
         return "flash2"
     if host_side and flash_attn_site is None:
         raise SystemExit("--baseline-attention auto: flash-attn-4 runs ours, but the host's FSDP2 workers use an "

@@ -265,11 +265,14 @@ def test_fsdp2_gets_the_standin_where_flash_attn_has_no_cuda_build(tmp_path, mon
 
 
 def test_the_fsdp2_sides_take_flash_attn_4_where_ours_does(tmp_path, monkeypatch):
-    import skyrl_megatron.attention_kernels as kernels
+    from skyrl_megatron.model.layers import attention
 
     bench = _bench_module()
-    monkeypatch.setattr(kernels, "flash4_installed", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    # our kernel choice as on a GPU: flash-attn-4 installed, an sm90 device
+    monkeypatch.setattr(attention, "flash4_installed", lambda: True)
+    monkeypatch.setattr(attention, "_compute_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "a GPU")
     assert bench.baseline_attention_kernel("auto", False, "/standin", host_side=True) == bench.FLASH4
     assert bench.baseline_attention_kernel("flash2", False, "/standin", host_side=True) == "flash2"
     assert bench.baseline_attention_kernel("auto", True, None, host_side=True) == "flash2"  # the CPU smoke run
@@ -277,10 +280,10 @@ def test_the_fsdp2_sides_take_flash_attn_4_where_ours_does(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="--fsdp-flash-attn standin or --baseline-attention flash2"):
         bench.baseline_attention_kernel("auto", False, None, host_side=True)
     assert bench.baseline_attention_kernel("auto", False, None, host_side=False) == bench.FLASH4  # the loop alone
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))  # ours takes varlen there
+    monkeypatch.setattr(attention, "_compute_capability", lambda index: (8, 0))  # ours takes varlen there
     assert bench.baseline_attention_kernel("auto", False, "/standin", host_side=True) == "flash2"
-    monkeypatch.setattr(kernels, "flash4_installed", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(attention, "flash4_installed", lambda: False)
+    monkeypatch.setattr(attention, "_compute_capability", lambda index: (9, 0))
     assert bench.baseline_attention_kernel("auto", False, "/standin", host_side=True) == "flash2"
     # the host's workers are told through the stand-in's variable
     settings = _settings(bench, tmp_path, flash_attn_site="/standin", baseline_attention=bench.FLASH4)
