@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from skyrl_megatron.model.moe.device_all_to_all import ExchangePlan, combine, di
 from skyrl_megatron.model.moe.row_exchange import EmulatedExchange, NvshmemExchange  # noqa: E402
 from skyrl_megatron.model.moe.token_sort import expert_major_order, source_major_order  # noqa: E402
 from skyrl_megatron.testing.reference_exchange import host_splits_all_to_all, split_and_concatenate  # noqa: E402
+from cuda_timing import median_event_ms  # noqa: E402
 from two_gpu_launch import WORLD, add_moe_shape_arguments, launch_ranks  # noqa: E402
 
 # NVLink multicast stays off on the lent machines (shared GPUs); set before NCCL or NVSHMEM start.
@@ -137,19 +137,11 @@ def _sync_check(fn) -> dict:
 
 
 def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
+    def line_up() -> None:
         torch.cuda.synchronize()
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 4)
+
+    return round(median_event_ms(fn, repeats, warmup=3, before=line_up), 4)
 
 
 def run_rank(rank: int, world: int, args, out_file: str) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+
+from cuda_timing import median_event_ms
 
 
 def main() -> None:
@@ -32,16 +33,7 @@ def main() -> None:
     device = torch.device("cuda")
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return median_event_ms(fn, args.repeats)
 
     for name, (rows, cols) in {"fc1": (2 * args.ffn, args.hidden), "fc2": (args.hidden, args.ffn)}.items():
         shape = (args.experts, rows, cols)

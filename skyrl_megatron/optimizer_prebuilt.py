@@ -121,21 +121,18 @@ def _nothing_after_param_sync() -> None:
     """A bucket group's post-gather work where none of its parameters has quantized storage."""
 
 
-def _skip_empty_post_param_sync(optimizer) -> int:
+def _skip_empty_post_param_sync(optimizer) -> None:
     """Replace `_post_param_sync` on the DDP bucket groups of `optimizer`'s model chunks that have nothing to post-
-    process (no parameter with quantized storage, no MXFP8 reuse of the gradient buffer); returns how many."""
+    process (no parameter with quantized storage, no MXFP8 reuse of the gradient buffer)."""
     from megatron.core.distributed.param_and_grad_buffer import _param_uses_quantized_storage
 
-    skipped = 0
-    for chunk in getattr(optimizer, "model_chunks", ()):
-        for group in (*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ())):
-            if getattr(group.ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+    for chunk in optimizer.model_chunks:
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if group.ddp_config.reuse_grad_buf_for_mxfp8_param_ag:
                 continue
             if any(_param_uses_quantized_storage(param) for bucket in group.buckets for param in bucket.params):
                 continue
             group._post_param_sync = _nothing_after_param_sync
-            skipped += 1
-    return skipped
 
 
 def install(optimizer) -> str | None:
