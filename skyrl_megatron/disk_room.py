@@ -11,6 +11,7 @@ all of it on rank 0's node) and the conversion cache's entries.
 
 from __future__ import annotations
 
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,9 +44,12 @@ class Shortfall:
     free: int  # bytes free where they write
     nodes: int  # how many nodes write
 
-    def where(self) -> str:
-        """' on <node>' where more than one node writes, else ''."""
-        return f" on {self.node}" if self.nodes > 1 else ""
+    def describe(self, directory: Path) -> str:
+        """'<n> GiB to write[ on <node>], <m> GiB free under <the part of `directory` that exists>'; the node is
+        named where more than one node writes."""
+        where = f" on {self.node}" if self.nodes > 1 else ""
+        return (f"{self.needed / 2**30:.1f} GiB to write{where}, {self.free / 2**30:.1f} GiB free under "
+                f"{existing(directory)}")
 
 
 def node_shortfall(nbytes: int, free_bytes: int) -> Shortfall | None:
@@ -73,3 +77,8 @@ def existing(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that `path` is (or, not there yet, would be) on."""
+    return shutil.disk_usage(existing(path)).free

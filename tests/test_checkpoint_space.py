@@ -46,7 +46,7 @@ def _saves_against_a_small_disk(rank, world, hf_dir, root):
     Usage = namedtuple("Usage", "total used free")
     monkey_free = sum(counted) // 2
     real_disk_usage = shutil.disk_usage
-    space.shutil.disk_usage = lambda path: Usage(10 * monkey_free, 9 * monkey_free, monkey_free)
+    shutil.disk_usage = lambda path: Usage(10 * monkey_free, 9 * monkey_free, monkey_free)
     second = root / "global_step_2" / "policy"
     try:
         try:
@@ -67,7 +67,7 @@ def _saves_against_a_small_disk(rank, world, hf_dir, root):
         dist.barrier()
         save_checkpoint(second, built.chunks, optimizer, scheduler, step=2)
     finally:
-        space.shutil.disk_usage = real_disk_usage
+        shutil.disk_usage = real_disk_usage
     return {"written": written, "counted": counted, "refused": refused, "left": left_after_refusal,
             "first": first_still, "second": sorted(p.name for p in second.iterdir())}
 

@@ -14,7 +14,7 @@ from skyrl_megatron.checkpoint.atomic import PARTIAL_SUFFIX, check_replaceable, 
 from skyrl_megatron.checkpoint.errors import CheckpointError
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_FULL
 from skyrl_megatron.checkpoint.megatron_state import sharded_training_state
-from skyrl_megatron.disk_room import bytes_to_write, existing, node_shortfall
+from skyrl_megatron.disk_room import bytes_to_write, free_bytes, node_shortfall
 from skyrl_megatron.model.adapters.lora import PeftAdapter
 from skyrl_megatron.peft_support import PEFT_CONFIG_FILE
 from skyrl_megatron.weights import iter_hf_weights
@@ -76,11 +76,11 @@ def _ensure_room(built_model, final: Path) -> None:
     dist.all_reduce(total)
     rank0 = dist.get_rank() == 0
     # an export being replaced is deleted only after the new one is complete: its room does not count
-    short = node_shortfall(int(total.item()) if rank0 else 0, shutil.disk_usage(existing(final)).free if rank0 else 0)
+    short = node_shortfall(int(total.item()) if rank0 else 0, free_bytes(final) if rank0 else 0)
     if short is not None:
         raise CheckpointError(
-            f"HF export {final}: {short.needed / 2**30:.1f} GiB to write, {short.free / 2**30:.1f} GiB free under "
-            f"{existing(final)}; nothing was written (an export already there stays). Free space there, or point "
+            f"HF export {final}: {short.describe(final)}; nothing was written (an export already there stays). "
+            f"Free space there, or point "
             f"trainer.export_path at a larger disk (or export less often: trainer.hf_save_interval)")
 
 

@@ -9,13 +9,12 @@ checkpoints set aside for deletion (`retention.py`) count as freed.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from skyrl_megatron.checkpoint.errors import CheckpointError
 from skyrl_megatron.checkpoint.latest import STEP_PREFIX
 from skyrl_megatron.checkpoint.retention import being_removed
-from skyrl_megatron.disk_room import bytes_to_write, existing, node_shortfall
+from skyrl_megatron.disk_room import bytes_to_write, free_bytes, node_shortfall
 
 
 def ensure_room(sharded_state: dict, checkpoint: Path) -> None:
@@ -23,18 +22,16 @@ def ensure_room(sharded_state: dict, checkpoint: Path) -> None:
     its disk (collective; before anything is written)."""
     short = node_shortfall(bytes_to_write(sharded_state), _free_bytes(checkpoint))
     if short is not None:
-        need, have = short.needed, short.free
         raise CheckpointError(
-            f"checkpoint {checkpoint}: {need / 2**30:.1f} GiB to write{short.where()}, {have / 2**30:.1f} GiB free "
-            f"under {existing(checkpoint)}; nothing was written and "
+            f"checkpoint {checkpoint}: {short.describe(checkpoint)}; nothing was written and "
             f"the previous checkpoints stay. Keep fewer checkpoints (trainer.max_ckpts_to_keep: each is about "
-            f"{need / 2**30:.1f} GiB here, and one more is written before the oldest is deleted), save less "
+            f"{short.needed / 2**30:.1f} GiB here, and one more is written before the oldest is deleted), save less "
             f"often (trainer.ckpt_interval), or point trainer.ckpt_path at a larger disk")
 
 
 def _free_bytes(directory: Path) -> int:
     """Free bytes under `directory` plus the checkpoints set aside for deletion beside it."""
-    free = shutil.disk_usage(existing(directory)).free
+    free = free_bytes(directory)
     # <ckpt_path>/global_step_<N>/<role>/...: the set-aside checkpoints are under <ckpt_path>
     for parent in Path(directory).absolute().parents:
         if parent.name.startswith(STEP_PREFIX):

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from skyrl_megatron.disk_room import bytes_to_write, existing, node_shortfall
+from skyrl_megatron.disk_room import bytes_to_write, free_bytes, node_shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -548,10 +548,9 @@ class EntryClaim:
         started = time.perf_counter()
         state = _sharded_state_dict(chunks)
         # the entry is an optimisation: where it does not fit, this start goes on with the converted weights
-        short = node_shortfall(bytes_to_write(state), shutil.disk_usage(existing(self.entry.root)).free)
+        short = node_shortfall(bytes_to_write(state), free_bytes(self.entry.root))
         if short is not None:
-            self._not_stored = (f"{short.needed / 2**30:.1f} GiB to write{short.where()}, {short.free / 2**30:.1f} "
-                                f"GiB free under {existing(self.entry.root)}")
+            self._not_stored = short.describe(self.entry.root)
             logger.warning(
                 "conversion cache: %s not stored (%s); this start goes on with the converted weights and the next "
                 "one converts again. Fix: free space there, or point megatron_config.checkpoint_cache_dir (of "
