@@ -52,10 +52,10 @@ class Shortfall:
                 f"{existing(directory)}")
 
 
-def node_shortfall(nbytes: int, free_bytes: int) -> Shortfall | None:
+def node_shortfall(nbytes: int, room: int) -> Shortfall | None:
     """Collective (every rank, the same answer): the first node, by name, whose ranks' `nbytes` do not fit in the
-    `free_bytes` its first rank reported; None where every node's share fits."""
-    mine = (socket.gethostname(), nbytes, free_bytes)
+    `room` (free bytes) its first rank reported; None where every node's share fits."""
+    mine = (socket.gethostname(), nbytes, room)
     everyone: list = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
