@@ -5,7 +5,9 @@ values and input gradients of both versions against an fp64 reference (the fused
 be less accurate than the eager chain it replaces), and the device time of forward + backward
 (median of CUDA-event timings after warm-up). Where the fused kernel replaced an earlier one (the
 Triton query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that
-one is checked and timed too ("previous").
+one is checked and timed too ("previous"). The logprob head (forward + backward of one micro-batch at
+vocabulary 151,936) runs eager, with the generated kernels it had, with the Triton ones, and with
+those and forward's logits kept for the backward.
 
 Usage (on the GPU machine): python bench/gpu_fusion_check.py --out fusions.json
 """
@@ -20,6 +22,7 @@ import statistics
 import torch
 
 TOKENS, HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN = 8192, 2560, 32, 8, 128, 9728
+VOCAB = 151936
 
 
 def _rms_norm_eager(x, weight):
@@ -187,11 +190,51 @@ def check(device: str = "cuda") -> dict:
     return report
 
 
+def _logprob_head(route: str):
+    """The training head at one micro-batch (logprobs with the entropy as a metric, as the workers ask):
+    `eager` chains, the `generated` (torch.compile) kernels the Triton ones replaced, `triton`, and
+    `triton_kept` (the default: forward's logits kept for the backward)."""
+    from skyrl_megatron.compute import logprobs
+
+    def run(hidden, weight, labels):
+        triton_runs_on = logprobs._triton_runs_on
+        if route == "generated":
+            logprobs._triton_runs_on = lambda device: False
+        try:
+            return logprobs.vocab_parallel_logprobs(
+                hidden, weight, labels, with_entropy=True, fused=route != "eager",
+                kept_logits_bytes=logprobs.DEFAULT_LOGITS_KEPT_BYTES if route == "triton_kept" else 0,
+            ).logprobs
+        finally:
+            logprobs._triton_runs_on = triton_runs_on
+
+    return run
+
+
+def check_logprob_head(device: str = "cuda") -> dict:
+    torch.manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
+    weight = (torch.randn(VOCAB, HIDDEN, device=device) / HIDDEN**0.5).to(torch.bfloat16)
+    labels = torch.randint(0, VOCAB, (TOKENS,), device=device)
+    grad = torch.randn(TOKENS, device=device)
+    reference = run_with_grads(_logprob_head("eager"), [hidden.double(), weight.double()], [labels], grad.double())
+    report = {}
+    for route in ("eager", "generated", "triton", "triton_kept"):
+        fn = _logprob_head(route)
+        report[route] = {
+            "error": _max_error(run_with_grads(fn, [hidden, weight], [labels], grad), reference),
+            "ms": device_ms(fn, [hidden, weight], [labels], grad),
+        }
+        print(f"logprob head [{TOKENS}, {HIDDEN}] x [{VOCAB}]", route, json.dumps(report[route]), flush=True)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_fusion_check.json")
     args = parser.parse_args()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": check()}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": check(),
+              "logprob_head": check_logprob_head()}
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
 

@@ -242,6 +242,9 @@ class MegatronWorkerConfig:
     overlap_optimizer_backload: bool = False
     # the logprob head's fp32 logits per chunk of tokens (compute/logprobs.py)
     logits_chunk_mib: int = 1024
+    # the logprob head's logits (bf16) a training forward keeps per micro-batch for its backward, in whole
+    # chunks, instead of recomputing them (one of the head's four GEMMs); 0: always recompute
+    logits_kept_mib: int = 4096
     fused_kernels: list[str] = field(default_factory=lambda: list(DEFAULT_FUSED_KERNELS))
     attention_kernel: str = "auto"  # auto | flash4 | varlen | sdpa (attention_kernels.py)
     # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py);
@@ -539,6 +542,9 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     if isinstance(mc.logits_chunk_mib, bool) or not isinstance(mc.logits_chunk_mib, int) or mc.logits_chunk_mib < 1:
         problems.append(Problem(f"{prefix}.logits_chunk_mib", f"must be a positive integer, got {mc.logits_chunk_mib!r}",
                                 "set the MiB of fp32 logits per chunk, e.g. 256"))
+    if isinstance(mc.logits_kept_mib, bool) or not isinstance(mc.logits_kept_mib, int) or mc.logits_kept_mib < 0:
+        problems.append(Problem(f"{prefix}.logits_kept_mib", f"must be a non-negative integer, got {mc.logits_kept_mib!r}",
+                                "set the MiB of logits kept for the backward, or 0 to recompute them"))
     for name in ("empty_cuda_cache", "force_reconvert", "manual_gc", "async_save", "overlap_optimizer_backload"):
         if not isinstance(getattr(mc, name), bool):
             problems.append(Problem(f"{prefix}.{name}", f"must be true or false, got {getattr(mc, name)!r}", "set true or false"))

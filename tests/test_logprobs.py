@@ -221,6 +221,84 @@ def test_fused_kernels_compile_once_for_every_chunk_and_micro_batch_size():
                 step(tokens, with_entropy, 0.6)
 
 
+def _chunk_calls(monkeypatch):
+    """Per chunk call, forward and backward, whether it had kept logits (a spy on both chunk functions)."""
+    from skyrl_megatron.compute import logprobs
+
+    calls = {"forward": [], "backward": []}
+    forward_chunk, backward_chunk = logprobs._forward_chunk, logprobs._backward_chunk
+
+    def spy_forward(*args, logits_out=None, **kwargs):
+        calls["forward"].append(logits_out is not None)
+        return forward_chunk(*args, logits_out=logits_out, **kwargs)
+
+    def spy_backward(*args, logits=None, **kwargs):
+        calls["backward"].append(logits is not None)
+        return backward_chunk(*args, logits=logits, **kwargs)
+
+    monkeypatch.setattr(logprobs, "_forward_chunk", spy_forward)
+    monkeypatch.setattr(logprobs, "_backward_chunk", spy_backward)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_kept_for_the_backward_change_nothing(dtype, monkeypatch):
+    """Kept logits (all of them, whole chunks up to the budget, none) give the recompute's values and grads
+    bitwise; the fp32 eager statistics, which work in their input's buffer, get a copy of a kept chunk."""
+    hidden, weight, labels, mask, loss_weights = _problem(seed=8, dtype=dtype)
+    calls = _chunk_calls(monkeypatch)
+    kept_tokens = int(mask.sum())
+    chunks = -(-kept_tokens // 5)  # 5-token chunks, the last one partial
+    assert kept_tokens % 5 and chunks > 3
+    row_bytes = VOCAB * dtype.itemsize
+
+    def run(kept_bytes):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = vocab_parallel_logprobs(h, w, labels, mask=mask, temperature=0.9, with_entropy=True, chunk_tokens=5,
+                                      kept_logits_bytes=kept_bytes)
+        _loss(out.logprobs, out.entropy, loss_weights).backward()
+        return out.logprobs, out.entropy, h.grad, w.grad
+
+    recomputed = run(0)
+    assert calls["forward"] == calls["backward"] == [False] * chunks
+    for kept_bytes, kept_chunks in ((kept_tokens * row_bytes, chunks), (13 * row_bytes, 2)):
+        calls["forward"].clear(), calls["backward"].clear()
+        for got, want in zip(run(kept_bytes), recomputed):
+            assert torch.equal(got, want)
+        assert calls["forward"] == calls["backward"] == [True] * kept_chunks + [False] * (chunks - kept_chunks)
+
+
+def test_logits_are_kept_only_where_a_backward_can_follow(monkeypatch):
+    hidden, weight, labels, mask, _ = _problem(seed=9)
+    calls = _chunk_calls(monkeypatch)
+    with torch.no_grad():
+        vocab_parallel_logprobs(hidden.requires_grad_(), weight, labels, mask=mask, chunk_tokens=5,
+                                kept_logits_bytes=2**30)
+    vocab_parallel_logprobs(hidden.detach(), weight, labels, mask=mask, chunk_tokens=5, kept_logits_bytes=2**30)
+    assert calls["forward"] and not any(calls["forward"])
+
+
+def test_a_second_backward_recomputes_the_consumed_logits():
+    hidden, weight, labels, mask, loss_weights = _problem(seed=10)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = vocab_parallel_logprobs(h, w, labels, mask=mask, with_entropy=True, chunk_tokens=5, kept_logits_bytes=2**30)
+    loss = _loss(out.logprobs, out.entropy, loss_weights)
+    loss.backward(retain_graph=True)
+    first = h.grad.clone(), w.grad.clone()
+    h.grad, w.grad = None, None
+    loss.backward()
+    assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
+
+
+def test_kept_tokens_are_whole_chunks_within_the_budget():
+    from skyrl_megatron.compute.logprobs import kept_logits_tokens
+
+    assert kept_logits_tokens(100, 30, 1000, 2, 100 * 1000 * 2) == 100  # all of it fits: the partial chunk too
+    assert kept_logits_tokens(100, 30, 1000, 2, 100 * 1000 * 2 - 1) == 90
+    assert kept_logits_tokens(100, 30, 1000, 2, 59 * 1000 * 2) == 30
+    assert kept_logits_tokens(100, 30, 1000, 2, 0) == 0
+
+
 def test_chunk_tokens_follow_the_byte_budget():
     assert chunk_tokens_for(32768, 256 * 2**20) == 2048
     assert chunk_tokens_for(151936 // 8, 2**30) == 14134

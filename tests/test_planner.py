@@ -275,8 +275,12 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
 # (`auto` from the third on), and whether token-budget plans spread their rows evenly (the 2026-11-28 runs: the
 # largest micro-batch then falls short of the budget, and the plan is made for the largest one that ran; before,
 # first-fit filled them to the budget)
-BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False), "2026-11-27_new_defaults": ("1024", False, False),
-                      "2026-11-27_two_gpu_rows": ("1024", True, False), "2026-11-28_spread_plans": ("1024", True, True)}
+# per results folder: the logits chunk (MiB), compact masters by default, the largest micro-batch recomputed,
+# the logits kept for the backward (MiB) of the code that ran
+BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False, "0"),
+                      "2026-11-27_new_defaults": ("1024", False, False, "0"),
+                      "2026-11-27_two_gpu_rows": ("1024", True, False, "0"),
+                      "2026-11-28_spread_plans": ("1024", True, True, "0")}
 # Not here: the runs with the Triton kernels (docs/results/2026-11-28_triton_kernels/). With query and key read in place (no contiguous copies
 # saved for the norm's backward) the measured training peaks fell (1.7B 44.0 -> 42.8 GiB, 4B 94.4 -> 91.7) and
 # the 1.7B plan, 48.2 GiB, is 12.6% above its run: the plan's logprob-head term (three chunk buffers plus the
@@ -311,7 +315,7 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
         shape["num_hidden_layers"] = report["layers"]
         config = tmp_path / f"{path.stem}.json"
         config.write_text(json.dumps(shape))
-    default_chunk, compact_by_default, spread = BENCH_RUN_DEFAULTS[path.parent.name]
+    default_chunk, compact_by_default, spread, kept = BENCH_RUN_DEFAULTS[path.parent.name]
     peaks = []
     for case in report["cases"]:
         if case["backend"] != "megatron":
@@ -324,7 +328,7 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
             assert gpus == 1, "the largest micro-batch is recomputed for one rank's rows only"
             budget = _largest_micro_batch(report["batch"], budget)
         argv = ["--model", str(config), *layout_flags, "--gpu-memory-gib", "141",
-                "--micro-batch-tokens", str(budget), "--logits-chunk-mib", chunk]
+                "--micro-batch-tokens", str(budget), "--logits-chunk-mib", chunk, "--logits-kept-mib", kept]
         compact = compact_by_default or any(o.endswith("compact_master_weights=true") for o in overrides)
         argv += ["--compact-master-weights", "true" if compact else "false"]
         peaks.append((case["case"], gpus, argv, case["phases"]["train"]["peak_gib"]))

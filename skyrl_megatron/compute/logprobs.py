@@ -11,6 +11,9 @@ walked in chunks of tokens, so only one chunk of logits exists at a time:
   that owns it. Labels are global vocabulary ids.
 * memory: forward keeps the hidden states, per-token log-sum-exp and entropy; backward recomputes
   each chunk's logits from them. The transient peak is one fp32 chunk of logits, two with entropy.
+  Where the gradients are wanted, forward may also keep whole chunks of logits (in the GEMM's dtype),
+  up to a byte budget per call: backward then takes them instead of the recompute, one of the head's
+  four [tokens, V/TP, h] GEMMs in training.
 * precision: the projection runs in the weight's dtype (bf16 in production) and its output is
   cast to fp32 before the softmax, as Megatron's own cross entropy does, so the results equal
   the materialised path's.
@@ -40,6 +43,9 @@ from skyrl_megatron.model.layers.wgrad import wgrad_gemm_accum_fp32
 # 1 GiB of fp32 logits per chunk (1,766 tokens at vocab 151,936): 256 MiB (441 tokens) cost a 4B training step 8%
 # on an H200 (measured 2026-11-27), in 19 chunks per 8k-token micro-batch
 DEFAULT_LOGITS_CHUNK_BYTES = 1024 * 2**20
+# logits kept from a training forward for its backward: 4 GiB holds an 8k-token micro-batch's bf16 logits at
+# vocab 151,936 and 14k tokens of a 16k one (megatron_config.logits_kept_mib)
+DEFAULT_LOGITS_KEPT_BYTES = 4096 * 2**20
 _FP32_BYTES = 4
 
 
@@ -80,6 +86,14 @@ def chunk_tokens_for(vocab_local: int, logits_chunk_bytes: int = DEFAULT_LOGITS_
     return max(1, logits_chunk_bytes // (_FP32_BYTES * vocab_local))
 
 
+def kept_logits_tokens(num_tokens: int, chunk_tokens: int, vocab_local: int, element_bytes: int,
+                       kept_bytes: int) -> int:
+    """Leading tokens whose logits a training forward keeps: whole chunks within `kept_bytes`."""
+    if num_tokens * vocab_local * element_bytes <= kept_bytes:
+        return num_tokens
+    return kept_bytes // (vocab_local * element_bytes) // chunk_tokens * chunk_tokens
+
+
 def vocab_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -93,6 +107,7 @@ def vocab_parallel_logprobs(
     sequence_parallel: bool = False,
     chunk_tokens: int | None = None,
     fused: bool = False,
+    kept_logits_bytes: int = 0,
 ) -> TokenLogprobs:
     """log softmax(hidden @ weight.T / temperature)[label] per token, without the full logits.
 
@@ -102,8 +117,9 @@ def vocab_parallel_logprobs(
     gather when `sequence_parallel` is set (then `hidden` holds this rank's slice of the first
     dimension, as in a ColumnParallelLinear). Gradients flow to `hidden` and `weight` from both
     outputs. `kept`, where given, lists `mask`'s true positions in its flattened order (the caller's
-    host copy spares the device read). `chunk_tokens` defaults to a 256 MiB fp32 logits chunk. `fused`
-    runs each chunk's elementwise work as generated kernels (torch.compile; meant for GPU).
+    host copy spares the device read). `chunk_tokens` defaults to a 1 GiB fp32 logits chunk. `fused`
+    runs each chunk's elementwise work as Triton kernels (GPU). Where gradients are wanted, up to
+    `kept_logits_bytes` of logits (whole chunks) stay from forward for the backward.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -123,8 +139,12 @@ def vocab_parallel_logprobs(
         flat_hidden = flat_hidden.index_select(0, kept)
         flat_labels = flat_labels.index_select(0, kept)
 
+    keep_tokens = 0
+    if kept_logits_bytes and torch.is_grad_enabled() and (flat_hidden.requires_grad or weight.requires_grad):
+        keep_tokens = kept_logits_tokens(flat_hidden.shape[0], chunk_tokens, weight.shape[0],
+                                         torch.promote_types(hidden.dtype, weight.dtype).itemsize, kept_logits_bytes)
     logprobs, entropy = _ChunkedVocabParallelLogprobs.apply(
-        flat_hidden, weight, flat_labels, temperature, with_entropy, chunk_tokens, tp_group, fused
+        flat_hidden, weight, flat_labels, temperature, with_entropy, chunk_tokens, tp_group, fused, keep_tokens
     )
     if mask is not None:
         logprobs = _scatter_kept(logprobs, kept, labels.numel())
@@ -147,7 +167,8 @@ class LogprobOutputProcessor:
     temperature: float = 1.0
     with_entropy: bool = False
     logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
-    fused: bool = False  # generated kernels for each chunk (GPU; `fused_kernels: [logprobs]`)
+    fused: bool = False  # Triton kernels for each chunk (GPU; `fused_kernels: [logprobs]`)
+    logits_kept_bytes: int = 0  # logits a training forward keeps for its backward (`logits_kept_mib`)
 
     def __call__(
         self,
@@ -177,6 +198,7 @@ class LogprobOutputProcessor:
             sequence_parallel=output_layer.sequence_parallel,
             chunk_tokens=chunk_tokens_for(weight.shape[0], self.logits_chunk_bytes),
             fused=self.fused,
+            kept_logits_bytes=self.logits_kept_bytes,
         )
         return TokenLogprobs(
             logprobs=result.logprobs.t(),
@@ -223,17 +245,23 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
     """hidden [T, h], weight [V/TP, h], labels [T] -> logprobs [T], entropy [T] or None (fp32).
 
     Each chunk is handled in its own function so that its [tokens, V/TP] buffers are freed before
-    the next chunk allocates (a loop variable would keep the previous chunk alive meanwhile).
+    the next chunk allocates (a loop variable would keep the previous chunk alive meanwhile). The
+    logits of the first `keep_tokens` tokens are written into one buffer that the first backward
+    consumes (a second backward, with the graph retained, recomputes them).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, with_entropy, chunk_tokens, tp_group, fused):
+    def forward(ctx, hidden, weight, labels, temperature, with_entropy, chunk_tokens, tp_group, fused, keep_tokens):
         vocab_start = (tp_group.rank() if tp_group is not None else 0) * weight.shape[0]
         num_tokens = hidden.shape[0]
         logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         log_partition = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else None
-        kernels = _GENERATED_KERNELS if fused else _EAGER_KERNELS
+        kept_logits = None
+        if keep_tokens:
+            kept_logits = torch.empty(keep_tokens, weight.shape[0], device=hidden.device,
+                                      dtype=torch.promote_types(hidden.dtype, weight.dtype))
+        kernels = _chunk_kernels(fused, hidden.device)
         for start in range(0, num_tokens, chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             _forward_chunk(
@@ -247,25 +275,30 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
                 logprobs=logprobs[rows],
                 log_partition=log_partition[rows],
                 entropy=entropy[rows] if with_entropy else None,
+                logits_out=kept_logits[rows] if start < keep_tokens else None,
             )
 
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, log_partition, entropy)
         ctx.temperature, ctx.chunk_tokens, ctx.vocab_start = temperature, chunk_tokens, vocab_start
         ctx.kernels = kernels
+        # not a saved tensor: the backward writes the gradients over it, and drops it when done
+        ctx.kept_logits = kept_logits
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels, log_partition, entropy = ctx.saved_tensors
+        kept_logits, ctx.kept_logits = ctx.kept_logits, None
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return (None,) * 8
+            return (None,) * 9
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(log_partition)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulation across chunks, as into Megatron's main_grad; cast once at the end
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        keep_tokens = kept_logits.shape[0] if kept_logits is not None else 0
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             _backward_chunk(
@@ -281,10 +314,11 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
                 grad_entropy=grad_entropy[rows] if grad_entropy is not None else None,
                 grad_hidden=grad_hidden[rows] if need_hidden else None,
                 grad_weight=grad_weight,
+                logits=kept_logits[rows] if start < keep_tokens else None,
             )
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _forward_chunk(
@@ -299,8 +333,10 @@ def _forward_chunk(
     logprobs: torch.Tensor,
     log_partition: torch.Tensor,
     entropy: torch.Tensor | None,
+    logits_out: torch.Tensor | None = None,
 ) -> None:
-    """Fill one chunk's logprobs, log-partition (lse) and entropy; two collectives over TP.
+    """Fill one chunk's logprobs, log-partition (lse) and entropy; two collectives over TP. The
+    chunk's logits go to `logits_out` where given (kept for the backward), else to a temporary.
 
     Each shard's sums are taken against its own max m_r; rescaling by exp(m_r - M) to the global
     max M makes them global: sum exp(z - M) = e s_r and sum exp(z - M)(z - M) = e (t_r + (m_r - M) s_r).
@@ -308,8 +344,11 @@ def _forward_chunk(
     label's logit, where non-owners add 0, and the entropy's) travel in one SUM all-reduce.
     """
     target, owned = _local_targets(labels, vocab_start, weight.shape[0])
+    logits = torch.mm(hidden, weight.t(), out=logits_out) if logits_out is not None else hidden @ weight.t()
+    if logits_out is not None and kernels.statistics_overwrite_fp32 and logits.dtype == torch.float32:
+        logits = logits.clone()
     shard_max, shard_sum, target_logit, shard_weighted = kernels.statistics(
-        hidden @ weight.t(), target, owned, temperature, entropy is not None
+        logits, target, owned, temperature, entropy is not None
     )
     row_max = shard_max.clone()
     _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
@@ -342,8 +381,10 @@ def _backward_chunk(
     grad_entropy: torch.Tensor | None,
     grad_hidden: torch.Tensor | None,
     grad_weight: torch.Tensor | None,
+    logits: torch.Tensor | None = None,
 ) -> None:
-    """Recompute one chunk's logits; write its hidden grad, add its weight grad.
+    """Recompute one chunk's logits (unless forward kept them: `logits`, which the fused gradient kernel
+    overwrites); write its hidden grad, add its weight grad.
 
     No collective is needed: p_v = exp(z_v - lse) uses the global lse, and the hidden grad is this
     shard's partial sum, which the region mapping in front of the Function reduces over TP. The
@@ -353,7 +394,7 @@ def _backward_chunk(
     """
     target, owned = _local_targets(labels, vocab_start, weight.shape[0])
     grad_logits = kernels.logit_grads(
-        hidden @ weight.t(), log_partition, grad_logprobs, target, owned, temperature, entropy, grad_entropy
+        logits if logits is not None else hidden @ weight.t(), log_partition, grad_logprobs, target, owned, temperature, entropy, grad_entropy
     ).to(weight.dtype)
     if grad_hidden is not None:
         torch.mm(grad_logits, weight, out=grad_hidden)
@@ -433,7 +474,23 @@ def _logit_grads_generated(logits, log_partition, g_logprob, target, owned, temp
 class _ChunkKernels:
     statistics: Callable
     logit_grads: Callable
+    statistics_overwrite_fp32: bool = False  # the statistics reuse fp32 logits as their working buffer
 
 
-_EAGER_KERNELS = _ChunkKernels(_shard_statistics_eager, _logit_grads_eager)
+_EAGER_KERNELS = _ChunkKernels(_shard_statistics_eager, _logit_grads_eager, statistics_overwrite_fp32=True)
 _GENERATED_KERNELS = _ChunkKernels(compile_kernel(_shard_statistics_generated), compile_kernel(_logit_grads_generated))
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _chunk_kernels(fused: bool, device: torch.device) -> _ChunkKernels:
+    """Eager chains unless `fused`; fused: the Triton kernels where Triton runs (CUDA), else the generated ones."""
+    if not fused:
+        return _EAGER_KERNELS
+    if _triton_runs_on(device):
+        from skyrl_megatron.compute import logprob_kernels
+
+        return _ChunkKernels(logprob_kernels.shard_statistics, logprob_kernels.logit_grads_)
+    return _GENERATED_KERNELS

@@ -72,13 +72,15 @@ class ModelRunner:
         *,
         pad_token_id: int = 0,
         logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES,
+        logits_kept_bytes: int = 0,
         fused_logprobs: bool = False,
     ):
         self.chunks = chunks
         self.parallel = parallel
         self.pad_token_id = pad_token_id
         self.logits_chunk_bytes = logits_chunk_bytes
-        self.fused_logprobs = fused_logprobs  # the head's generated kernels (`BuiltModel.fused_logprobs`)
+        self.logits_kept_bytes = logits_kept_bytes
+        self.fused_logprobs = fused_logprobs  # the head's Triton kernels (`BuiltModel.fused_logprobs`)
         self.optimizer = None
         self.router_metrics: RouterMetrics | None = None
         self.route_replay: RouteReplay | None = None
@@ -156,6 +158,7 @@ class ModelRunner:
             temperature=temperature,
             with_entropy=with_entropy,
             logits_chunk_bytes=self.logits_chunk_bytes,
+            logits_kept_bytes=self.logits_kept_bytes,
             fused=self.fused_logprobs,
         )
 

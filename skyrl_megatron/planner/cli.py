@@ -18,7 +18,7 @@ from skyrl_megatron.planner.arch import load_model_arch
 from skyrl_megatron.planner.errors import PlanError
 from skyrl_megatron.planner.layout import Layout
 from skyrl_megatron.planner.memory import (
-    DEFAULT_LOGITS_CHUNK_BYTES, GIB, RECOMPUTE_GRANULARITIES, BatchPlan, MemoryEstimate, TrainingSetup, estimate,
+    DEFAULT_LOGITS_CHUNK_BYTES, DEFAULT_LOGITS_KEPT_BYTES, GIB, RECOMPUTE_GRANULARITIES, BatchPlan, MemoryEstimate, TrainingSetup, estimate,
 )
 from skyrl_megatron.planner.report import format_estimate, format_suggestions
 from skyrl_megatron.planner.suggest import suggest_layouts
@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument(
         "--logits-chunk-mib", type=int, default=DEFAULT_LOGITS_CHUNK_BYTES // 2**20, help="the logprob head's fp32 logits per chunk (logits_chunk_mib)"
+    )
+    training.add_argument(
+        "--logits-kept-mib", type=int, default=DEFAULT_LOGITS_KEPT_BYTES // 2**20,
+        help="the logits a training forward keeps for its backward (logits_kept_mib)",
     )
     training.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     training.add_argument(
@@ -111,6 +115,7 @@ def _batch_plan(args: argparse.Namespace) -> BatchPlan:
         recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
         swiglu_fusion=not args.unfused_swiglu,
         logits_chunk_bytes=args.logits_chunk_mib * 2**20,
+        logits_kept_bytes=args.logits_kept_mib * 2**20,
     )
 
 

@@ -53,6 +53,7 @@ FIXED_OVERHEAD_BYTES = 3 * GIB
 # The caching allocator rounds block sizes and fragments, so reserved memory runs above allocated.
 USABLE_FRACTION = 0.9
 DEFAULT_LOGITS_CHUNK_BYTES = 1024 * 2**20  # compute/logprobs.py's chunk budget (megatron_config.logits_chunk_mib)
+DEFAULT_LOGITS_KEPT_BYTES = 4096 * 2**20  # the logits its training forward keeps (megatron_config.logits_kept_mib)
 # Live chunk-sized buffers at the head's backward peak: fp32 logits, fp32 probabilities (with the
 # entropy), and the bf16 projection and gradient halves.
 LOGITS_CHUNK_BUFFERS = 3
@@ -71,6 +72,7 @@ class BatchPlan:
     # silu(a) * b keeps silu(a), one more [tokens, ffn] tensor per layer.
     swiglu_fusion: bool = True
     logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
+    logits_kept_bytes: int = DEFAULT_LOGITS_KEPT_BYTES
 
 
 @dataclass(frozen=True)
@@ -397,4 +399,13 @@ def _logprob_head_bytes(arch: ModelArch, layout: Layout, batch: BatchPlan, full_
     saved = BF16 * arch.hidden_size * tokens.local + 2 * FP32 * tokens.local  # gathered hidden; lse, logprob
     chunk = min(batch.logits_chunk_bytes, FP32 * tokens.local * vocab_rows)
     weight_grad = (FP32 + BF16) * vocab_rows * arch.hidden_size if full_finetune else 0  # accumulator + cast
-    return saved + LOGITS_CHUNK_BUFFERS * chunk + weight_grad
+    return saved + LOGITS_CHUNK_BUFFERS * chunk + weight_grad + _kept_logits_bytes(tokens.local, vocab_rows, batch)
+
+
+def _kept_logits_bytes(tokens: float, vocab_rows: int, batch: BatchPlan) -> float:
+    """The bf16 logits the training forward keeps for its backward: whole chunks within the budget,
+    as compute/logprobs.py's `kept_logits_tokens` chooses them."""
+    if tokens * vocab_rows * BF16 <= batch.logits_kept_bytes:
+        return tokens * vocab_rows * BF16
+    chunk_tokens = max(1, batch.logits_chunk_bytes // (FP32 * vocab_rows))
+    return batch.logits_kept_bytes // (vocab_rows * BF16) // chunk_tokens * chunk_tokens * vocab_rows * BF16

@@ -131,6 +131,7 @@ class MegatronWorkerMixin:
             pad_token_id=getattr(self, "_pad_token_id", 0) or 0,
             fused_logprobs=self.built.fused_logprobs,
             logits_chunk_bytes=self.megatron_cfg.logits_chunk_mib * 2**20,
+            logits_kept_bytes=self.megatron_cfg.logits_kept_mib * 2**20,
         )
         # start-up is over: a steady-state collective waits `collective_timeout_s` (plus the watchdog's grace)
         set_collective_timeout(self.watchdog.group_timeout())
