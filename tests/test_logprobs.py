@@ -290,6 +290,45 @@ def test_a_second_backward_recomputes_the_consumed_logits():
     assert torch.equal(h.grad, first[0]) and torch.equal(w.grad, first[1])
 
 
+def _weight_with_main_grad(weight, main_grad_dtype=torch.float32, **marks):
+    """`weight` as Megatron's DDP hands it over: a `main_grad` buffer (holding an earlier micro-batch's sum)
+    and the flag its hook reads."""
+    leaf = weight.clone().requires_grad_()
+    leaf.main_grad = torch.full(weight.shape, 0.25, dtype=main_grad_dtype)
+    leaf.grad_added_to_main_grad = False
+    for name, value in marks.items():
+        setattr(leaf, name, value)
+    return leaf
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["output_weight", "tied_embedding"])
+def test_the_weight_gradient_accumulates_into_main_grad(tied):
+    """Under gradient_accumulation_fusion the head adds its fp32 weight gradient into `main_grad` (no bf16
+    rounding, no cast) and marks the weight; the placeholder gradient is zeros for a weight shared with the
+    embedding (Megatron's `zero_out_wgrad`), whose own gradient DDP's hook then adds."""
+    hidden, weight, labels, mask, loss_weights = _problem(seed=11, dtype=torch.bfloat16)
+    _, expected = _grads(lambda h, w: _loss(*_reference(h.float(), w.float(), labels, mask=mask), loss_weights),
+                         hidden, weight)
+    leaf = _weight_with_main_grad(weight, **({"zero_out_wgrad": True} if tied else {}))
+    out = vocab_parallel_logprobs(hidden.clone().requires_grad_(), leaf, labels, mask=mask, with_entropy=True,
+                                  chunk_tokens=5, into_main_grad=True)
+    _loss(out.logprobs, out.entropy, loss_weights).backward()
+    assert leaf.grad_added_to_main_grad
+    assert _relative_error(leaf.main_grad - 0.25, expected) <= 1e-2  # bf16 GEMM inputs, fp32 sums
+    if tied:
+        assert torch.equal(leaf.grad, torch.zeros_like(leaf))
+
+
+def test_a_bf16_main_grad_or_no_fusion_leaves_the_gradient_to_ddps_hook():
+    hidden, weight, labels, mask, loss_weights = _problem(seed=12, dtype=torch.bfloat16)
+    for main_grad_dtype, into_main_grad in ((torch.bfloat16, True), (torch.float32, False)):
+        leaf = _weight_with_main_grad(weight, main_grad_dtype)
+        out = vocab_parallel_logprobs(hidden, leaf, labels, mask=mask, chunk_tokens=5, into_main_grad=into_main_grad)
+        out.logprobs.sum().backward()
+        assert not leaf.grad_added_to_main_grad and torch.all(leaf.main_grad == 0.25)
+        assert leaf.grad.dtype == torch.bfloat16 and leaf.grad.abs().sum() > 0
+
+
 def test_kept_tokens_are_whole_chunks_within_the_budget():
     from skyrl_megatron.compute.logprobs import kept_logits_tokens
 

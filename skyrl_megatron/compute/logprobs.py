@@ -108,6 +108,7 @@ def vocab_parallel_logprobs(
     chunk_tokens: int | None = None,
     fused: bool = False,
     kept_logits_bytes: int = 0,
+    into_main_grad: bool = False,
 ) -> TokenLogprobs:
     """log softmax(hidden @ weight.T / temperature)[label] per token, without the full logits.
 
@@ -119,7 +120,10 @@ def vocab_parallel_logprobs(
     outputs. `kept`, where given, lists `mask`'s true positions in its flattened order (the caller's
     host copy spares the device read). `chunk_tokens` defaults to a 1 GiB fp32 logits chunk. `fused`
     runs each chunk's elementwise work as Triton kernels (GPU). Where gradients are wanted, up to
-    `kept_logits_bytes` of logits (whole chunks) stay from forward for the backward.
+    `kept_logits_bytes` of logits (whole chunks) stay from forward for the backward. `into_main_grad`
+    (Megatron's `gradient_accumulation_fusion`): where `weight` has an fp32 DDP `main_grad`, its gradient
+    accumulates there directly, as Megatron's fused linear layers do, and the weight is marked
+    `grad_added_to_main_grad`.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -143,9 +147,9 @@ def vocab_parallel_logprobs(
     if kept_logits_bytes and torch.is_grad_enabled() and (flat_hidden.requires_grad or weight.requires_grad):
         keep_tokens = kept_logits_tokens(flat_hidden.shape[0], chunk_tokens, weight.shape[0],
                                          torch.promote_types(hidden.dtype, weight.dtype).itemsize, kept_logits_bytes)
-    logprobs, entropy = _ChunkedVocabParallelLogprobs.apply(
-        flat_hidden, weight, flat_labels, temperature, with_entropy, chunk_tokens, tp_group, fused, keep_tokens
-    )
+    options = _HeadOptions(temperature, with_entropy, chunk_tokens, tp_group, _chunk_kernels(fused, hidden.device),
+                           keep_tokens, into_main_grad)
+    logprobs, entropy = _ChunkedVocabParallelLogprobs.apply(flat_hidden, weight, flat_labels, options)
     if mask is not None:
         logprobs = _scatter_kept(logprobs, kept, labels.numel())
         entropy = _scatter_kept(entropy, kept, labels.numel()) if with_entropy else None
@@ -199,6 +203,7 @@ class LogprobOutputProcessor:
             chunk_tokens=chunk_tokens_for(weight.shape[0], self.logits_chunk_bytes),
             fused=self.fused,
             kept_logits_bytes=self.logits_kept_bytes,
+            into_main_grad=bool(config.gradient_accumulation_fusion),
         )
         return TokenLogprobs(
             logprobs=result.logprobs.t(),
@@ -241,6 +246,19 @@ def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> 
     return torch.where(owned, local, 0), owned
 
 
+@dataclass(frozen=True)
+class _HeadOptions:
+    """How one call walks its chunks: the Function's arguments besides the tensors."""
+
+    temperature: float
+    with_entropy: bool
+    chunk_tokens: int
+    tp_group: ProcessGroup | None
+    kernels: _ChunkKernels
+    keep_tokens: int  # leading tokens whose logits forward keeps for the backward
+    into_main_grad: bool  # the weight's gradient accumulates into its fp32 DDP `main_grad`, where it has one
+
+
 class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
     """hidden [T, h], weight [V/TP, h], labels [T] -> logprobs [T], entropy [T] or None (fp32).
 
@@ -251,37 +269,36 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, with_entropy, chunk_tokens, tp_group, fused, keep_tokens):
+    def forward(ctx, hidden, weight, labels, options: _HeadOptions):
+        tp_group = options.tp_group
         vocab_start = (tp_group.rank() if tp_group is not None else 0) * weight.shape[0]
         num_tokens = hidden.shape[0]
         logprobs = torch.empty(num_tokens, dtype=torch.float32, device=hidden.device)
         log_partition = torch.empty_like(logprobs)
-        entropy = torch.empty_like(logprobs) if with_entropy else None
+        entropy = torch.empty_like(logprobs) if options.with_entropy else None
         kept_logits = None
-        if keep_tokens:
-            kept_logits = torch.empty(keep_tokens, weight.shape[0], device=hidden.device,
+        if options.keep_tokens:
+            kept_logits = torch.empty(options.keep_tokens, weight.shape[0], device=hidden.device,
                                       dtype=torch.promote_types(hidden.dtype, weight.dtype))
-        kernels = _chunk_kernels(fused, hidden.device)
-        for start in range(0, num_tokens, chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
+        for start in range(0, num_tokens, options.chunk_tokens):
+            rows = slice(start, start + options.chunk_tokens)
             _forward_chunk(
-                kernels,
+                options.kernels,
                 hidden[rows],
                 weight,
                 labels[rows],
-                temperature,
+                options.temperature,
                 vocab_start,
                 tp_group,
                 logprobs=logprobs[rows],
                 log_partition=log_partition[rows],
-                entropy=entropy[rows] if with_entropy else None,
-                logits_out=kept_logits[rows] if start < keep_tokens else None,
+                entropy=entropy[rows] if entropy is not None else None,
+                logits_out=kept_logits[rows] if start < options.keep_tokens else None,
             )
 
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, log_partition, entropy)
-        ctx.temperature, ctx.chunk_tokens, ctx.vocab_start = temperature, chunk_tokens, vocab_start
-        ctx.kernels = kernels
+        ctx.options, ctx.vocab_start = options, vocab_start
         # not a saved tensor: the backward writes the gradients over it, and drops it when done
         ctx.kept_logits = kept_logits
         return logprobs, entropy
@@ -290,23 +307,30 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels, log_partition, entropy = ctx.saved_tensors
         kept_logits, ctx.kept_logits = ctx.kept_logits, None
+        options = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_logprobs is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return (None,) * 9
+            return None, None, None, None
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(log_partition)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # fp32 accumulation across chunks, as into Megatron's main_grad; cast once at the end
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        main_grad = getattr(weight, "main_grad", None) if need_weight and options.into_main_grad else None
+        if main_grad is not None and main_grad.dtype != torch.float32:
+            main_grad = None  # a bf16 main_grad (grad_reduce_in_fp32 false): DDP's hook adds the cast gradient
+        grad_weight = None
+        if need_weight:
+            # fp32 accumulation across chunks, into main_grad or into a buffer cast once at the end
+            grad_weight = main_grad if main_grad is not None else torch.zeros(
+                weight.shape, dtype=torch.float32, device=weight.device)
         keep_tokens = kept_logits.shape[0] if kept_logits is not None else 0
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            rows = slice(start, start + ctx.chunk_tokens)
+        for start in range(0, hidden.shape[0], options.chunk_tokens):
+            rows = slice(start, start + options.chunk_tokens)
             _backward_chunk(
-                ctx.kernels,
+                options.kernels,
                 hidden[rows],
                 weight,
                 labels[rows],
-                ctx.temperature,
+                options.temperature,
                 ctx.vocab_start,
                 log_partition=log_partition[rows],
                 entropy=entropy[rows] if grad_entropy is not None else None,
@@ -316,9 +340,22 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
                 grad_weight=grad_weight,
                 logits=kept_logits[rows] if start < keep_tokens else None,
             )
-        if need_weight:
+        if main_grad is not None:
+            grad_weight = _added_to_main_grad(weight)
+        elif need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None
+
+
+def _added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """Mark `weight` as Megatron's fused linear layers do once they have added into its `main_grad`, and
+    return the placeholder gradient AccumulateGrad needs: never read, so uninitialised, unless the weight is
+    shared with the embedding (`zero_out_wgrad`), whose own gradient DDP's hook then adds with it."""
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
 
 
 def _forward_chunk(
