@@ -21,7 +21,7 @@ from torch import Tensor
 _STATISTICS_BLOCK = 4096
 _GRAD_BLOCK = 4096
 # below any finite logit, and still finite: exp(_FLOOR - m) is 0 and (_FLOOR - m) * 0 is 0, where -inf gives NaN
-_FLOOR = -3.0e38
+_FLOOR = tl.constexpr(-3.0e38)
 
 
 @triton.jit
