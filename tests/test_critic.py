@@ -21,6 +21,9 @@ VALUE_ATOL = 1e-5
 # weight whatever the gradient's size) the second step's tiny gradient norm (~0.08) carries the
 # layouts' different reduction orders at ~2e-5 relative (TP2+SP measured 1.5e-5)
 TRAIN_RTOL = (1e-5, 1e-4)
+# the values after those steps: the updates' reduction-order noise reaches them too (TP2 x EP2 measured
+# 1.06e-5 on an AMD EPYC host, within 1e-5 on others); a wrong layout moves them by orders of magnitude more
+FINAL_VALUE_ATOL = 3e-5
 PADDED = {"micro_batch_size": 3}
 PACKED = {"max_tokens": 30}
 
@@ -104,7 +107,7 @@ def _assert_values_match_host(values: torch.Tensor, host_values: torch.Tensor) -
 
 
 def _assert_same_training(run: dict, reference: dict) -> None:
-    assert (run["final"] - reference["final"]).abs().max().item() <= VALUE_ATOL
+    assert (run["final"] - reference["final"]).abs().max().item() <= FINAL_VALUE_ATOL
     for step, (got, want) in enumerate(zip(run["history"], reference["history"], strict=True)):
         for metric in ("critic_loss", "values_mean", "values_clipfrac", "grad_norm"):
             assert got[metric] == pytest.approx(want[metric], rel=TRAIN_RTOL[min(step, 1)], abs=1e-7), (
