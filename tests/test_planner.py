@@ -495,3 +495,22 @@ def test_the_plan_takes_the_logprob_heads_default_chunk():
 
     assert planner_default == head_default == MegatronWorkerConfig().logits_chunk_mib * 2**20
     assert BatchPlan(8192).logits_chunk_bytes == planner_default
+
+
+def test_the_plan_keeps_the_logits_the_head_keeps():
+    """The planner's copies of the kept-logits default and of the head's whole-chunk rule (`kept_logits_tokens`)
+    agree with the head's and with `megatron_config.logits_kept_mib`."""
+    from skyrl_megatron.compute.logprobs import DEFAULT_LOGITS_KEPT_BYTES as head_default
+    from skyrl_megatron.compute.logprobs import chunk_tokens_for, kept_logits_tokens
+    from skyrl_megatron.config import MegatronWorkerConfig
+    from skyrl_megatron.planner.memory import DEFAULT_LOGITS_KEPT_BYTES as planner_default
+    from skyrl_megatron.planner.memory import _kept_logits_bytes
+
+    assert planner_default == head_default == MegatronWorkerConfig().logits_kept_mib * 2**20
+    assert BatchPlan(8192).logits_kept_bytes == planner_default
+    vocab_rows = 151936
+    for tokens, kept_mib in ((8192, 4096), (16384, 4096), (16384, 1024), (4096, 0)):
+        batch = BatchPlan(tokens, logits_kept_bytes=kept_mib * 2**20)
+        kept_tokens = kept_logits_tokens(tokens, chunk_tokens_for(vocab_rows, batch.logits_chunk_bytes), vocab_rows,
+                                         2, batch.logits_kept_bytes)
+        assert _kept_logits_bytes(tokens, vocab_rows, batch) == kept_tokens * vocab_rows * 2, (tokens, kept_mib)
