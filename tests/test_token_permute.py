@@ -107,3 +107,53 @@ def test_route_regularly_grants_only_that_dispatchers_two_steps():
     for dispatcher in (granted, other):
         dispatcher.dispatch_preprocess(1), dispatcher.token_dispatch(1), dispatcher.combine_postprocess(1)
     assert seen == [("dispatch", 8), ("a2a", None), ("combine", 8), ("dispatch", None), ("a2a", None), ("combine", None)]
+
+
+_ROW_SUM_CHECK = """
+import torch
+from skyrl_megatron.model.moe import row_sum_kernels
+
+cases = 0
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    # k of 1, 2 and 8; hidden below, at and past one program's columns (a masked tail)
+    for tokens, k, hidden in ((3, 1, 6), (5, 2, 2048), (4, 8, 2 * 2048 + 37)):
+        generator = torch.Generator().manual_seed(tokens * k + hidden)
+        x = (torch.randn(tokens * k, hidden, generator=generator) * 8).to(dtype)
+        rows = torch.randperm(tokens * k, generator=generator).view(tokens, k)
+        want = torch.zeros(tokens, hidden)
+        for j in range(k):  # in fp32, in expert order, rounded once
+            want += x[rows[:, j]].float()
+        # the fp32 sums bitwise (an fp32 output); then the rounding into x's dtype, which the interpreter does
+        # by truncation where the GPU rounds to nearest: within one unit in the last place
+        sums = torch.full((tokens, hidden), float("nan"))
+        row_sum_kernels.sum_rows(x, rows, sums)
+        assert torch.equal(sums, want), (dtype, tokens, k, hidden, (sums - want).abs().max())
+        out = torch.full((tokens, hidden), float("nan"), dtype=dtype)
+        row_sum_kernels.sum_rows(x, rows, out)
+        torch.testing.assert_close(out.float(), want, rtol=torch.finfo(dtype).eps, atol=0)
+        cases += 1
+print("checked", cases)
+"""
+
+
+def test_the_row_sum_kernel_adds_each_tokens_rows_in_fp32_in_expert_order_bitwise():
+    from skyrl_megatron.testing import run_under_triton_interpreter
+
+    done = run_under_triton_interpreter(_ROW_SUM_CHECK, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split()[-1] == "9"
+
+
+def test_the_row_sum_kernel_takes_contiguous_cuda_rows_only():
+    class OnGpu(torch.Tensor):  # reports CUDA without a GPU, for the predicate alone
+        @property
+        def is_cuda(self):
+            return True
+
+    x, rows = torch.zeros(8, 6).as_subclass(OnGpu), torch.arange(8).view(4, 2)
+    assert token_permute._kernel_sums(x, rows)
+    assert not token_permute._kernel_sums(torch.zeros(8, 6), rows)  # a CPU tensor: PyTorch's chain
+    assert not token_permute._kernel_sums(x.t(), rows)  # not contiguous
+    assert not token_permute._kernel_sums(x.view(8, 2, 3), rows)  # not [rows, hidden]
+    assert not token_permute._kernel_sums(x, rows.t())
+    assert not token_permute._kernel_sums(x[:0], torch.zeros(0, 0, dtype=torch.long))  # no tokens

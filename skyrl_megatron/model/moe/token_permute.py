@@ -14,7 +14,7 @@ permutation's token indices) and both directions become gathers:
     unpermute:  forward y[t] = sum_j x[row[t, j]];        backward dx = dy[token_of_row]
 
 The k rows of a token are summed in expert order in one reduction (fp32 accumulation for bf16),
-the same on every run and layout.
+the same on every run and layout; on GPU in one pass (`row_sum_kernels.py`: no [tokens, k, hidden] copy).
 
 The guarantee comes from the layer's config, not from the tensors, so it is granted per dispatcher:
 `route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe/layer.py`, for the alltoall
@@ -71,8 +71,20 @@ class _SumRows(torch.autograd.Function):
         return grad_tokens.index_select(0, token_of_row), None, None
 
 
+def _kernel_sums(x: Tensor, rows: Tensor) -> bool:
+    """Whether the one-pass Triton kernel (`row_sum_kernels.py`) takes this sum: contiguous CUDA rows."""
+    return x.is_cuda and x.dim() == 2 and x.is_contiguous() and rows.is_contiguous() and rows.shape[1] > 0
+
+
 def _sum_rows(x: Tensor, rows: Tensor) -> Tensor:
     num_tokens, k = rows.shape
+    if _kernel_sums(x, rows):
+        from skyrl_megatron.model.moe import row_sum_kernels
+
+        out = torch.empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
+        if out.numel():
+            row_sum_kernels.sum_rows(x, rows, out)
+        return out
     gathered = x.index_select(0, rows.reshape(-1)).view(num_tokens, k, *x.shape[1:])
     if x.dtype in (torch.bfloat16, torch.float16):  # accumulate in fp32, round once
         return gathered.sum(dim=1, dtype=torch.float32).to(x.dtype)
