@@ -132,6 +132,36 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         row_sum_kernels.sum_rows(x, rows, out)
         torch.testing.assert_close(out.float(), want, rtol=torch.finfo(dtype).eps, atol=0)
         cases += 1
+
+# the kernel in its place: the unpermute's forward and the permutation's backward through it, fp32, against the
+# PyTorch chain's round trip (the kernel's test on a GPU, with CPU tensors standing in for CUDA ones)
+from skyrl_megatron.model.moe import token_permute
+
+token_permute.install()
+tokens, experts, topk = 9, 8, 2
+generator = torch.Generator().manual_seed(5)
+chosen = torch.rand(tokens, experts, generator=generator).topk(topk, dim=1).indices
+routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+hidden, upstream = torch.randn(tokens, 6, generator=generator), torch.randn(tokens, 6, generator=generator)
+
+
+def round_trip():
+    x = hidden.clone().requires_grad_()
+    with token_permute.regular_routing(topk):
+        rows, _, order, _, _ = token_permute.permute(x, routing_map, num_out_tokens=tokens * topk)
+        out = token_permute.unpermute(rows * 3.0, order, x.shape, routing_map=routing_map)
+    out.backward(upstream)
+    return out.detach(), x.grad
+
+
+want_out, want_grad = round_trip()
+token_permute._kernel_sums = lambda x, rows: x.dim() == 2 and x.is_contiguous() and rows.is_contiguous() and rows.shape[1] > 0
+launches, launch = [], row_sum_kernels.sum_rows
+row_sum_kernels.sum_rows = lambda *args: launches.append(1) or launch(*args)
+got_out, got_grad = round_trip()
+assert len(launches) == 2, launches  # the unpermute's forward and the permutation's backward
+assert torch.equal(got_out, want_out) and torch.equal(got_grad, want_grad), (got_out - want_out, got_grad - want_grad)
+cases += 1
 print("checked", cases)
 """
 
@@ -141,7 +171,7 @@ def test_the_row_sum_kernel_adds_each_tokens_rows_in_fp32_in_expert_order_bitwis
 
     done = run_under_triton_interpreter(_ROW_SUM_CHECK, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "9"
+    assert done.stdout.split()[-1] == "10"
 
 
 def test_the_row_sum_kernel_takes_contiguous_cuda_rows_only():
