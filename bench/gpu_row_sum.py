@@ -37,10 +37,10 @@ def main() -> None:
         x = torch.randn(args.tokens * args.topk, args.hidden, device=device, generator=generator).to(dtype)
         token_of_row = torch.randperm(args.tokens * args.topk, device=device, generator=generator) % args.tokens
         rows = token_permute.rows_by_token(token_of_row, args.tokens)
-        assert token_permute._kernel_sums(x, rows)
-        chain = lambda: token_permute._sum_rows(x.view(-1, 1, args.hidden), rows)  # noqa: E731 (3-D: the chain)
+        assert token_permute._kernel_takes(x, rows)
+        chain = lambda: token_permute._chain_sums(x, rows)  # noqa: E731
         kernel = lambda: token_permute._sum_rows(x, rows)  # noqa: E731
-        want, got = chain().view(args.tokens, args.hidden), kernel()
+        want, got = chain(), kernel()
         differ = (want != got)
         # in units of the last place at the sums' largest magnitude: a per-output measure blows up where a
         # sum cancels to near zero and the two orders of addition leave different last bits

@@ -155,7 +155,7 @@ def round_trip():
 
 
 want_out, want_grad = round_trip()
-token_permute._kernel_sums = lambda x, rows: x.dim() == 2 and x.is_contiguous() and rows.is_contiguous() and rows.shape[1] > 0
+token_permute._kernel_takes = token_permute._kernel_layout  # CPU tensors in the kernel's layout take it
 launches, launch = [], row_sum_kernels.sum_rows
 row_sum_kernels.sum_rows = lambda *args: launches.append(1) or launch(*args)
 got_out, got_grad = round_trip()
@@ -181,9 +181,9 @@ def test_the_row_sum_kernel_takes_contiguous_cuda_rows_only():
             return True
 
     x, rows = torch.zeros(8, 6).as_subclass(OnGpu), torch.arange(8).view(4, 2)
-    assert token_permute._kernel_sums(x, rows)
-    assert not token_permute._kernel_sums(torch.zeros(8, 6), rows)  # a CPU tensor: PyTorch's chain
-    assert not token_permute._kernel_sums(x.t(), rows)  # not contiguous
-    assert not token_permute._kernel_sums(x.view(8, 2, 3), rows)  # not [rows, hidden]
-    assert not token_permute._kernel_sums(x, rows.t())
-    assert not token_permute._kernel_sums(x[:0], torch.zeros(0, 0, dtype=torch.long))  # no tokens
+    assert token_permute._kernel_takes(x, rows)
+    assert not token_permute._kernel_takes(torch.zeros(8, 6), rows)  # a CPU tensor: PyTorch's chain
+    assert not token_permute._kernel_takes(x.t(), rows)  # not contiguous
+    assert not token_permute._kernel_takes(x.view(8, 2, 3), rows)  # not [rows, hidden]
+    assert not token_permute._kernel_takes(x, rows.t())
+    assert not token_permute._kernel_takes(x[:0], torch.zeros(0, 0, dtype=torch.long))  # no tokens

@@ -45,25 +45,18 @@ def _other_cases():
     for half in ("*bf16", "*fp16"):
         yield (f"grad accumulate {half}", grad_accumulate_kernels._accumulate_kernel,
                {"target_ptr": "*fp32", "addend_ptr": half, "numel": "i64"}, {"BLOCK": grad_accumulate_kernels._BLOCK})
-        for k in (2, 8):
-            yield (f"row sums {half} k={k}", row_sum_kernels._sum_rows_kernel,
-                   {"x_ptr": half, "rows_ptr": "*i64", "out_ptr": half, "hidden": "i32"},
-                   {"K": k, "BLOCK": row_sum_kernels._BLOCK})
         yield (f"swiglu forward {half}", swiglu_kernels._swiglu_forward_kernel,
                {"y_ptr": half, "out_ptr": half, "width": "i32"}, {"BLOCK": swiglu_kernels._BLOCK})
         yield (f"swiglu backward {half}", swiglu_kernels._swiglu_backward_kernel,
                {"grad_ptr": half, "y_ptr": half, "grad_y_ptr": half, "width": "i32"}, {"BLOCK": swiglu_kernels._BLOCK})
+    for rows in ("*bf16", "*fp16", "*fp32"):
+        for k in (2, 8):
+            yield (f"row sums {rows} k={k}", row_sum_kernels._sum_rows_kernel,
+                   {"x_ptr": rows, "rows_ptr": "*i64", "out_ptr": rows, "hidden": "i32"},
+                   {"K": k, "BLOCK": row_sum_kernels._BLOCK})
 
 
-def _row_sum_fp32_case():
-    from skyrl_megatron.model.moe import row_sum_kernels
-
-    yield ("row sums *fp32 k=8", row_sum_kernels._sum_rows_kernel,
-           {"x_ptr": "*fp32", "rows_ptr": "*i64", "out_ptr": "*fp32", "hidden": "i32"},
-           {"K": 8, "BLOCK": row_sum_kernels._BLOCK})
-
-
-CASES = [*_logprob_cases(), *_other_cases(), *_row_sum_fp32_case()]
+CASES = [*_logprob_cases(), *_other_cases()]
 
 
 @pytest.mark.parametrize("name,kernel,signature,constexprs", CASES, ids=[case[0] for case in CASES])

@@ -71,20 +71,30 @@ class _SumRows(torch.autograd.Function):
         return grad_tokens.index_select(0, token_of_row), None, None
 
 
-def _kernel_sums(x: Tensor, rows: Tensor) -> bool:
+def _kernel_layout(x: Tensor, rows: Tensor) -> bool:
+    """Whether x [rows, hidden] and rows [tokens, k] are laid out as the one-pass kernel reads them."""
+    return x.dim() == 2 and x.is_contiguous() and rows.is_contiguous() and rows.shape[1] > 0
+
+
+def _kernel_takes(x: Tensor, rows: Tensor) -> bool:
     """Whether the one-pass Triton kernel (`row_sum_kernels.py`) takes this sum: contiguous CUDA rows."""
-    return x.is_cuda and x.dim() == 2 and x.is_contiguous() and rows.is_contiguous() and rows.shape[1] > 0
+    return x.is_cuda and _kernel_layout(x, rows)
 
 
 def _sum_rows(x: Tensor, rows: Tensor) -> Tensor:
-    num_tokens, k = rows.shape
-    if _kernel_sums(x, rows):
-        from skyrl_megatron.model.moe import row_sum_kernels
+    if not _kernel_takes(x, rows):
+        return _chain_sums(x, rows)
+    from skyrl_megatron.model.moe import row_sum_kernels
 
-        out = torch.empty((num_tokens, x.shape[1]), dtype=x.dtype, device=x.device)
-        if out.numel():
-            row_sum_kernels.sum_rows(x, rows, out)
-        return out
+    out = torch.empty((rows.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    if out.numel():
+        row_sum_kernels.sum_rows(x, rows, out)
+    return out
+
+
+def _chain_sums(x: Tensor, rows: Tensor) -> Tensor:
+    """The sums as PyTorch's gather into a [tokens, k, ...] copy and a reduction (CPU, and any layout)."""
+    num_tokens, k = rows.shape
     gathered = x.index_select(0, rows.reshape(-1)).view(num_tokens, k, *x.shape[1:])
     if x.dtype in (torch.bfloat16, torch.float16):  # accumulate in fp32, round once
         return gathered.sum(dim=1, dtype=torch.float32).to(x.dtype)
