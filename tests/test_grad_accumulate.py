@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from skyrl_megatron.model.moe import grad_accumulate
-from skyrl_megatron.testing import run_under_triton_interpreter
+from skyrl_megatron.testing import last_word_under_triton_interpreter
 
 _TRITON_CHECK = """
 import torch
@@ -33,9 +33,7 @@ print("checked", cases)
 
 
 def test_the_triton_kernel_equals_torchs_mixed_dtype_add_bitwise():
-    done = run_under_triton_interpreter(_TRITON_CHECK, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "6"
+    assert last_word_under_triton_interpreter(_TRITON_CHECK, timeout=300) == "6"
 
 
 def test_the_kernel_takes_contiguous_fp32_targets_with_half_addends_on_the_gpu_only():

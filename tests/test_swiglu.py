@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from skyrl_megatron.model.layers import swiglu
-from skyrl_megatron.testing import run_under_triton_interpreter
+from skyrl_megatron.testing import last_word_under_triton_interpreter
 
 _TRITON_CHECK = """
 import torch
@@ -58,9 +58,7 @@ print("checked", cases + 1)
 
 
 def test_the_triton_kernels_equal_autograd_through_silu_times_up():
-    done = run_under_triton_interpreter(_TRITON_CHECK, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split()[-1] == str(2 * 4 + 1)
+    assert last_word_under_triton_interpreter(_TRITON_CHECK, timeout=300) == str(2 * 4 + 1)
 
 
 def test_calls_the_kernels_do_not_take_reach_megatrons_function(monkeypatch):

@@ -167,11 +167,9 @@ print("checked", cases)
 
 
 def test_the_row_sum_kernel_adds_each_tokens_rows_in_fp32_in_expert_order_bitwise():
-    from skyrl_megatron.testing import run_under_triton_interpreter
+    from skyrl_megatron.testing import last_word_under_triton_interpreter
 
-    done = run_under_triton_interpreter(_ROW_SUM_CHECK, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "10"
+    assert last_word_under_triton_interpreter(_ROW_SUM_CHECK, timeout=300) == "10"
 
 
 def test_the_row_sum_kernel_takes_contiguous_cuda_rows_only():

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from skyrl_megatron.testing.rl_batches import make_rl_batch
     from skyrl_megatron.testing.tiny_models import FAMILIES, make_tiny_hf_model, tiny_config
     from skyrl_megatron.testing.tokenizer import make_tiny_tokenizer, save_tiny_tokenizer
-    from skyrl_megatron.testing.triton_interpreter import run_under_triton_interpreter
+    from skyrl_megatron.testing.triton_interpreter import last_word_under_triton_interpreter, run_under_triton_interpreter
     from skyrl_megatron.testing.vllm_models import vllm_model_on_cpu
 
 _EXPORTS = {
@@ -29,6 +29,7 @@ _EXPORTS = {
     "make_tiny_tokenizer": "tokenizer",
     "save_tiny_tokenizer": "tokenizer",
     "run_under_triton_interpreter": "triton_interpreter",
+    "last_word_under_triton_interpreter": "triton_interpreter",
     "vllm_model_on_cpu": "vllm_models",
 }
 

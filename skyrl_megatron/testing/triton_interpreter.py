@@ -19,3 +19,11 @@ def run_under_triton_interpreter(script: str, *, timeout: float, env: Mapping[st
     environment = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
     return subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def last_word_under_triton_interpreter(script: str, *, timeout: float, env: Mapping[str, str] | None = None) -> str:
+    """The last word `script` prints under Triton's interpreter (its checks' summary), after asserting that it
+    exited cleanly (the assertion carries the end of its stderr)."""
+    done = run_under_triton_interpreter(script, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.split()[-1]
