@@ -22,6 +22,7 @@ comparisons and benchmarks.
 
 Where routing is dropless top-k with the alltoall dispatcher (any EP size), the layer also permutes
 and unpermutes its tokens by gathers (`model/moe/token_permute.py`) instead of Megatron's scatter-adds.
+Its router's fp32 gating GEMM takes bf16 operands with an fp32 output (`model/moe/router_gating.py`).
 
 At EP > 1, `use_device_all_to_all(chunks)` (a pre-wrap hook, on with
 ``moe_config.device_all_to_all``) gives every such layer `DeviceAllToAllDispatcher`
@@ -36,7 +37,7 @@ from __future__ import annotations
 from torch import nn
 
 from skyrl_megatron.config import ConfigError, Problem
-from skyrl_megatron.model.moe import token_permute, token_sort
+from skyrl_megatron.model.moe import router_gating, token_permute, token_sort
 from skyrl_megatron.model.moe.exchange_dispatcher import device_all_to_all_dispatcher_class, exchange_can_apply
 from skyrl_megatron.model.moe.split_overlap import forward_in_halves, split_overlap_can_apply
 
@@ -116,6 +117,7 @@ def grouped_moe_layer_class() -> type:
                 if pg_collection is None:
                     pg_collection = get_default_pg_collection()
                 super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
+                router_gating.install()  # the fp32 gating GEMM without upcast operands (router_gating.py)
                 self.dispatcher_pg_collection = pg_collection  # to build another dispatcher later
                 # MoELayer builds its dispatcher inline (no spec entry), so the choice is made here,
                 # after the experts exist: the device-resident counts are only for experts that read them.
