@@ -481,8 +481,20 @@ class _Measured:
     def optim_step(self, *args, **kwargs):
         return self._bench_timed("train", super().optim_step, args, kwargs)
 
+    def empty_cache(self, *args, **kwargs):
+        """Timed apart: the host's trainer asks after each scoring and training call, outside those calls
+        (part of the driver's seconds, not the worker's); kept as "<phase>:empty_cache"."""
+        started = time.perf_counter()
+        result = super().empty_cache(*args, **kwargs)
+        key = f"{self.__dict__.get('_bench_phase', '')}:empty_cache"
+        seconds = self.__dict__.setdefault("_bench_seconds", {})
+        seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - started
+        return result
+
     def bench_begin(self, phase: str) -> None:
+        self.__dict__["_bench_phase"] = phase
         self.__dict__.setdefault("_bench_seconds", {})[phase] = 0.0
+        self.__dict__["_bench_seconds"][f"{phase}:empty_cache"] = 0.0
         self.__dict__.setdefault("_bench_allocator", {})[phase] = dict.fromkeys(ALLOCATOR_COUNTERS, 0)
 
     def _bench_timed(self, phase: str, fn, args, kwargs):
@@ -733,6 +745,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         phases: dict[str, list[float]] = {"forward": [], "train": []}
         in_worker: dict[str, list[float]] = {"forward": [], "train": []}
         allocations: dict[str, list[dict[str, int]]] = {"forward": [], "train": []}
+        emptying: dict[str, list[float]] = {"forward": [], "train": []}  # the host's empty_cache calls, in the driver's time
         for number in range(s.warmup + s.steps):
             driver, worker, status = step(number)
             calls = allocator_calls()
@@ -741,11 +754,14 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
                     phases[phase].append(driver[phase])
                     in_worker[phase].append(worker[phase])
                     allocations[phase].append(calls[phase])
+                    emptying[phase].append(worker.get(f"{phase}:empty_cache", 0.0))
             print(f"  {case.name} step {number}{' (warm-up)' if number < s.warmup else ''}: "
                   f"forward {driver['forward']:.2f} s ({worker['forward']:.2f} in worker, "
-                  f"{calls['forward']['cuda_mallocs']} cudaMalloc), "
+                  f"{calls['forward']['cuda_mallocs']} cudaMalloc, "
+                  f"{worker.get('forward:empty_cache', 0.0):.3f} s emptying the cache), "
                   f"train {driver['train']:.2f} s ({worker['train']:.2f} in worker, "
-                  f"{calls['train']['cuda_mallocs']} cudaMalloc), "
+                  f"{calls['train']['cuda_mallocs']} cudaMalloc, "
+                  f"{worker.get('train:empty_cache', 0.0):.3f} s emptying the cache), "
                   f"loss {status['policy_loss']:.4f}", flush=True)
         profile = None
         if s.profile_dir is not None and case.backend in s.profile_backends:
@@ -759,6 +775,7 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
     result.update(init_seconds=init_seconds, startup=startups, profile=profile)
     for phase, calls in allocations.items():
         result["phases"][phase]["allocator_calls"] = calls
+        result["phases"][phase]["empty_cache_seconds"] = emptying[phase]
     return result
 
 

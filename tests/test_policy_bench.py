@@ -457,6 +457,9 @@ def _measured_worker(bench, clock: _FakeClock):
             self.optim_step()
             return "trained"
 
+        def empty_cache(self):
+            clock.now += 0.125
+
     return type("MeasuredWorker", (bench._Measured, Worker), {})()
 
 
@@ -471,11 +474,15 @@ def test_a_phase_adds_up_its_calls_from_its_beginning_and_counts_a_nested_call_o
 
     worker.bench_begin("forward")
     assert worker.forward(None) == "scored"
+    worker.empty_cache()  # the host's request after the call: its own key, not the phase's seconds
     worker.bench_begin("train")
     for _ in range(2):  # two mini-batches
         worker.forward_backward(None)
         worker.optim_step()
-    assert worker.bench_worker_seconds() == {"forward": 1.0, "train": 5.0}
+    worker.empty_cache()
+    worker.empty_cache()
+    assert worker.bench_worker_seconds() == {"forward": 1.0, "forward:empty_cache": 0.125,
+                                             "train": 5.0, "train:empty_cache": 0.25}
 
     worker.bench_begin("train")  # the next step starts from zero
     assert worker.ppo_train(None) == "trained"
