@@ -264,3 +264,32 @@ def test_the_key_reaches_the_workers_config_on_this_host(compose):
         assert MegatronWorkerConfig.from_host_config(view, role).attention_kernel == "auto"
     view = current().our_view(compose(f"{MC}.attention_kernel=varlen"))
     assert MegatronWorkerConfig.from_host_config(view, "policy").attention_kernel == "varlen"
+
+
+def test_flash_attn_4_gets_the_value_contiguous_and_its_gradient_reaches_the_fused_projection(monkeypatch):
+    """The value is a view into the fused QKV projection's output; flash-attn-4's backward reads such a view
+    more slowly than a copy costs, so the kernel is handed a contiguous value, and the gradient it returns for
+    it lands in the projection's output rows (a stand-in kernel: no flash-attn-4 on CPU)."""
+    seen = {}
+
+    def stand_in(query, key, value, **kwargs):
+        seen["value_contiguous"] = value.is_contiguous()
+        return (query * value.sum(dim=1, keepdim=True),)
+
+    monkeypatch.setattr(attention, "_flash4_varlen", lambda: stand_in)
+    tokens, groups, per_group, dim = 5, 2, 2, 4
+    fused = torch.randn(tokens, groups, per_group + 2, dim, requires_grad=True)
+    query = fused[:, :, :per_group].reshape(tokens, groups * per_group, dim)
+    key, value = fused[:, :, per_group], fused[:, :, per_group + 1]
+    assert not value.is_contiguous()
+    segments = attention.CausalSegments(torch.tensor([0, tokens], dtype=torch.int32),
+                                        torch.tensor([0, tokens], dtype=torch.int32), tokens, tokens)
+    out = attention._flash4_segments(query, key, value, segments, scale=1.0)
+    assert seen["value_contiguous"]
+    out.sum().backward()
+    reference = fused.detach().clone().requires_grad_(True)
+    q = reference[:, :, :per_group].reshape(tokens, groups * per_group, dim)
+    v = reference[:, :, per_group + 1]
+    stand_in(q, reference[:, :, per_group], v.contiguous())[0].sum().backward()
+    assert torch.equal(fused.grad, reference.grad)
+    assert fused.grad[:, :, per_group + 1].abs().sum() > 0  # the value's rows got their gradient

@@ -238,11 +238,13 @@ def _flash4_varlen():
 
 
 def _flash4_segments(query: Tensor, key: Tensor, value: Tensor, segments: CausalSegments, scale: float) -> Tensor:
-    # flash-attn-4 aligns its causal mask bottom-right when queries are fewer than keys, as segments require
+    # flash-attn-4 aligns its causal mask bottom-right when queries are fewer than keys, as segments require.
+    # The value arrives as a view into the fused QKV projection (rows (heads per group + 2) x groups x dim apart):
+    # the kernels' backward reads it 9% slower than a contiguous copy costs (bench/gpu_fa4_layout.py, H200).
     result = _flash4_varlen()(
         query,
         key,
-        value,
+        value.contiguous(),
         cu_seqlens_q=segments.cu_seqlens_q,
         cu_seqlens_k=segments.cu_seqlens_k,
         max_seqlen_q=segments.max_seqlen_q,
