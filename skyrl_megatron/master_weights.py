@@ -37,6 +37,7 @@ is supported: `refusal()` says why anything else is not.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import weakref
@@ -97,6 +98,10 @@ class _Kernels:
     tie_mask: Callable
     join: Callable
     chunk: int  # elements per call
+    # (remainder, stats [worst status, ties], per-block checks) in one pass, in place of `split` and `_chunk_stats`,
+    # and the ties' indices from those checks, in place of `tie_mask`'s search (one chunk); None: the others
+    split_with_stats: Callable | None = None
+    tie_indices: Callable | None = None
 
 
 _EAGER = _Kernels(_split_chunk, _tie_mask, _join_chunk, _CHUNK)
@@ -112,9 +117,17 @@ def _generated() -> _Kernels:
     return _Kernels(compile_(_split_chunk), compile_(_tie_mask), compile_(_join_chunk), chunk=1 << 62)
 
 
+@functools.cache
+def _on_gpu() -> _Kernels:
+    """The generated kernels, the split with its checks' reductions as our Triton pass (`master_weights_kernels`)."""
+    from skyrl_megatron.master_weights_kernels import split_with_stats, tie_indices
+
+    return dataclasses.replace(_generated(), split_with_stats=split_with_stats, tie_indices=tie_indices)
+
+
 def _kernels(device: torch.device) -> _Kernels:
-    """Generated kernels on GPU; eager on CPU, where compiling costs more than the tiny models save."""
-    return _generated() if device.type == "cuda" else _EAGER
+    """Generated and Triton kernels on GPU; eager on CPU, where compiling costs more than the tiny models save."""
+    return _on_gpu() if device.type == "cuda" else _EAGER
 
 
 def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
@@ -123,30 +136,38 @@ def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, numel)
 
 
-def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(remainder int16, stats int64 [worst status, ties in chunk 0, ties in chunk 1, ...]) on the device,
-    no host read: the caller reads the stats of many tensors at once (`_settle`)."""
+def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(remainder int16, stats int64 [worst status, ties in chunk 0, ties in chunk 1, ...], the split's per-block
+    checks where its kernels keep them for the tie search, else None) on the device, no host read: the caller
+    reads the stats of many tensors at once (`_settle`)."""
     kernels = _kernels(master.device)
     bits, upper = master.view(torch.int32), model.view(torch.int16)
     if master.numel() == 0:  # nothing to check
-        return upper.clone(), torch.zeros(2, dtype=torch.int64, device=master.device)
+        return upper.clone(), torch.zeros(2, dtype=torch.int64, device=master.device), None
+    if kernels.split_with_stats is not None:  # one chunk
+        return kernels.split_with_stats(bits, upper)
     pieces, stats = [], []
     for start, stop in _chunks(master.numel(), kernels.chunk):
         remainder, status = kernels.split(bits[start:stop], upper[start:stop])
         pieces.append(remainder)
         stats.append(_chunk_stats(status))  # the statuses are freed here, chunk by chunk
     stats = torch.stack(stats)
-    return _joined(tuple(pieces)), torch.cat([stats[:, 0].max().view(1), stats[:, 1]])
+    return _joined(tuple(pieces)), torch.cat([stats[:, 0].max().view(1), stats[:, 1]]), None
 
 
 def _joined(pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _tie_indices(master: torch.Tensor, model: torch.Tensor, tie_counts: list[int]) -> torch.Tensor:
-    """Indices of the ties rounded down, found with their counts known (no host read)."""
+def _tie_indices(master: torch.Tensor, model: torch.Tensor, tie_counts: list[int],
+                 checks: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the ties rounded down, found with their counts known (no host read); from the split's
+    per-block `checks` where it kept them."""
     kernels = _kernels(master.device)
     bits, upper = master.view(torch.int32), model.view(torch.int16)
+    if checks is not None:
+        (count,) = tie_counts
+        return kernels.tie_indices(bits, upper, checks, count)
     found = [
         torch.nonzero_static(kernels.tie_mask(bits[start:stop], upper[start:stop]), size=count).view(-1) + start
         for (start, stop), count in zip(_chunks(master.numel(), kernels.chunk), tie_counts)
@@ -168,11 +189,11 @@ def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tenso
     back bit for bit from `model`; None when `model` is not `master` rounded (nothing can be saved).
 
     `master` fp32 and `model` bf16, both contiguous and one-dimensional, of the same length."""
-    remainder, stats = _split_on_device(master, model)
+    remainder, stats, checks = _split_on_device(master, model)
     stats = stats.tolist()  # a host read
     if not _in_range(stats):
         return None
-    return remainder, _tie_indices(master, model, _tie_counts(stats))
+    return remainder, _tie_indices(master, model, _tie_counts(stats), checks)
 
 
 def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch.Tensor) -> torch.Tensor:
@@ -305,6 +326,7 @@ class _Split:
     model: torch.Tensor  # flat bf16 over the same stretch
     remainder: torch.Tensor
     stats: torch.Tensor
+    checks: torch.Tensor | None  # the split's per-block checks, for its tie search (GPU), or None
 
 
 def _splits(run: _Run) -> Iterator[_Split]:
@@ -467,7 +489,8 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
         if not _in_range(mine):
             kept += sum(m.numel for m in split.members)
             continue
-        piece = _Piece(split.start, split.stop, split.remainder, _tie_indices(split.master, split.model, _tie_counts(mine)))
+        ties = _tie_indices(split.master, split.model, _tie_counts(mine), split.checks)
+        piece = _Piece(split.start, split.stop, split.remainder, ties)
         split.run.pieces.append(piece)
         freed += 4 * (split.stop - split.start) - piece.remainder.nbytes - piece.tie_indices.nbytes
         for m in split.members:

@@ -694,3 +694,70 @@ def test_building_the_optimizer_refuses_what_compact_masters_cannot_handle(tmp_p
     plain, fp32 = messages
     assert "megatron_config.compact_master_weights" in plain and "use_distributed_optimizer: true" in plain
     assert "megatron_config.compact_master_weights" in fp32 and "bf16" in fp32
+
+
+_TRITON_SPLIT_CHECK = """
+import dataclasses
+import torch
+from skyrl_megatron import master_weights
+from skyrl_megatron.master_weights_kernels import _BLOCK, split_with_stats, tie_indices
+
+generator = torch.Generator().manual_seed(0)
+tie = lambda upper: (upper << 16) | 0x8000  # the lower half exactly half way: a tie
+special = torch.tensor([0x3F800001, tie(0x3F80), tie(0x3F81), 0x7F7FFFFF, 0x00008000, 0x80000000 - (1 << 32),
+                        0x7F800000, 0x00000001], dtype=torch.int64).to(torch.int32).view(torch.float32)
+random_bits = torch.randint(-(1 << 31), (1 << 31) - 1, (3 * _BLOCK + 77,), dtype=torch.int64, generator=generator)
+values = random_bits.to(torch.int32).view(torch.float32)
+values = torch.cat([special, values[~torch.isnan(values)], (torch.randn(5000, generator=generator) * 1e3)])
+ties = tie(torch.randint(0, 1 << 15, (300,), generator=generator, dtype=torch.int32)).view(torch.float32)
+values = torch.cat([values, ties])[torch.randperm(values.numel() + 300, generator=generator)]
+cases = 0
+for length in (1, 7, _BLOCK - 1, _BLOCK, _BLOCK + 1, values.numel()):
+    masters = values[:length]
+    model = masters.to(torch.bfloat16)
+    for foreign in (False, True):  # a model weight that is not its master rounded: the worst status 2
+        if foreign:
+            model = model.clone()
+            model[length // 2] = -model[length // 2] if model[length // 2] != 0 else 1.0
+        bits, upper = masters.view(torch.int32), model.view(torch.int16)
+        remainder, stats, checks = split_with_stats(bits, upper)
+        want_remainder, status = master_weights._split_chunk(bits, upper)
+        want = master_weights._chunk_stats(status)
+        assert torch.equal(remainder, want_remainder), (length, foreign)
+        # the tie count holds where the worst status is in range (elsewhere the run stays in fp32)
+        assert stats.dtype == torch.int64 and stats[0] == want[0] and (stats[0] == 2) == foreign, (length, stats, want)
+        assert foreign or stats[1] == want[1] == int((status == 1).sum()), (length, stats, want)
+        if not foreign:  # the ties' indices, ascending, from the blocks holding one
+            assert torch.equal(tie_indices(bits, upper, checks, int(stats[1])), (status == 1).nonzero().view(-1))
+        cases += 1
+# the split in its place: split_master / join_master through the GPU's kernel set, bit for bit
+kernels = dataclasses.replace(master_weights._EAGER, chunk=1 << 62, split_with_stats=split_with_stats,
+                              tie_indices=tie_indices)
+master_weights._kernels = lambda device: kernels
+model = values.to(torch.bfloat16)
+remainder, tie_indices = master_weights.split_master(values, model)
+want_ties = (master_weights._split_chunk(values.view(torch.int32), model.view(torch.int16))[1] == 1).nonzero().view(-1)
+assert tie_indices.numel() > 100 and torch.equal(tie_indices, want_ties)  # ties of even weights round down
+assert torch.equal(master_weights.join_master(model, remainder, tie_indices).view(torch.int32), values.view(torch.int32))
+assert master_weights.split_master(values, -model) is None
+print(cases + 1)
+"""
+
+
+def test_the_triton_split_gives_the_generated_splits_remainders_and_checks_bitwise():
+    """The GPU's split (remainder and per-block checks in one Triton pass, `master_weights_kernels`) under
+    Triton's interpreter: remainders and [worst status, ties] equal to the elementwise split and its torch
+    reductions at lengths around a block's, with a foreign weight, and the ties' indices from its per-block
+    checks equal to a search of every element; then split and join through it, bit for bit."""
+    from skyrl_megatron.testing import last_word_under_triton_interpreter
+
+    assert last_word_under_triton_interpreter(_TRITON_SPLIT_CHECK, timeout=300) == "13"
+
+
+def test_the_gpu_kernel_set_splits_with_the_triton_pass(monkeypatch):
+    """On CUDA the split and its checks' reductions are one Triton pass; CPU keeps the eager chunks."""
+    from skyrl_megatron.master_weights_kernels import split_with_stats, tie_indices
+
+    on_gpu, on_cpu = master_weights._kernels(torch.device("cuda")), master_weights._kernels(torch.device("cpu"))
+    assert on_gpu.split_with_stats is split_with_stats and on_gpu.tie_indices is tie_indices
+    assert on_cpu.split_with_stats is None and on_cpu.tie_indices is None

@@ -39,8 +39,16 @@ def _logprob_cases():
 
 
 def _other_cases():
+    from skyrl_megatron import master_weights_kernels
     from skyrl_megatron.model.layers import swiglu_kernels
     from skyrl_megatron.model.moe import grad_accumulate_kernels, row_sum_kernels
+
+    yield ("compact masters' split", master_weights_kernels._split_kernel,
+           {"bits_ptr": "*i32", "upper_ptr": "*i16", "remainder_ptr": "*i16", "partial_ptr": "*i32", "numel": "i64"},
+           {"BLOCK": master_weights_kernels._BLOCK})
+    yield ("compact masters' tie indices", master_weights_kernels._tie_index_kernel,
+           {"bits_ptr": "*i32", "upper_ptr": "*i16", "partial_ptr": "*i32", "first_ptr": "*i64", "out_ptr": "*i64",
+            "numel": "i64"}, {"BLOCK": master_weights_kernels._BLOCK})
 
     for half in ("*bf16", "*fp16"):
         yield (f"grad accumulate {half}", grad_accumulate_kernels._accumulate_kernel,

@@ -1,0 +1,80 @@
+"""The Triton kernel behind compact master weights' split on GPUs (imported only where it runs).
+
+One pass per master (or run of masters): each element's int16 remainder, and per block of elements its worst
+status and its count of ties rounded down, reduced over the blocks by torch on a few thousand values. The
+generated elementwise split it replaces wrote an int8 status per element that torch's reductions then read:
+`sum(dtype=int64)` over int8 first widens its input into an int64 copy (8 bytes written and read again per
+element). At the Qwen3-30B-A3B widths with 8 layers (5.5B parameters on one H200) the split, that cast and the
+two reductions took 45 ms of kernels per optimizer step (profiled 2026-12-04); this pass moves 8 bytes per
+element, about 10 ms. The ties' indices then come from the blocks that hold one, where a generated tie mask and
+`nonzero_static` read every element again (22 ms at that shape).
+
+Statuses as in `master_weights._split_chunk`: 0 in range, 1 a tie rounded down (stored as -2**15), 2 a
+difference int16 cannot hold.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_BLOCK = 4096  # elements per program: 8 warps, 16 elements per thread
+
+
+@triton.jit
+def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    bits = tl.load(bits_ptr + offsets, mask=inside, other=0).to(tl.int64)
+    upper = tl.load(upper_ptr + offsets, mask=inside, other=0).to(tl.int64)
+    # in int64: an unrelated pair must not wrap into range
+    diff = bits - upper * 65536
+    tie = diff == 32768
+    tl.store(remainder_ptr + offsets, tl.where(tie, -32768, diff).to(tl.int16), mask=inside)
+    outside = (diff < -32768) | (diff > 32768)
+    status = tl.where(outside, 2, tie.to(tl.int32))
+    status = tl.where(inside, status, 0)
+    tl.store(partial_ptr + block * 2, tl.max(status, axis=0))
+    tl.store(partial_ptr + block * 2 + 1, tl.sum((tie & inside).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _tie_index_kernel(bits_ptr, upper_ptr, partial_ptr, first_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    if tl.load(partial_ptr + block * 2 + 1) > 0:  # most blocks hold no tie: nothing read
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < numel
+        bits = tl.load(bits_ptr + offsets, mask=inside, other=0).to(tl.int64)
+        upper = tl.load(upper_ptr + offsets, mask=inside, other=0).to(tl.int64)
+        tie = ((bits - upper * 65536) == 32768) & inside
+        # this block's ties in order, after every earlier block's
+        slot = tl.load(first_ptr + block) + tl.cumsum(tie.to(tl.int64), axis=0) - 1
+        tl.store(out_ptr + slot, offsets, mask=tie)
+
+
+def split_with_stats(bits: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(remainder int16, stats int64 [worst status, ties], the per-block checks for `tie_indices`) of a master's
+    int32 bits and its model weight's int16 bits, both contiguous and one-dimensional, of the same length (at
+    least one element)."""
+    numel = bits.numel()
+    remainder = torch.empty(numel, dtype=torch.int16, device=bits.device)
+    blocks = triton.cdiv(numel, _BLOCK)
+    partials = torch.empty(blocks, 2, dtype=torch.int32, device=bits.device)
+    _split_kernel[(blocks,)](bits, upper, remainder, partials, numel, BLOCK=_BLOCK, num_warps=8)
+    stats = torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)])
+    return remainder, stats, partials
+
+
+def tie_indices(bits: Tensor, upper: Tensor, partials: Tensor, count: int) -> Tensor:
+    """The int64 indices, ascending, of the `count` ties rounded down that `split_with_stats` counted in
+    `partials`: only the blocks holding one are read again (about one element in 2**17 is such a tie)."""
+    out = torch.empty(count, dtype=torch.int64, device=bits.device)
+    if count:
+        ties = partials[:, 1].to(torch.int64)
+        first = torch.cumsum(ties, 0) - ties
+        _tie_index_kernel[(partials.shape[0],)](bits, upper, partials, first, out, bits.numel(), BLOCK=_BLOCK,
+                                                num_warps=8)
+    return out
