@@ -25,21 +25,26 @@ _BLOCK = 4096  # elements per program: 8 warps, 16 elements per thread
 
 
 @triton.jit
-def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
-    block = tl.program_id(0).to(tl.int64)
-    offsets = block * BLOCK + tl.arange(0, BLOCK)
+def _differences(bits_ptr, upper_ptr, offsets, numel):
+    """(master bits - model bits * 2**16 in int64, where offsets < numel): int64 so that an unrelated pair cannot
+    wrap into range; past `numel` both load as 0, a difference of 0 (in range, no tie)."""
     inside = offsets < numel
     bits = tl.load(bits_ptr + offsets, mask=inside, other=0).to(tl.int64)
     upper = tl.load(upper_ptr + offsets, mask=inside, other=0).to(tl.int64)
-    # in int64: an unrelated pair must not wrap into range
-    diff = bits - upper * 65536
+    return bits - upper * 65536, inside
+
+
+@triton.jit
+def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    diff, inside = _differences(bits_ptr, upper_ptr, offsets, numel)
     tie = diff == 32768
     tl.store(remainder_ptr + offsets, tl.where(tie, -32768, diff).to(tl.int16), mask=inside)
     outside = (diff < -32768) | (diff > 32768)
     status = tl.where(outside, 2, tie.to(tl.int32))
-    status = tl.where(inside, status, 0)
     tl.store(partial_ptr + block * 2, tl.max(status, axis=0))
-    tl.store(partial_ptr + block * 2 + 1, tl.sum((tie & inside).to(tl.int32), axis=0))
+    tl.store(partial_ptr + block * 2 + 1, tl.sum(tie.to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -47,10 +52,8 @@ def _tie_index_kernel(bits_ptr, upper_ptr, partial_ptr, first_ptr, out_ptr, nume
     block = tl.program_id(0).to(tl.int64)
     if tl.load(partial_ptr + block * 2 + 1) > 0:  # most blocks hold no tie: nothing read
         offsets = block * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < numel
-        bits = tl.load(bits_ptr + offsets, mask=inside, other=0).to(tl.int64)
-        upper = tl.load(upper_ptr + offsets, mask=inside, other=0).to(tl.int64)
-        tie = ((bits - upper * 65536) == 32768) & inside
+        diff, _ = _differences(bits_ptr, upper_ptr, offsets, numel)
+        tie = diff == 32768
         # this block's ties in order, after every earlier block's
         slot = tl.load(first_ptr + block) + tl.cumsum(tie.to(tl.int64), axis=0) - 1
         tl.store(out_ptr + slot, offsets, mask=tie)
