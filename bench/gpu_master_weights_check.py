@@ -1,5 +1,5 @@
 """Compact master weights on one GPU: the release (split) and rebuild (join) of a model's fp32 masters,
-eager kernels against the generated ones, timed and checked bit for bit.
+the product's GPU kernels (our Triton passes) and optionally the eager ones, timed and checked bit for bit.
 
 `megatron_config.compact_master_weights` rebuilds every fp32 master before the optimizer step and
 releases it after, so both run once per training step over all parameters. The eager kernels took
@@ -8,10 +8,16 @@ this script times both kernel sets on masters shaped like a model's parameters (
 checkpoint: random fp32 masters and their bf16 rounding), and checks that each rebuild equals the
 masters it started from. As in Megatron, the masters are separate tensors and the bf16 model shards
 views of one contiguous buffer ("ddp" layout), so after the first (untimed) round a release and a
-rebuild take one kernel call per run of back-to-back shards; on GPU the generated kernels are also
-timed with each shard its own tensor ("separate": one run, so one call, per tensor).
+rebuild take one kernel call per run of back-to-back shards; on GPU the kernels are also timed with
+each shard its own tensor ("separate": one run, so one call, per tensor). MoE shapes hold each expert's
+two weights as tensors of their own, as our grouped experts do (thousands of tensors at 128 experts).
+`--profile FILE` profiles one more release and rebuild of the "ddp" layout and writes where the device
+waited (`gpu_idle.write_profile_report`; the two are marked `skyrl_megatron.masters_release` and
+`skyrl_megatron.masters_rebuild`).
 
     python bench/gpu_master_weights_check.py --model Qwen3-4B --out $OUT/master_weights.json
+    python bench/gpu_master_weights_check.py --model Qwen3-30B-A3B --layers 8 --out $OUT/mw_moe.json \
+        --profile $OUT/mw_moe_profile.txt
     python bench/gpu_master_weights_check.py --smoke --out /tmp/mw.json      # CPU, tiny, eager only
 """
 
@@ -19,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,12 +40,17 @@ SHAPES_DIR = ROOT / "examples" / "megatron" / "model_configs"
 
 
 def parameter_sizes(config: dict) -> list[int]:
-    """Element counts of a dense Qwen3's parameters, one entry per tensor (as Megatron holds them)."""
-    hidden, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    """Element counts of a Qwen3's (dense or MoE) parameters, one entry per tensor (as Megatron holds them)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     query, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    per_layer = [hidden, hidden * (query + 2 * kv), head_dim, head_dim, query * hidden, hidden, hidden * 2 * ffn, ffn * hidden]
-    sizes = [config["vocab_size"] * hidden] + per_layer * layers + [hidden]
+    attention = [hidden, hidden * (query + 2 * kv), head_dim, head_dim, query * hidden, hidden]
+    if config.get("num_experts"):  # router, then per expert its fused gate/up and its down projection
+        experts, ffn = config["num_experts"], config["moe_intermediate_size"]
+        feed_forward = [experts * hidden] + [hidden * 2 * ffn] * experts + [ffn * hidden] * experts
+    else:
+        feed_forward = [hidden * 2 * config["intermediate_size"], config["intermediate_size"] * hidden]
+    sizes = [config["vocab_size"] * hidden] + (attention + feed_forward) * layers + [hidden]
     if not config.get("tie_word_embeddings", False):
         sizes.append(config["vocab_size"] * hidden)
     return sizes
@@ -85,7 +94,7 @@ def time_kernels(name: str, kernels, pairs, device: torch.device, repeats: int) 
         expected = [master.detach().view(torch.int32).clone() for master, _ in pairs]
         compact = master_weights.CompactMasterWeights(pairs)
         release, rebuild, exact = [], [], True
-        for _ in range(repeats + 1):  # the first round compiles (generated kernels): not timed
+        for _ in range(repeats + 1):  # the first round compiles the kernels: not timed
             _synchronize(device)
             start = time.perf_counter()
             freed = compact.release()
@@ -103,17 +112,38 @@ def time_kernels(name: str, kernels, pairs, device: torch.device, repeats: int) 
         master_weights._kernels = real_kernels
 
 
+def profile_round(pairs, device: torch.device, out_file: Path) -> dict:
+    """One more release and rebuild under the torch profiler (the kernels already compiled); where the device
+    waited, written to `out_file`."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_idle import write_profile_report
+
+    compact = master_weights.CompactMasterWeights(pairs)
+    compact.release()
+    compact.rebuild()  # the runs gathered: the profiled round is a steady-state one
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _synchronize(device)
+    with torch.profiler.profile(activities=activities, with_stack=True) as profiler:
+        start = time.perf_counter()
+        compact.release()
+        compact.rebuild()
+        _synchronize(device)
+        wall = time.perf_counter() - start
+    return write_profile_report(profiler, wall, "one release and rebuild", str(out_file))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="Qwen3-4B", help="a dense shape in examples/megatron/model_configs")
+    parser.add_argument("--model", default="Qwen3-4B", help="a shape in examples/megatron/model_configs")
+    parser.add_argument("--layers", type=int, help="layers of that shape (default: all)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, eager kernels only")
-    parser.add_argument("--only", choices=["eager", "generated"], help="time one kernel set (GPU)")
+    parser.add_argument("--eager", action="store_true", help="time the eager kernels as well (GPU; slow)")
+    parser.add_argument("--profile", type=Path, help="profile one release and rebuild of the ddp layout into this file")
     parser.add_argument("--out", type=Path, default=Path("master_weights.json"))
     args = parser.parse_args(argv)
-    # compile from this process's own first call, as a worker with an empty cache does: a kernel cached by
-    # an earlier process (its launch shape from other lengths) would hide what the worker gets
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
 
     if args.smoke:
         device = torch.device("cpu")
@@ -123,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cuda")
         config = json.loads((SHAPES_DIR / f"{args.model}.json").read_text())
-        generated = master_weights._generated()
-        runs = [("eager", master_weights._EAGER, "ddp"), ("generated", generated, "ddp"),
-                ("generated", generated, "separate")]
-        runs = [run for run in runs if args.only in (None, run[0])]
+        if args.layers:
+            config["num_hidden_layers"] = args.layers
+        gpu = master_weights._kernels(device)
+        runs = [("gpu", gpu, "ddp"), ("gpu", gpu, "separate")]
+        if args.eager:
+            runs.insert(0, ("eager", master_weights._EAGER, "ddp"))
     sizes = parameter_sizes(config)
     results = []
     for name, kernels, layout in runs:
@@ -134,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append({**time_kernels(name, kernels, pairs, device, args.repeats), "layout": layout})
         del pairs
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU", "torch": torch.__version__,
-              "model": "tiny" if args.smoke else args.model, "tensors": len(sizes), "elements": sum(sizes),
-              "runs": results}
+              "model": "tiny" if args.smoke else args.model, "layers": config["num_hidden_layers"],
+              "tensors": len(sizes), "elements": sum(sizes), "runs": results}
+    if args.profile:
+        pairs = make_pairs(sizes, device, "ddp")
+        report["profile"] = profile_round(pairs, device, args.profile)
+        del pairs
     if device.type == "cuda":
         report["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     args.out.write_text(json.dumps(report, indent=2))

@@ -63,11 +63,8 @@ def _split_chunk(bits: torch.Tensor, upper: torch.Tensor) -> tuple[torch.Tensor,
     down, _OUT_OF_RANGE where int16 cannot hold the difference) from a master's int32 bits and its model
     weight's int16 bits. The difference is taken in int64: an unrelated pair must not wrap into range.
 
-    Elementwise only; `_chunk_stats` reduces the statuses with torch's own reductions, whose launch
-    shape follows the length at every call. A reduction generated with the split (dynamic shapes) took
-    its launch shape from the first length compiled: in a worker the first master split is a norm's
-    (Megatron's buffer starts with the last parameters), and every run of about 10^8 elements then took
-    35 ms in one program (1.3 s per Qwen3-4B step on an H200, measured 2026-11-27)."""
+    The eager (CPU) path, a chunk at a time; `_chunk_stats` reduces the statuses. On GPUs one Triton pass
+    (`master_weights_kernels`) computes the same remainders and reduces the statuses per block."""
     diff = bits.to(torch.int64) - upper.to(torch.int64) * (1 << 16)
     tie = diff == _TIE
     remainder = torch.where(tie, -_TIE, diff).to(torch.int16)
@@ -99,34 +96,29 @@ class _Kernels:
     join: Callable
     chunk: int  # elements per call
     # (remainder, stats [worst status, ties], per-block checks) in one pass, in place of `split` and `_chunk_stats`,
-    # and the ties' indices from those checks, in place of `tie_mask`'s search (one chunk); None: the others
+    # the ties' indices from those checks, in place of `tie_mask`'s search, and the join with its ties raised, in
+    # place of `join` and an indexed add (each over a whole run); None: the others
     split_with_stats: Callable | None = None
     tie_indices: Callable | None = None
+    join_with_ties: Callable | None = None
 
 
 _EAGER = _Kernels(_split_chunk, _tie_mask, _join_chunk, _CHUNK)
 
 
 @functools.cache
-def _generated() -> _Kernels:
-    """The same functions as one generated kernel each (torch.compile, one compile for all lengths).
-    Eager, every step of a chunk is its own kernel with int64 temporaries: at Qwen3-4B about 0.4 s per
-    optimizer step on an H200 (measured 2026-11-27); generated, the int64 values stay in registers, so a whole
-    tensor or run of tensors is one call (no Python loop over chunks)."""
-    compile_ = functools.partial(torch.compile, dynamic=True)
-    return _Kernels(compile_(_split_chunk), compile_(_tie_mask), compile_(_join_chunk), chunk=1 << 62)
-
-
-@functools.cache
 def _on_gpu() -> _Kernels:
-    """The generated kernels, the split with its checks' reductions as our Triton pass (`master_weights_kernels`)."""
-    from skyrl_megatron.master_weights_kernels import split_with_stats, tie_indices
+    """Our Triton passes (`master_weights_kernels`): the split with its checks, the ties' indices, the join.
 
-    return dataclasses.replace(_generated(), split_with_stats=split_with_stats, tie_indices=tie_indices)
+    They replace torch.compile-generated kernels: those took the eager chain's 0.4 s per Qwen3-4B optimizer step
+    on an H200 to 62 ms (2026-11-27), but left the status reductions to torch (an int64 copy of the statuses)
+    and a generated call goes through dynamo's guards each time."""
+    from skyrl_megatron.master_weights_kernels import join, split_with_stats, tie_indices
+
+    return dataclasses.replace(_EAGER, split_with_stats=split_with_stats, tie_indices=tie_indices, join_with_ties=join)
 
 
 def _kernels(device: torch.device) -> _Kernels:
-    """Generated and Triton kernels on GPU; eager on CPU, where compiling costs more than the tiny models save."""
     return _on_gpu() if device.type == "cuda" else _EAGER
 
 
@@ -200,6 +192,8 @@ def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch
     """The fp32 master that `split_master` took apart, as a new tensor."""
     kernels = _kernels(model.device)
     upper = model.view(torch.int16)
+    if kernels.join_with_ties is not None:
+        return kernels.join_with_ties(upper, remainder, tie_indices).view(torch.float32)
     bits = _joined(tuple(kernels.join(upper[start:stop], remainder[start:stop])
                          for start, stop in _chunks(model.numel(), kernels.chunk)))
     if tie_indices.numel():
@@ -376,19 +370,20 @@ class CompactMasterWeights:
         The remainders are computed a group at a time (about `_GROUP_ELEMENTS` elements, so the extra
         memory stays small) and each group's checks are read on the host at once: one wait per group,
         not one per run or tensor and chunk (Megatron has a master per parameter: thousands at MoE
-        widths)."""
+        widths). A group's checks are read once the next group's split is queued, so the device splits
+        that one while the host settles this one (two groups' remainders beside the masters at most)."""
         freed = kept = 0
-        group, elements = [], 0
-        with torch.no_grad():
-            for run in self._runs:
-                for split in _splits(run):
-                    group.append(split)
-                    elements += split.stop - split.start
-                    if elements >= _GROUP_ELEMENTS:
-                        group_freed, group_kept = _settle(group)
-                        freed, kept, group, elements = freed + group_freed, kept + group_kept, [], 0
-            group_freed, group_kept = _settle(group)
-            freed, kept = freed + group_freed, kept + group_kept
+        with torch.profiler.record_function("skyrl_megatron.masters_release"), torch.no_grad():
+            pending = None
+            for group in self._groups():
+                checks = _HostChecks([split.stats for split in group])
+                if pending is not None:
+                    group_freed, group_kept = _settle(*pending)
+                    freed, kept = freed + group_freed, kept + group_kept
+                pending = group, checks
+            if pending is not None:
+                group_freed, group_kept = _settle(*pending)
+                freed, kept = freed + group_freed, kept + group_kept
         if not self._logged:
             self._logged = True
             logger.info("compact master weights: %d bytes (%.2f GiB) of fp32 masters freed between optimizer "
@@ -399,10 +394,24 @@ class CompactMasterWeights:
                            "are not the masters rounded)", kept)
         return freed
 
+    def _groups(self) -> Iterator[list[_Split]]:
+        """The present masters split on the device, in groups of about `_GROUP_ELEMENTS` elements (each group's
+        kernels are queued as it is taken)."""
+        group, elements = [], 0
+        for run in self._runs:
+            for split in _splits(run):
+                group.append(split)
+                elements += split.stop - split.start
+                if elements >= _GROUP_ELEMENTS:
+                    yield group
+                    group, elements = [], 0
+        if group:
+            yield group
+
     def rebuild(self) -> None:
         """Give every released master its exact fp32 value back (before the optimizer step), as a view
         of one fp32 buffer per run."""
-        with torch.no_grad():
+        with torch.profiler.record_function("skyrl_megatron.masters_rebuild"), torch.no_grad():
             for run in self._runs:
                 if not run.pieces:
                     continue
@@ -471,7 +480,29 @@ def _release_as_before(runs: list[tuple[_Run, list[_Piece]]]) -> None:
         run.buffer, run.pieces = None, pieces
 
 
-def _settle(group: list[_Split]) -> tuple[int, int]:
+class _HostChecks:
+    """A group's stats (`_Split.stats`, concatenated) on their way to the host: on a GPU copied into pinned
+    memory behind the group's kernels, so that reading them waits for this group only, not for work queued
+    after it (a plain `.tolist()` waits for the whole stream)."""
+
+    def __init__(self, stats: list[torch.Tensor]):
+        joined = torch.cat(stats)
+        self._ready = None
+        if joined.is_cuda:
+            self._host = torch.empty(joined.shape, dtype=joined.dtype, pin_memory=True)
+            self._host.copy_(joined, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = joined
+
+    def read(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
+def _settle(group: list[_Split], checks: _HostChecks) -> tuple[int, int]:
     """Release the group's masters whose checks hold (one host read for the whole group); returns
     (bytes freed, elements kept in fp32).
 
@@ -480,9 +511,7 @@ def _settle(group: list[_Split]) -> tuple[int, int]:
     normal training never does; splitting the run again per tensor would mean copying the kept masters
     out of the shared buffer (a view keeps all of it alive) and a kernel call per tensor at every step,
     for memory alone. Exactness is the same either way: nothing of a kept run is freed."""
-    if not group:
-        return 0, 0
-    stats = torch.cat([split.stats for split in group]).tolist()
+    stats = checks.read()
     freed = kept = offset = 0
     for split in group:
         mine, offset = stats[offset : offset + split.stats.numel()], offset + split.stats.numel()

@@ -1,7 +1,7 @@
-"""The Triton kernel behind compact master weights' split on GPUs (imported only where it runs).
+"""The Triton kernels behind compact master weights on GPUs (imported only where they run).
 
-One pass per master (or run of masters): each element's int16 remainder, and per block of elements its worst
-status and its count of ties rounded down, reduced over the blocks by torch on a few thousand values. The
+The split, one pass per master (or run of masters): each element's int16 remainder, and per block of elements its
+worst status and its count of ties rounded down, reduced over the blocks by torch on a few thousand values. The
 generated elementwise split it replaces wrote an int8 status per element that torch's reductions then read:
 `sum(dtype=int64)` over int8 first widens its input into an int64 copy (8 bytes written and read again per
 element). At the Qwen3-30B-A3B widths with 8 layers (5.5B parameters on one H200) the split, that cast and the
@@ -9,6 +9,12 @@ two reductions took 45 ms of kernels per optimizer step (profiled 2026-12-04); t
 element, about 10 ms. The ties' indices then come from the blocks that hold one, where a generated tie mask and
 `nonzero_static` read every element again (13 ms profiled for `nonzero_static` at that shape, about 9 more
 for the mask by its traffic).
+
+The join, one pass per run: the master's bits from its model weight and remainder, then the listed ties raised by
+2**16 (distinct indices, one program each block of them). It replaces a torch.compile-generated join and an
+indexed add (three more kernels): a generated call goes through dynamo's guards at every call, and the optimizer
+step around these calls idled about 67 ms in 63 gaps with no host operation recorded at that shape (profiled
+2026-12-04); with the split and join both here the step makes no generated call.
 
 Statuses as in `master_weights._split_chunk`: 0 in range, 1 a tie rounded down (stored as -2**15), 2 a
 difference int16 cannot hold.
@@ -22,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 _BLOCK = 4096  # elements per program: 8 warps, 16 elements per thread
+_TIE_BLOCK = 1024  # tie indices per program of the join's correction (about one element in 2**17 is a tie)
 
 
 @triton.jit
@@ -59,6 +66,26 @@ def _tie_index_kernel(bits_ptr, upper_ptr, partial_ptr, first_ptr, out_ptr, nume
         tl.store(out_ptr + slot, offsets, mask=tie)
 
 
+@triton.jit
+def _join_kernel(upper_ptr, remainder_ptr, bits_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    upper = tl.load(upper_ptr + offsets, mask=inside).to(tl.int64)
+    remainder = tl.load(remainder_ptr + offsets, mask=inside).to(tl.int64)
+    # int64, then narrowed as `master_weights._join_chunk` narrows: a tie of the lowest weight is stored
+    # 2**16 short and wraps below int32's range until its correction wraps it back
+    tl.store(bits_ptr + offsets, (upper * 65536 + remainder).to(tl.int32), mask=inside)
+
+
+@triton.jit
+def _raise_ties_kernel(bits_ptr, index_ptr, count, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < count
+    index = tl.load(index_ptr + offsets, mask=inside, other=0)
+    bits = tl.load(bits_ptr + index, mask=inside).to(tl.int64)
+    tl.store(bits_ptr + index, (bits + 65536).to(tl.int32), mask=inside)
+
+
 def split_with_stats(bits: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(remainder int16, stats int64 [worst status, ties], the per-block checks for `tie_indices`) of a master's
     int32 bits and its model weight's int16 bits, both contiguous and one-dimensional, of the same length (at
@@ -82,3 +109,16 @@ def tie_indices(bits: Tensor, upper: Tensor, partials: Tensor, count: int) -> Te
         _tie_index_kernel[(partials.shape[0],)](bits, upper, partials, first, out, bits.numel(), BLOCK=_BLOCK,
                                                 num_warps=8)
     return out
+
+
+def join(upper: Tensor, remainder: Tensor, tie_indices: Tensor) -> Tensor:
+    """The master's int32 bits from its model weight's int16 bits and the int16 remainder (contiguous,
+    one-dimensional, of the same length), the ties at `tie_indices` (int64, distinct) raised to +2**15."""
+    numel = upper.numel()
+    bits = torch.empty(numel, dtype=torch.int32, device=upper.device)
+    if numel:
+        _join_kernel[(triton.cdiv(numel, _BLOCK),)](upper, remainder, bits, numel, BLOCK=_BLOCK, num_warps=8)
+    count = tie_indices.numel()
+    if count:
+        _raise_ties_kernel[(triton.cdiv(count, _TIE_BLOCK),)](bits, tie_indices, count, BLOCK=_TIE_BLOCK)
+    return bits

@@ -24,3 +24,41 @@ def test_a_wrong_rebuild_fails_the_check(tmp_path, bench_smoke):
              "real, join=lambda upper, remainder: real.join(upper, remainder) ^ 1)")
     run = bench_smoke(SCRIPT, out, patch)
     assert run.returncode == 1 and not json.loads(out.read_text())["runs"][0]["exact"]
+
+
+def _script():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_master_weights_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_moe_shapes_hold_each_experts_weights_as_tensors_of_their_own():
+    config = json.loads((SCRIPT.parents[1] / "examples/megatron/model_configs/Qwen3-30B-A3B.json").read_text())
+    config["num_hidden_layers"] = 2
+    sizes = _script().parameter_sizes(config)
+    hidden, experts, ffn = 2048, 128, 768
+    # embedding and head, the final norm; per layer 6 attention tensors, the router, 2 per expert
+    assert len(sizes) == 3 + 2 * (6 + 1 + 2 * experts)
+    assert sizes.count(hidden * 2 * ffn) == sizes.count(ffn * hidden) == 2 * experts
+    assert sum(sizes) == 2 * 151936 * hidden + hidden + 2 * (
+        2 * hidden + hidden * (32 + 2 * 4) * 128 + 2 * 128 + 32 * 128 * hidden + experts * hidden + experts * 3 * ffn * hidden)
+
+
+def test_the_profiled_round_reports_the_marked_release_and_rebuild(tmp_path):
+    import torch
+
+    script = _script()
+    sizes = script.parameter_sizes({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000})
+    pairs = script.make_pairs(sizes, torch.device("cpu"))
+    expected = [master.detach().view(torch.int32).clone() for master, _ in pairs]
+    summary = script.profile_round(pairs, torch.device("cpu"), tmp_path / "profile.txt")
+    report = (tmp_path / "profile.txt").read_text()
+    assert summary["host_ops"] > 0 and "skyrl_megatron.masters_release" in report
+    assert "skyrl_megatron.masters_rebuild" in report
+    assert all(torch.equal(master.detach().view(torch.int32), want) for (master, _), want in zip(pairs, expected))

@@ -49,6 +49,11 @@ def _other_cases():
     yield ("compact masters' tie indices", master_weights_kernels._tie_index_kernel,
            {"bits_ptr": "*i32", "upper_ptr": "*i16", "partial_ptr": "*i32", "first_ptr": "*i64", "out_ptr": "*i64",
             "numel": "i64"}, {"BLOCK": master_weights_kernels._BLOCK})
+    yield ("compact masters' join", master_weights_kernels._join_kernel,
+           {"upper_ptr": "*i16", "remainder_ptr": "*i16", "bits_ptr": "*i32", "numel": "i64"},
+           {"BLOCK": master_weights_kernels._BLOCK})
+    yield ("compact masters' ties raised", master_weights_kernels._raise_ties_kernel,
+           {"bits_ptr": "*i32", "index_ptr": "*i64", "count": "i64"}, {"BLOCK": master_weights_kernels._TIE_BLOCK})
 
     for half in ("*bf16", "*fp16"):
         yield (f"grad accumulate {half}", grad_accumulate_kernels._accumulate_kernel,
