@@ -15,6 +15,7 @@ permutation's token indices) and both directions become gathers:
 
 The k rows of a token are summed in expert order in one reduction (fp32 accumulation for bf16),
 the same on every run and layout; on GPU in one pass (`row_sum_kernels.py`: no [tokens, k, hidden] copy).
+On GPU the gathers are one Triton pass too (`row_gather_kernels.py`), the same copy as `index_select`.
 
 The guarantee comes from the layer's config, not from the tensors, so it is granted per dispatcher:
 `route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe/layer.py`, for the alltoall
@@ -49,7 +50,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x: Tensor, token_of_row: Tensor) -> Tensor:
         ctx.save_for_backward(token_of_row)
         ctx.num_tokens = x.shape[0]
-        return x.index_select(0, token_of_row)
+        return _gather(x, token_of_row)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
@@ -68,7 +69,29 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_tokens: Tensor):
         (token_of_row,) = ctx.saved_tensors
-        return grad_tokens.index_select(0, token_of_row), None, None
+        return _gather(grad_tokens, token_of_row), None, None
+
+
+def _gather_layout(x: Tensor, index: Tensor) -> bool:
+    """Whether x [rows, hidden] and the row numbers are laid out as the gather kernel reads them."""
+    return x.dim() == 2 and x.is_contiguous() and index.dim() == 1 and index.is_contiguous() and index.numel() > 0
+
+
+def _gather_takes(x: Tensor, index: Tensor) -> bool:
+    """Whether the Triton gather (`row_gather_kernels.py`) takes this copy: contiguous CUDA rows."""
+    return x.is_cuda and _gather_layout(x, index)
+
+
+def _gather(x: Tensor, index: Tensor) -> Tensor:
+    """x[index] along rows; PyTorch's `index_select` on CPU and for any other layout."""
+    if not _gather_takes(x, index):
+        return x.index_select(0, index)
+    from skyrl_megatron.model.moe import row_gather_kernels
+
+    out = x.new_empty((index.numel(), *x.shape[1:]))
+    if x.shape[1]:
+        row_gather_kernels.gather_rows(x, index, out)
+    return out
 
 
 def _kernel_layout(x: Tensor, rows: Tensor) -> bool:
