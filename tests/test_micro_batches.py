@@ -160,3 +160,71 @@ def test_other_columns_are_laid_out_as_the_packed_tokens(parallel_kwargs, min_to
     if parallel_kwargs or min_tokens:  # alignment padding (CP, SP) or a pipeline's length is there to fill
         assert packed.num_tokens > int(lengths.sum())
     assert torch.equal(pack_like(labels, packed, -100), again)
+
+
+def test_each_micro_batch_is_prepared_when_the_schedule_first_asks_for_it(monkeypatch, tmp_path):
+    """Only the first micro-batch's packing and copies stand before the schedule's first kernel: the others are
+    prepared as they are taken (while the device runs the ones before), once each, and equal to what preparing
+    them all up front gave."""
+    import torch.distributed as dist
+
+    from skyrl_megatron.compute.microbatch import pipeline
+    from skyrl_megatron.compute.microbatch.plan import MicroBatching
+    from skyrl_megatron.parallel import ParallelConfig
+    from skyrl_megatron.testing import make_rl_batch
+
+    batch = make_rl_batch(12, 16, 24, seed=3)
+    args = (batch["sequences"], batch["attention_mask"], MicroBatching(max_tokens=48), ParallelConfig())
+    # the plan agrees on the count over the world: a world of one, in this process
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        _prepare_on_demand(monkeypatch, pipeline, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _prepare_on_demand(monkeypatch, pipeline, args):
+    packed = []
+    real_pack = pipeline.pack
+    monkeypatch.setattr(pipeline, "pack", lambda *a, **k: packed.append(1) or real_pack(*a, **k))
+    prepared = pipeline.prepare_micro_batches(*args, device=torch.device("cpu")).micro_batches
+    assert len(prepared) > 2 and prepared.prepared == 0 and not packed
+    taken = iter(prepared)
+    first = next(taken)
+    assert prepared.prepared == len(packed) == 1
+    rest = list(taken)
+    assert prepared.prepared == len(packed) == len(prepared)
+    assert prepared[0] is first and list(prepared) == [first, *rest] and len(packed) == len(prepared)  # kept
+    assert prepared[1:3] == rest[:2]
+    with pytest.raises(IndexError):
+        prepared[len(prepared)]
+    up_front = pipeline.prepare_micro_batches(*args, device=torch.device("cpu")).micro_batches
+    for mine, theirs in zip(prepared, list(up_front), strict=True):
+        assert torch.equal(mine.model_input_ids, theirs.model_input_ids) and torch.equal(mine.rows, theirs.rows)
+        assert torch.equal(mine.targets.labels, theirs.targets.labels)
+
+
+def test_host_tensors_reach_a_gpu_through_pinned_memory_without_waiting(monkeypatch):
+    """A copy from pageable memory to a GPU first waits for the device's queued work: `to_device` pins the source
+    and copies non-blocking; already pinned sources are not pinned again; other moves are `Tensor.to`."""
+    from skyrl_megatron import host_copies
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
+    real_to = torch.Tensor.to
+
+    def to(self, device, non_blocking=False):
+        calls.append(("to", torch.device(device).type, non_blocking))
+        return real_to(self, "meta")  # stands in for the GPU's new tensor
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    host_copies.to_device(torch.arange(4), torch.device("cuda"))
+    assert calls == ["pin", ("to", "cuda", True)]
+    calls.clear()
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    host_copies.to_device(torch.arange(4), "cuda:0")
+    assert calls == [("to", "cuda", True)]
+    calls.clear()
+    host_copies.to_device(torch.arange(4), torch.device("cpu"))
+    assert calls == [("to", "cpu", False)]

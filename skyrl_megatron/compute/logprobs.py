@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from skyrl_megatron.host_copies import to_device
 from skyrl_megatron.model.layers.fusions import compile_kernel
 from skyrl_megatron.model.layers.wgrad import wgrad_gemm_accum_fp32
 
@@ -76,9 +77,10 @@ class LogprobTargets:
 
     @classmethod
     def on_device(cls, labels: torch.Tensor, mask: torch.Tensor, device) -> LogprobTargets:
-        """Host `labels` and `mask` [b, s] moved to `device`, with `kept` found on the host first."""
+        """Host `labels` and `mask` [b, s] moved to `device` (without waiting for it), with `kept` found on the host
+        first."""
         kept = mask.t().reshape(-1).nonzero().squeeze(1)
-        return cls(labels=labels.to(device), mask=mask.to(device), kept=kept.to(device))
+        return cls(labels=to_device(labels, device), mask=to_device(mask, device), kept=to_device(kept, device))
 
 
 def chunk_tokens_for(vocab_local: int, logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> int:

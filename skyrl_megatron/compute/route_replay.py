@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skyrl_megatron.host_copies import to_device
 from skyrl_megatron.model.moe.settings import routers
 
 NO_ROUTE = -1  # a real token without a route: routed as usual
@@ -73,15 +74,15 @@ class RouteTargets:
 
     @classmethod
     def of(cls, routes: torch.Tensor | None, padding: torch.Tensor, device) -> "RouteTargets":
-        """From host-side tensors (the flags are read there, before the copy to `device`)."""
+        """From host-side tensors (the flags are read there, before the copy to `device`, which does not wait for it)."""
         real = ~padding
         if routes is None:
             some_to_choose = bool(real.any())
         else:
             some_to_choose = bool(((routes[..., 0] == NO_ROUTE).any(dim=1) & real).any())
         return cls(
-            routes=None if routes is None else routes.to(device),
-            padding=padding.to(device),
+            routes=None if routes is None else to_device(routes, device),
+            padding=to_device(padding, device),
             some_to_choose=some_to_choose,
             some_padding=bool(padding.any()),
         )

@@ -18,6 +18,7 @@ from skyrl_megatron.compute.microbatch.pack import ModelInputs
 from skyrl_megatron.compute.microbatch.rows import IGNORE_LABEL
 from skyrl_megatron.compute.microbatch.shard import RankShare, SequenceParallelSlice
 from skyrl_megatron.compute.route_replay import RouteTargets
+from skyrl_megatron.host_copies import to_device
 from skyrl_megatron.model.layers.context_parallel_layout import ContextParallelSplit
 
 
@@ -46,19 +47,20 @@ def micro_batch(
     device: torch.device,
 ) -> MicroBatch:
     """The micro-batch of `rows` for the model call on `device`: `share` of its `inputs`, and the `response`
-    [B, A] tensors' rows."""
+    [B, A] tensors' rows. The copies do not wait for the device (`host_copies`): a micro-batch is prepared while
+    the one before runs."""
     if inputs.packed_seq_params is not None:
         inputs.packed_seq_params = _params_on(inputs.packed_seq_params, device)
     return MicroBatch(
         inputs=inputs,
-        model_input_ids=share.input_ids.to(device),
-        model_position_ids=share.position_ids.to(device),
+        model_input_ids=to_device(share.input_ids, device),
+        model_position_ids=to_device(share.position_ids, device),
         targets=LogprobTargets.on_device(share.labels.clamp(min=0), share.labels != IGNORE_LABEL, device),
         rows=rows,
-        response={k: v[rows].to(device) for k, v in (response or {}).items() if v is not None},
+        response={k: to_device(v[rows], device) for k, v in (response or {}).items() if v is not None},
         cp_split=share.cp_split,
         sp_slice=share.sp_slice,
-        real_tokens=None if share.real_tokens is None else share.real_tokens.to(device),
+        real_tokens=None if share.real_tokens is None else to_device(share.real_tokens, device),
         routes=None if share.padding is None else RouteTargets.of(share.routes, share.padding, device),
     )
 
@@ -75,6 +77,6 @@ def _params_on(params, device):
         value = getattr(params, f.name)
         if isinstance(value, torch.Tensor):
             if id(value) not in moved_by_id:
-                moved_by_id[id(value)] = value.to(device)
+                moved_by_id[id(value)] = to_device(value, device)
             moved[f.name] = moved_by_id[id(value)]
     return dataclasses.replace(params, **moved)

@@ -40,6 +40,7 @@ import torch
 from skyrl_megatron.compute.microbatch.plan import MicroBatchLayout, packed_lengths
 from skyrl_megatron.compute.microbatch.rows import IGNORE_LABEL, HostRows, RowSpans
 from skyrl_megatron.compute.route_replay import NO_ROUTE
+from skyrl_megatron.host_copies import to_device
 from skyrl_megatron.parallel import ParallelConfig
 
 if TYPE_CHECKING:
@@ -80,7 +81,10 @@ def unpack_to_padded(packed_output: torch.Tensor, packed: PackedBatch, fill_valu
     batch, seq = packed.batch_shape
     features = packed_output.shape[2:]
     out = packed_output.new_full((batch * seq, *features), fill_value)
-    out[packed.padded_index] = packed_output[0, packed.packed_index]
+    # the host's indices moved explicitly: indexing a GPU tensor with host ones copies them from pageable
+    # memory, which waits for the device (here: for the forward the loss follows)
+    device = packed_output.device
+    out[to_device(packed.padded_index, device)] = packed_output[0, to_device(packed.packed_index, device)]
     return out.reshape(batch, seq, *features)
 
 
@@ -105,7 +109,7 @@ class ModelInputs:
         if self.packed is not None:
             return unpack_to_padded(per_token, self.packed)
         device = per_token.device
-        start, length = self.spans.start.to(device), self.spans.length.to(device)
+        start, length = to_device(self.spans.start, device), to_device(self.spans.length, device)
         width = int(self.spans.length.max())
         steps = torch.arange(width, device=device)
         valid = steps.unsqueeze(0) < length.unsqueeze(1)  # [b, width]
@@ -135,7 +139,7 @@ class ModelInputs:
         features = per_token.shape[2:]
         out = per_token.new_full((self.input_ids.numel(), *features), fill_value)
         device = per_token.device
-        out[model_index.to(device)] = per_token.reshape(-1, *features)[host_index.to(device)]
+        out[to_device(model_index, device)] = per_token.reshape(-1, *features)[to_device(host_index, device)]
         return out.reshape(*self.input_ids.shape, *features)
 
     def to_host_layout(self, per_token: torch.Tensor, fill_value) -> torch.Tensor:
@@ -144,7 +148,7 @@ class ModelInputs:
         features = per_token.shape[2:]
         out = per_token.new_full((self.spans.length.numel() * self.host_columns, *features), fill_value)
         device = per_token.device
-        out[host_index.to(device)] = per_token.reshape(-1, *features)[model_index.to(device)]
+        out[to_device(host_index, device)] = per_token.reshape(-1, *features)[to_device(model_index, device)]
         return out.reshape(self.spans.length.numel(), self.host_columns, *features)
 
     def real_token_mask(self) -> torch.Tensor:
