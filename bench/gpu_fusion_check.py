@@ -30,9 +30,26 @@ def _rms_norm_eager(x, weight):
 
 
 def _rms_norm_fused(x, weight):
-    from skyrl_megatron.model.layers.norm import fused_rms_norm
+    """The block's norm as `fused_kernels: [rms_norm]` builds it (our Triton kernels)."""
+    from skyrl_megatron.model.layers.norm import _TritonRMSNorm
 
-    return fused_rms_norm(x, weight, 1e-6)
+    return _TritonRMSNorm.apply(x.reshape(-1, x.shape[-1]).contiguous(), weight, 1e-6).view(x.shape)
+
+
+@functools.cache
+def _generated_rms_norm():
+    from skyrl_megatron.model.layers.fusions import compile_kernel
+
+    def rms_norm(x, weight, eps):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+    return compile_kernel(rms_norm)
+
+
+def _rms_norm_generated(x, weight):
+    """The torch.compile-generated RMSNorm the Triton kernels replaced."""
+    return _generated_rms_norm()(x.reshape(-1, x.shape[-1]).contiguous(), weight, 1e-6).view(x.shape)
 
 
 def _rope_eager(t, cos, sin):
@@ -122,7 +139,10 @@ def _cases(device):
     hidden_weight = (torch.rand(HIDDEN, device=device) + 0.5).to(torch.bfloat16)
     head_weight = (torch.rand(HEAD_DIM, device=device) + 0.5).to(torch.bfloat16)
     return {
-        "rms_norm hidden [T, 2560]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HIDDEN, scale=3)], [hidden_weight]),
+        "rms_norm hidden [T, 2560]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HIDDEN, scale=3)], [hidden_weight],
+                                      _rms_norm_generated),
+        "rms_norm hidden [T, 2048]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, 2048, scale=3)],
+                                      [hidden_weight[:2048].clone()], _rms_norm_generated),
         "rms_norm query heads [T, 32, 128]": (
             _rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HEADS, HEAD_DIM, scale=3)], [head_weight]
         ),

@@ -72,9 +72,10 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # Typed config
 # ----------------------------------------------------------------------------------------------
 
-# generated kernels for the TE-free layers and the logprob head (skyrl_megatron/model/layers/fusions.py),
-# and those on by default: the generated RMSNorm was slower than PyTorch's on an H200
-# (docs/performance.md, measured 2026-11-22); qk_norm_rope took 3% off a Qwen3-4B training step (2026-11-27)
+# fused kernels for the TE-free layers and the logprob head (skyrl_megatron/model/layers/fusions.py),
+# and those on by default: `rms_norm` (the block's norms on our Triton kernels, in place of a generated
+# RMSNorm that was slower than PyTorch's on an H200, 2026-11-22) stays opt-in until measured on a GPU;
+# qk_norm_rope took 3% off a Qwen3-4B training step (2026-11-27)
 FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs")
 AUTO = "auto"

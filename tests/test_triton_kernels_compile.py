@@ -40,7 +40,7 @@ def _logprob_cases():
 
 def _other_cases():
     from skyrl_megatron import master_weights_kernels
-    from skyrl_megatron.model.layers import swiglu_kernels
+    from skyrl_megatron.model.layers import rms_norm_kernels, swiglu_kernels
     from skyrl_megatron.model.moe import grad_accumulate_kernels, row_gather_kernels, row_sum_kernels
 
     yield ("compact masters' split", master_weights_kernels._split_kernel,
@@ -55,6 +55,16 @@ def _other_cases():
     yield ("compact masters' ties raised", master_weights_kernels._raise_ties_kernel,
            {"bits_ptr": "*i32", "index_ptr": "*i64", "count": "i64"}, {"BLOCK": master_weights_kernels._TIE_BLOCK})
 
+    for rows in ("*bf16", "*fp32"):
+        for hidden in (128, 2048, 2560, 4096):
+            block, warps = rms_norm_kernels._launch(hidden)
+            yield (f"rms norm forward {rows} {hidden}", rms_norm_kernels._forward_kernel,
+                   {"x_ptr": rows, "weight_ptr": rows, "out_ptr": rows, "inverse_rms_ptr": "*fp32", "hidden": "i32",
+                    "eps": "fp32"}, {"BLOCK": block})
+            yield (f"rms norm backward {rows} {hidden}", rms_norm_kernels._backward_kernel,
+                   {"grad_ptr": rows, "x_ptr": rows, "weight_ptr": rows, "inverse_rms_ptr": "*fp32",
+                    "grad_x_ptr": rows, "grad_weight_partial_ptr": "*fp32", "num_rows": "i32", "hidden": "i32"},
+                   {"ROWS": rms_norm_kernels._ROWS, "BLOCK": block})
     for half in ("*bf16", "*fp16"):
         yield (f"grad accumulate {half}", grad_accumulate_kernels._accumulate_kernel,
                {"target_ptr": "*fp32", "addend_ptr": half, "numel": "i64"}, {"BLOCK": grad_accumulate_kernels._BLOCK})

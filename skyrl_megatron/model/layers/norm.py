@@ -5,10 +5,9 @@ under SP each TP rank normalises its own slice of tokens, so only the weight gra
 Tagging the parameters with `sequence_parallel` makes Megatron's `finalize_model_grads` all-reduce
 them over the TP group, as it does for TE's norms.
 
-`FusedTorchNorm` builds the same norms with RMSNorm as one generated kernel per direction
-(`model/layers/fusions.py`). PyTorch's own fused RMSNorm launches one thread block per row, which leaves
-most of the GPU idle on the 128-wide rows of Qwen3's per-head query/key norms. `DeferrableNorm` builds
-the query/key norms whose attention applies them inside its rotation (`model/layers/qk_norm_rope.py`).
+`FusedTorchNorm` builds the same norms with RMSNorm as our Triton kernels on GPU (`rms_norm_kernels.py`,
+`fused_kernels: [rms_norm]`). `DeferrableNorm` builds the query/key norms whose attention applies them
+inside its rotation (`model/layers/qk_norm_rope.py`).
 """
 
 from __future__ import annotations
@@ -19,31 +18,42 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.layers.fusions import compile_kernel
+
+class _TritonRMSNorm(torch.autograd.Function):
+    """RMSNorm of contiguous rows [N, hidden] through `rms_norm_kernels` (the forward keeps 1/rms per row)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, eps: float) -> Tensor:
+        from skyrl_megatron.model.layers import rms_norm_kernels
+
+        out, inverse_rms = rms_norm_kernels.rms_norm_forward(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, inverse_rms)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from skyrl_megatron.model.layers import rms_norm_kernels
+
+        rows, weight, inverse_rms = ctx.saved_tensors
+        grad_rows, grad_weight = rms_norm_kernels.rms_norm_backward(grad.contiguous(), rows, weight, inverse_rms)
+        return grad_rows, grad_weight, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dimension, in fp32, rounded once to the input's dtype."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight.float()).to(x.dtype)
-
-
-fused_rms_norm = compile_kernel(rms_norm)  # compiled at its first call
+def _kernel_takes(rows: Tensor) -> bool:
+    """Whether the Triton kernels take these rows: on a GPU, at least one row."""
+    return rows.is_cuda and rows.shape[0] > 0
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
-    """`torch.nn.RMSNorm` (same parameters and state dict) computed by the generated kernel.
-
-    The kernel always sees contiguous rows [N, hidden]. The block's norms get [T, 1, hidden], the
-    query/key norms [T, 1, heads, head_dim] and the key a strided view of the QKV projection;
-    passed as they are, each rank and stride pattern would be one more compiled variant, counted
-    against Dynamo's recompile limit.
-    """
+    """`torch.nn.RMSNorm` (same parameters and state dict) computed by our Triton kernels on GPU; PyTorch's
+    elsewhere. The kernels see contiguous rows [N, hidden] (the block's norms get [T, 1, hidden])."""
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        return fused_rms_norm(rows, self.weight, self.eps).view(x.shape)
+        rows = x.reshape(-1, x.shape[-1])
+        if not _kernel_takes(rows):
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # torch's default for None
+        return _TritonRMSNorm.apply(rows.contiguous(), self.weight, eps).view(x.shape)
 
 
 def _build_norm(config, hidden_size: int, eps: float, rms_norm_class: type) -> torch.nn.Module:
