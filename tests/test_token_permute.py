@@ -253,3 +253,38 @@ def test_the_row_gather_kernel_takes_contiguous_cuda_rows_only():
     assert not token_permute._gather_takes(x.view(8, 2, 3), index)  # not [rows, hidden]
     assert not token_permute._gather_takes(x, index[::2])  # strided row numbers
     assert not token_permute._gather_takes(x, index[:0])  # nothing to copy
+
+
+def test_the_inverse_table_is_sorted_once_per_permutation(monkeypatch):
+    """The unpermute's forward and the permutation's backward share one argsort of the rows; a new permutation,
+    or one written in place, is sorted again."""
+    token_permute.install()
+    tokens, experts, topk = 9, 8, 2
+    generator = torch.Generator().manual_seed(5)
+    chosen = torch.rand(tokens, experts, generator=generator).topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    sorts, real_argsort = [], torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: sorts.append(1) or real_argsort(*a, **k))
+
+    def round_trip():
+        x = torch.randn(tokens, 6, generator=generator, requires_grad=True)
+        with token_permute.regular_routing(topk):
+            rows, _, order, _, _ = token_permute.permute(x, routing_map, num_out_tokens=tokens * topk)
+            out = token_permute.unpermute(rows * 3.0, order, x.shape, routing_map=routing_map)
+        out.sum().backward()
+        return order, x.grad
+
+    sorts.clear()
+    order, grad = round_trip()
+    assert len(sorts) == 1  # the inverse table, once for the unpermute's forward and the permutation's backward
+    torch.testing.assert_close(grad, torch.full_like(grad, 3.0 * topk))  # each token's k rows, 3 x each
+    table = token_permute.rows_by_token(order, tokens)
+    assert len(sorts) == 1 and torch.equal(order[table], torch.arange(tokens).repeat_interleave(topk).view(tokens, topk))
+    order[:2] = order[:2].flip(0)  # written in place: sorted again
+    token_permute.rows_by_token(order, tokens)
+    assert len(sorts) == 2
+    del order, table  # the entry goes with its permutation
+    import gc
+
+    gc.collect()
+    assert not [key for key, (alive, _, _) in token_permute._INVERSE_TABLES.items() if alive() is None]

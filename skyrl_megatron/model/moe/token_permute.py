@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 
 import torch
 from torch import Tensor
@@ -37,10 +38,26 @@ _REGULAR_TOPK: contextvars.ContextVar[int | None] = contextvars.ContextVar("regu
 _originals: dict[str, object] = {}
 
 
+# the inverse tables found so far, by their permutation's id: the unpermute's forward and the permutation's
+# backward need the same one (a stable argsort of every row). An entry lives as long as its permutation (autograd
+# saves it) and holds the permutation's version counter, so that one written in place is sorted again. Not a
+# WeakKeyDictionary: its lookups compare keys with `==`, elementwise for tensors (a host read).
+_INVERSE_TABLES: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
 def rows_by_token(token_of_row: Tensor, num_tokens: int) -> Tensor:
-    """[num_tokens, k]: the permuted rows of each token, in row (= expert) order."""
+    """[num_tokens, k]: the permuted rows of each token, in row (= expert) order; sorted once per permutation."""
+    key = id(token_of_row)
+    entry = _INVERSE_TABLES.get(key)
+    if entry is not None:
+        alive, version, table = entry
+        if alive() is token_of_row and version == token_of_row._version and table.shape[0] == num_tokens:
+            return table
     k = token_of_row.numel() // num_tokens if num_tokens else 0  # no tokens (an empty half): no rows
-    return torch.argsort(token_of_row, stable=True).view(num_tokens, k)
+    table = torch.argsort(token_of_row, stable=True).view(num_tokens, k)
+    alive = weakref.ref(token_of_row, lambda _, key=key: _INVERSE_TABLES.pop(key, None))
+    _INVERSE_TABLES[key] = alive, token_of_row._version, table
+    return table
 
 
 class _GatherRows(torch.autograd.Function):
