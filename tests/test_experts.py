@@ -212,3 +212,43 @@ def test_token_sort_equals_megatrons_split_and_concatenate(ep_times_tp, local_ex
         assert torch.equal(ours[0].grad, theirs[0].grad) and torch.equal(ours[1].grad, theirs[1].grad)
     if ep_times_tp == 1:  # one rank: the order is the identity and nothing is copied
         assert sort_chunks_by_idxs(tokens, sizes, by_expert)[0] is tokens
+
+
+def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_not_take_the_operands():
+    """`fused_kernels: [expert_wgrad]` on tensors quack's GEMM cannot take (CPU here, as fp32 or misaligned ones on a
+    GPU): the layer's weight gradients still land in `main_grad`, from the grouped GEMM and the fp32 add."""
+    from types import SimpleNamespace
+
+    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.model.moe.experts import _GroupedLinear, _LayoutMemo, expert_offsets
+
+    x, weights, grad_out = _problem()
+    want = torch.autograd.grad(_per_expert(x, weights), weights, grad_out)
+    buffer = torch.full((len(weights) * weights[0].numel(),), 2.0)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[i * w.numel() : (i + 1) * w.numel()].view(w.shape)
+    layer = SimpleNamespace(expert_weights=lambda: weights, _main_grad_layout=_LayoutMemo(), wgrad_in_gemm=True)
+    assert not expert_wgrad.takes(buffer.view(len(weights), *weights[0].shape), grad_out, x)
+    offsets = expert_offsets(TOKENS_PER_EXPERT, x.device)
+    _GroupedLinear.add_weight_gradients(layer, grad_out, x.detach(), offsets)
+    for w, expected in zip(weights, want):
+        torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
+
+
+def test_expert_wgrad_that_cannot_run_fails_the_build_naming_the_key_and_the_fix(monkeypatch, tmp_path):
+    """Asked for on a GPU it cannot run on (no quack-kernels, or older than Hopper): one message before any weights
+    load; on the CPU runtime the kernel is not used, so nothing fails."""
+    from skyrl_megatron.model import build
+    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.runtime import Device, Runtime
+
+    spec = build.ModelSpec(str(tmp_path / "no-checkpoint-needed"), fused_kernels=("expert_wgrad",))
+    build._check_kernels_can_run(spec, Runtime(Device.CPU))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(expert_wgrad, "missing_reason", lambda device: "it needs quack-kernels")
+    with pytest.raises(ValueError) as error:
+        build._check_kernels_can_run(spec, Runtime(Device.CUDA))
+    assert str(error.value) == (
+        "megatron_config.fused_kernels: expert_wgrad cannot run here: it needs quack-kernels; remove it from the list")
+    monkeypatch.setattr(expert_wgrad, "missing_reason", lambda device: None)
+    build._check_kernels_can_run(spec, Runtime(Device.CUDA))

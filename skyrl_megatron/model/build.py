@@ -114,6 +114,7 @@ class BuiltModel:
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
             "logprobs": self.fused_logprobs,
+            "expert_wgrad": any(getattr(module, "wgrad_in_gemm", False) for module in modules),
         }
         return tuple(name for name, used in present.items() if used)
 
@@ -247,7 +248,21 @@ def _instantiate(
     )
     if ddp_config is not None and not ddp_config.overlap_grad_reduce:
         experts.keep_expert_weights_out_of_autograd(chunks)
+        if spec.fused("expert_wgrad", runtime):
+            experts.add_weight_gradients_in_gemm(chunks)
     return provider, list(chunks)
+
+
+def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
+    """Opt-in kernels that need a library or a GPU generation fail here, before any weights move."""
+    if spec.fused("expert_wgrad", runtime):
+        from skyrl_megatron.model.moe import expert_wgrad
+
+        reason = expert_wgrad.missing_reason(torch.cuda.current_device())
+        if reason is not None:
+            raise ValueError(
+                f"megatron_config.fused_kernels: expert_wgrad cannot run here: {reason}; remove it from the list"
+            )
 
 
 def _returning_chunks(step: Callable[[list], Any]) -> Callable[[list], list]:
@@ -281,6 +296,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     Collective over the default process group when `spec.cache` is set (rank 0 decides, all load or save).
     """
     runtime = runtime or current_runtime()
+    _check_kernels_can_run(spec, runtime)
     install_patches(spec, runtime)
     bridge = load_bridge(spec.hf_path)
     if spec.cache is not None and spec.load_weights:

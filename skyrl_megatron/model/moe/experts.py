@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from skyrl_megatron.model.moe import expert_wgrad
 from skyrl_megatron.model.moe.grad_accumulate import accumulate_
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
         x, offsets, stacked_weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         grad_input = _grouped_mm(grad_output, stacked_weight, offsets)
-        ctx.layer.accumulate_main_grads(_grouped_mm(grad_output.t(), x, offsets))
+        ctx.layer.add_weight_gradients(grad_output, x, offsets)
         return grad_input, None, None, None
 
 
@@ -271,6 +272,7 @@ class _GroupedLinear(torch.nn.Module):
         # gradient_accumulation_fusion is only on where DDP gives parameters a main_grad (build.py)
         self.fuse_wgrad = bool(config.gradient_accumulation_fusion)
         self.grads_bypass_autograd = False  # set by build.py where DDP's hooks need no gradient
+        self.wgrad_in_gemm = False  # set by build.py for `fused_kernels: [expert_wgrad]` (expert_wgrad.py)
         self._weight_layout, self._main_grad_layout = _LayoutMemo(), _LayoutMemo()
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         # Registered last to first: Megatron DDP lays its param and grad buffers out in reverse
@@ -317,10 +319,17 @@ class _GroupedLinear(torch.nn.Module):
             and runs == [(0, len(weights))]
         )
 
-    def accumulate_main_grads(self, grads: Tensor) -> None:
-        """main_grad of expert g += grads[g] ([E, out, in])."""
+    def add_weight_gradients(self, grad_output: Tensor, x: Tensor, offsets: Tensor) -> None:
+        """main_grad of expert g += dY_g^T X_g: inside one GEMM where `wgrad_in_gemm` is set and the main grads
+        lie back to back (`expert_wgrad`), else a grouped GEMM in the weights' dtype and an fp32 add."""
         main_grads = [w.main_grad for w in self.expert_weights()]
-        _add_into(main_grads, grads, self._main_grad_layout.runs(main_grads))
+        runs = self._main_grad_layout.runs(main_grads)
+        if self.wgrad_in_gemm and runs == [(0, len(main_grads))]:
+            target = _run_view(main_grads)
+            if expert_wgrad.takes(target, grad_output, x):
+                expert_wgrad.add_(target, grad_output, x, offsets)
+                return
+        _add_into(main_grads, _grouped_mm(grad_output.t(), x, offsets), runs)
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
@@ -420,6 +429,15 @@ def keep_expert_weights_out_of_autograd(chunks) -> int:
     linears = [m for chunk in chunks for m in chunk.modules() if isinstance(m, _GroupedLinear)]
     for linear in linears:
         linear.grads_bypass_autograd = True
+    return len(linears)
+
+
+def add_weight_gradients_in_gemm(chunks) -> int:
+    """Let the grouped linears of `chunks` that keep their weights out of autograd add dW into `main_grad` inside
+    the GEMM (`expert_wgrad`, quack's varlen-K GEMM). Returns how many linears were set."""
+    linears = [m for chunk in chunks for m in chunk.modules() if isinstance(m, _GroupedLinear) and m.grads_bypass_autograd]
+    for linear in linears:
+        linear.wgrad_in_gemm = True
     return len(linears)
 
 

@@ -1,0 +1,64 @@
+"""The experts' weight gradients added into DDP's fp32 `main_grad` by the GEMM itself (`fused_kernels: [expert_wgrad]`).
+
+Without it, each expert's dW_e = dY_e^T X_e leaves `torch._grouped_mm` in bf16 (it has no fp32 output) and a second
+kernel (`grad_accumulate`) adds it into `main_grad`: the GEMM writes E x out x in half-precision values that the add
+reads back, and every product is rounded to bf16 before it is summed. quack's varlen-K GEMM (`quack-kernels`, the
+CuTe DSL kernels flash-attn-4 ships with) takes the experts' token counts as the varying inner dimension and adds
+into the fp32 buffer in its epilogue: one kernel, no half-precision round trip, one rounding. The operands are used
+as they lie (dY^T is M-major, X is N-major, which is the layout a varlen-K GEMM reads), and the layer's main grads
+must lie back to back (one [E, out, in] run of DDP's buffer, which `experts._GroupedLinear` arranges).
+
+The kernel runs quack's default configuration for the GPU, not its autotuner: the autotuner keys its choice on the
+operands' shapes, and the experts' token total changes with every micro-batch, so each new total would benchmark
+every candidate again; a timing-picked configuration would also make the gradients' summation order depend on the
+run.
+
+Hopper and later only; imported only where it runs. `bench/gpu_expert_wgrad.py` times it against the two-kernel path
+and checks both against an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def missing_reason(device_index: int) -> str | None:
+    """Why the kernel cannot run on this CUDA device (None when it can)."""
+    major, _ = torch.cuda.get_device_capability(device_index)
+    if major < 9:
+        return f"it needs a Hopper or later GPU (this one is sm_{major}x)"
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError as error:
+        return f"it needs quack-kernels (pip install quack-kernels; import failed: {error})"
+    return None
+
+
+def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
+    """Whether `add_` runs these operands: a contiguous fp32 [E, out, in] target, half-precision operands."""
+    return (
+        main_grads.is_cuda
+        and main_grads.dtype == torch.float32
+        and main_grads.is_contiguous()
+        and grad_output.dtype in _HALF_DTYPES
+        and x.dtype == grad_output.dtype
+        and grad_output.is_contiguous()
+        and x.is_contiguous()
+    )
+
+
+def add_(main_grads: Tensor, grad_output: Tensor, x: Tensor, offsets: Tensor) -> None:
+    """main_grads[e] += grad_output[rows of e]^T @ x[rows of e] for every expert e, in one GEMM.
+
+    `offsets`: int32 cumulative row ends per expert (as `torch._grouped_mm` takes them); an expert without
+    rows keeps its gradient unchanged."""
+    from quack.gemm_interface import gemm_add_inplace
+
+    cu_seqlens_k = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32)
+    gemm_add_inplace(grad_output.t(), x, main_grads, cu_seqlens_k=cu_seqlens_k, tuned=False)
