@@ -187,73 +187,6 @@ def test_the_row_sum_kernel_takes_contiguous_cuda_rows_only():
     assert not token_permute._kernel_takes(x[:0], torch.zeros(0, 0, dtype=torch.long))  # no tokens
 
 
-_ROW_GATHER_CHECK = """
-import torch
-from skyrl_megatron.model.moe import row_gather_kernels, token_permute
-
-cases = 0
-for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int64):
-    # hidden below, at and past one program's columns (a masked tail); indices repeated and out of order
-    for rows, hidden, taken in ((3, 6, 7), (5, 2048, 12), (4, 2 * 2048 + 37, 9)):
-        generator = torch.Generator().manual_seed(rows + hidden)
-        x = (torch.randn(rows, hidden, generator=generator) * 8).to(dtype)
-        index = torch.randint(0, rows, (taken,), generator=generator)
-        out = torch.full((taken, hidden), 7, dtype=dtype)
-        row_gather_kernels.gather_rows(x, index, out)
-        assert torch.equal(out, x.index_select(0, index)), (dtype, rows, hidden)
-        cases += 1
-
-# the kernel in its places: the permutation's forward and the unpermute's backward, against index_select's
-# round trip (the kernel's test on a GPU, with CPU tensors standing in for CUDA ones)
-token_permute.install()
-tokens, experts, topk = 9, 8, 2
-generator = torch.Generator().manual_seed(5)
-chosen = torch.rand(tokens, experts, generator=generator).topk(topk, dim=1).indices
-routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
-hidden, upstream = torch.randn(tokens, 6, generator=generator), torch.randn(tokens, 6, generator=generator)
-
-
-def round_trip():
-    x = hidden.clone().requires_grad_()
-    with token_permute.regular_routing(topk):
-        rows, _, order, _, _ = token_permute.permute(x, routing_map, num_out_tokens=tokens * topk)
-        out = token_permute.unpermute(rows * 3.0, order, x.shape, routing_map=routing_map)
-    out.backward(upstream)
-    return rows.detach(), out.detach(), x.grad
-
-
-want = round_trip()
-token_permute._gather_takes = token_permute._gather_layout  # CPU tensors in the kernel's layout take it
-launches, launch = [], row_gather_kernels.gather_rows
-row_gather_kernels.gather_rows = lambda *args: launches.append(1) or launch(*args)
-got = round_trip()
-assert len(launches) == 2, launches  # the permutation's forward and the unpermute's backward
-assert all(torch.equal(a, b) for a, b in zip(got, want))
-cases += 1
-print("checked", cases)
-"""
-
-
-def test_the_row_gather_kernel_copies_rows_as_index_select_does():
-    from skyrl_megatron.testing import last_word_under_triton_interpreter
-
-    assert last_word_under_triton_interpreter(_ROW_GATHER_CHECK, timeout=300) == "13"
-
-
-def test_the_row_gather_kernel_takes_contiguous_cuda_rows_only():
-    class OnGpu(torch.Tensor):  # reports CUDA without a GPU, for the predicate alone
-        @property
-        def is_cuda(self):
-            return True
-
-    x, index = torch.zeros(8, 6).as_subclass(OnGpu), torch.arange(8)
-    assert token_permute._gather_takes(x, index)
-    assert not token_permute._gather_takes(torch.zeros(8, 6), index)  # a CPU tensor: index_select
-    assert not token_permute._gather_takes(x.t(), index)  # not contiguous
-    assert not token_permute._gather_takes(x.view(8, 2, 3), index)  # not [rows, hidden]
-    assert not token_permute._gather_takes(x, index[::2])  # strided row numbers
-    assert not token_permute._gather_takes(x, index[:0])  # nothing to copy
-
 
 def test_the_inverse_table_is_sorted_once_per_permutation(monkeypatch):
     """The unpermute's forward and the permutation's backward share one argsort of the rows; a new permutation,
@@ -283,8 +216,15 @@ def test_the_inverse_table_is_sorted_once_per_permutation(monkeypatch):
     order[:2] = order[:2].flip(0)  # written in place: sorted again
     token_permute.rows_by_token(order, tokens)
     assert len(sorts) == 2
+    key = id(order)
+    assert key in token_permute._INVERSE_TABLES
     del order, table  # the entry goes with its permutation
     import gc
 
     gc.collect()
-    assert not [key for key, (alive, _, _) in token_permute._INVERSE_TABLES.items() if alive() is None]
+    assert key not in token_permute._INVERSE_TABLES
+    with torch.inference_mode():  # inference tensors have no version counter: sorted, never kept
+        order = torch.tensor([3, 0, 2, 1])
+        sorts.clear()
+        assert torch.equal(token_permute.rows_by_token(order, 2), torch.tensor([[1, 3], [2, 0]]))
+        assert len(sorts) == 1 and id(order) not in token_permute._INVERSE_TABLES

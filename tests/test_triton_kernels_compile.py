@@ -41,7 +41,7 @@ def _logprob_cases():
 def _other_cases():
     from skyrl_megatron import master_weights_kernels
     from skyrl_megatron.model.layers import rms_norm_kernels, swiglu_kernels
-    from skyrl_megatron.model.moe import grad_accumulate_kernels, row_gather_kernels, row_sum_kernels
+    from skyrl_megatron.model.moe import grad_accumulate_kernels, row_sum_kernels
 
     yield ("compact masters' split", master_weights_kernels._split_kernel,
            {"bits_ptr": "*i32", "upper_ptr": "*i16", "remainder_ptr": "*i16", "partial_ptr": "*i32", "numel": "i64"},
@@ -77,9 +77,6 @@ def _other_cases():
             yield (f"row sums {rows} k={k}", row_sum_kernels._sum_rows_kernel,
                    {"x_ptr": rows, "rows_ptr": "*i64", "out_ptr": rows, "hidden": "i32"},
                    {"K": k, "BLOCK": row_sum_kernels._BLOCK})
-        yield (f"row gather {rows}", row_gather_kernels._gather_rows_kernel,
-               {"x_ptr": rows, "index_ptr": "*i64", "out_ptr": rows, "hidden": "i32"},
-               {"BLOCK": row_gather_kernels._BLOCK})
 
 
 CASES = [*_logprob_cases(), *_other_cases()]

@@ -15,7 +15,6 @@ permutation's token indices) and both directions become gathers:
 
 The k rows of a token are summed in expert order in one reduction (fp32 accumulation for bf16),
 the same on every run and layout; on GPU in one pass (`row_sum_kernels.py`: no [tokens, k, hidden] copy).
-On GPU the gathers are one Triton pass too (`row_gather_kernels.py`), the same copy as `index_select`.
 
 The guarantee comes from the layer's config, not from the tensors, so it is granted per dispatcher:
 `route_regularly(dispatcher, topk)` (called by our MoE layer, `model/moe/layer.py`, for the alltoall
@@ -47,13 +46,15 @@ _INVERSE_TABLES: dict[int, tuple[weakref.ref, int, Tensor]] = {}
 
 def rows_by_token(token_of_row: Tensor, num_tokens: int) -> Tensor:
     """[num_tokens, k]: the permuted rows of each token, in row (= expert) order; sorted once per permutation."""
+    k = token_of_row.numel() // num_tokens if num_tokens else 0  # no tokens (an empty half): no rows
+    if token_of_row.is_inference():  # no version counter to tell an in-place write: sorted every time
+        return torch.argsort(token_of_row, stable=True).view(num_tokens, k)
     key = id(token_of_row)
     entry = _INVERSE_TABLES.get(key)
     if entry is not None:
         alive, version, table = entry
         if alive() is token_of_row and version == token_of_row._version and table.shape[0] == num_tokens:
             return table
-    k = token_of_row.numel() // num_tokens if num_tokens else 0  # no tokens (an empty half): no rows
     table = torch.argsort(token_of_row, stable=True).view(num_tokens, k)
     alive = weakref.ref(token_of_row, lambda _, key=key: _INVERSE_TABLES.pop(key, None))
     _INVERSE_TABLES[key] = alive, token_of_row._version, table
@@ -67,7 +68,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x: Tensor, token_of_row: Tensor) -> Tensor:
         ctx.save_for_backward(token_of_row)
         ctx.num_tokens = x.shape[0]
-        return _gather(x, token_of_row)
+        return x.index_select(0, token_of_row)
 
     @staticmethod
     def backward(ctx, grad_rows: Tensor):
@@ -86,29 +87,7 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_tokens: Tensor):
         (token_of_row,) = ctx.saved_tensors
-        return _gather(grad_tokens, token_of_row), None, None
-
-
-def _gather_layout(x: Tensor, index: Tensor) -> bool:
-    """Whether x [rows, hidden] and the row numbers are laid out as the gather kernel reads them."""
-    return x.dim() == 2 and x.is_contiguous() and index.dim() == 1 and index.is_contiguous() and index.numel() > 0
-
-
-def _gather_takes(x: Tensor, index: Tensor) -> bool:
-    """Whether the Triton gather (`row_gather_kernels.py`) takes this copy: contiguous CUDA rows."""
-    return x.is_cuda and _gather_layout(x, index)
-
-
-def _gather(x: Tensor, index: Tensor) -> Tensor:
-    """x[index] along rows; PyTorch's `index_select` on CPU and for any other layout."""
-    if not _gather_takes(x, index):
-        return x.index_select(0, index)
-    from skyrl_megatron.model.moe import row_gather_kernels
-
-    out = x.new_empty((index.numel(), *x.shape[1:]))
-    if x.shape[1]:
-        row_gather_kernels.gather_rows(x, index, out)
-    return out
+        return grad_tokens.index_select(0, token_of_row), None, None
 
 
 def _kernel_layout(x: Tensor, rows: Tensor) -> bool:
