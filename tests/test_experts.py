@@ -252,3 +252,29 @@ def test_expert_wgrad_that_cannot_run_fails_the_build_naming_the_key_and_the_fix
         "megatron_config.fused_kernels: expert_wgrad cannot run here: it needs quack-kernels; remove it from the list")
     monkeypatch.setattr(expert_wgrad, "missing_reason", lambda device: None)
     build._check_kernels_can_run(spec, Runtime(Device.CUDA))
+
+
+def test_expert_wgrad_takes_only_aligned_half_precision_operands_and_an_fp32_target():
+    """quack's GEMM is compiled for 16-byte aligned addresses and strides: an expert width that is not a multiple of
+    8 half-precision elements, an operand that starts off 16 bytes, or a target that is not fp32 goes to the
+    two-kernel path."""
+    from skyrl_megatron.model.moe import expert_wgrad
+
+    class OnGpu(torch.Tensor):  # reports CUDA without a GPU, for the predicate alone
+        @property
+        def is_cuda(self):
+            return True
+
+    def operands(out_features, in_features, rows=5, dtype=torch.bfloat16):
+        target = torch.zeros(2, out_features, in_features).as_subclass(OnGpu)
+        return target, torch.zeros(rows, out_features, dtype=dtype), torch.zeros(rows, in_features, dtype=dtype)
+
+    assert expert_wgrad.takes(*operands(8, 16))
+    assert expert_wgrad.takes(*operands(16, 8, dtype=torch.float16))
+    assert not expert_wgrad.takes(*operands(8, 12))  # x's rows 24 bytes apart
+    assert not expert_wgrad.takes(*operands(6, 16))  # dY^T's columns 12 bytes apart
+    assert not expert_wgrad.takes(*operands(8, 16, dtype=torch.float32))  # fp32 operands
+    target, grad_output, x = operands(8, 16)
+    assert not expert_wgrad.takes(target.to(torch.bfloat16), grad_output, x)  # a bf16 main_grad
+    assert not expert_wgrad.takes(target, grad_output, torch.zeros(5 * 16 + 2, dtype=torch.bfloat16)[2:].view(5, 16))
+    assert not expert_wgrad.takes(torch.zeros(2, 8, 16), grad_output, x)  # on the CPU

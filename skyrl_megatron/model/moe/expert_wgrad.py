@@ -40,8 +40,21 @@ def missing_reason(device_index: int) -> str | None:
     return None
 
 
+# quack compiles its GEMMs for operands whose addresses and strides (but the unit one) are multiples of 16 bytes
+_ALIGNMENT_BYTES = 16
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    return all(
+        t.data_ptr() % _ALIGNMENT_BYTES == 0
+        and all(stride * t.element_size() % _ALIGNMENT_BYTES == 0 for stride in t.stride() if stride != 1)
+        for t in tensors
+    )
+
+
 def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
-    """Whether `add_` runs these operands: a contiguous fp32 [E, out, in] target, half-precision operands."""
+    """Whether `add_` runs these operands: a contiguous fp32 [E, out, in] target, contiguous half-precision
+    operands, all 16-byte aligned (out a multiple of 8 and in of 8 for bf16/fp16); else the caller's two-kernel path."""
     return (
         main_grads.is_cuda
         and main_grads.dtype == torch.float32
@@ -50,6 +63,7 @@ def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
         and x.dtype == grad_output.dtype
         and grad_output.is_contiguous()
         and x.is_contiguous()
+        and _aligned(main_grads, grad_output, x)
     )
 
 

@@ -433,9 +433,14 @@ def keep_expert_weights_out_of_autograd(chunks) -> int:
 
 
 def add_weight_gradients_in_gemm(chunks) -> int:
-    """Let the grouped linears of `chunks` that keep their weights out of autograd add dW into `main_grad` inside
-    the GEMM (`expert_wgrad`, quack's varlen-K GEMM). Returns how many linears were set."""
-    linears = [m for chunk in chunks for m in chunk.modules() if isinstance(m, _GroupedLinear) and m.grads_bypass_autograd]
+    """Let the grouped linears of `chunks` that keep their weights out of autograd and have fp32 main grads (DDP's
+    `grad_reduce_in_fp32`) add dW into `main_grad` inside the GEMM (`expert_wgrad`, quack's varlen-K GEMM).
+    Returns how many linears were set."""
+    linears = [
+        m for chunk in chunks for m in chunk.modules()
+        if isinstance(m, _GroupedLinear) and m.grads_bypass_autograd
+        and all(w.main_grad.dtype == torch.float32 for w in m.expert_weights())
+    ]
     for linear in linears:
         linear.wgrad_in_gemm = True
     return len(linears)
