@@ -17,5 +17,7 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    source = tensor if tensor.is_pinned() else tensor.pin_memory()
+    # contiguous first: `.to` would make a non-contiguous source contiguous in pageable memory, and wait
+    source = tensor.contiguous()
+    source = source if source.is_pinned() else source.pin_memory()
     return source.to(device, non_blocking=True)

@@ -204,13 +204,15 @@ def _prepare_on_demand(monkeypatch, pipeline, args):
         assert torch.equal(mine.targets.labels, theirs.targets.labels)
 
 
-def test_host_tensors_reach_a_gpu_through_pinned_memory_without_waiting(monkeypatch):
+def test_host_tensors_go_to_a_gpu_from_pinned_memory_as_non_blocking_copies(monkeypatch):
     """A copy from pageable memory to a GPU first waits for the device's queued work: `to_device` pins the source
-    and copies non-blocking; already pinned sources are not pinned again; other moves are `Tensor.to`."""
+    (made contiguous first, so that `.to` makes no pageable copy of its own) and copies non-blocking; already
+    pinned sources are not pinned again; other moves are `Tensor.to`. (The calls only: no GPU here.)"""
     from skyrl_megatron import host_copies
 
     calls = []
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self: calls.append("pin" if self.is_contiguous() else "pin strided") or self)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)
     real_to = torch.Tensor.to
 
@@ -220,6 +222,9 @@ def test_host_tensors_reach_a_gpu_through_pinned_memory_without_waiting(monkeypa
 
     monkeypatch.setattr(torch.Tensor, "to", to)
     host_copies.to_device(torch.arange(4), torch.device("cuda"))
+    assert calls == ["pin", ("to", "cuda", True)]
+    calls.clear()
+    host_copies.to_device(torch.arange(8)[::2], torch.device("cuda"))
     assert calls == ["pin", ("to", "cuda", True)]
     calls.clear()
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)

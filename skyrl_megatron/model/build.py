@@ -60,7 +60,7 @@ class ModelSpec:
     cache: ConversionCacheSettings | None = None  # None: convert through the bridge on every build
     lora: LoraSpec | None = None  # None: every parameter trains; else only LoRA adapters on a frozen base
     moe: MoeSettings = field(default_factory=MoeSettings)  # routing/dispatch of MoE models; ignored for dense
-    # generated kernels for the TE-free layers on GPU (model/layers/fusions.py); ignored on CPU
+    # fused kernels for the TE-free layers on GPU (model/layers/fusions.py); ignored on CPU
     fused_kernels: tuple[str, ...] = DEFAULT_FUSED_KERNELS
     # the packed segment kernel of our core attention (model/layers/attention.py): auto | flash4 | varlen | sdpa
     attention_kernel: str = AUTO
@@ -93,7 +93,7 @@ class BuiltModel:
     provider: Any  # the finalised GPTModelProvider (a TransformerConfig)
     load_report: LoadReport  # cache hit or miss, conversion and load times
     lora: LoraSpec | None = None  # the adapters the chunks carry, if any
-    # the logprob head's generated kernels (compute/logprobs.py), for the runner that scores with it
+    # the logprob head's fused kernels (compute/logprobs.py), for the runner that scores with it
     fused_logprobs: bool = False
     value_head: bool = False  # the last stage ends in a ValueHead (a critic), not the LM head
 
@@ -103,7 +103,7 @@ class BuiltModel:
 
     @property
     def fused_kernels(self) -> tuple[str, ...]:
-        """The generated kernels this model runs with (`model/layers/fusions.py`), as built."""
+        """The fused kernels this model runs with (`model/layers/fusions.py`), as built."""
         from skyrl_megatron.model.layers.norm import FusedRMSNorm
         from skyrl_megatron.model.layers.qk_norm_rope import QKNormRopeSelfAttention
 

@@ -78,7 +78,7 @@ class TorchNorm:
 
 
 class FusedTorchNorm:
-    """`TorchNorm` with RMSNorm as a generated kernel (LayerNorm stays PyTorch's)."""
+    """`TorchNorm` with RMSNorm on our Triton kernels (`FusedRMSNorm`; LayerNorm stays PyTorch's)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
         return _build_norm(config, hidden_size, eps, FusedRMSNorm)
