@@ -1,13 +1,13 @@
 """The kernels of `megatron_config.fused_kernels` against the eager ones, on one GPU.
 
-For each kernel, at the Qwen3-4B shapes of one 8192-token micro-batch: the largest error of the
-values and input gradients of both versions against an fp64 reference (the fused kernel must not
-be less accurate than the eager chain it replaces), and the device time of forward + backward
-(median of CUDA-event timings after warm-up). Where the fused kernel replaced an earlier one (the
-Triton query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that
-one is checked and timed too ("previous"). The logprob head (forward + backward of one micro-batch at
-vocabulary 151,936) runs eager, with the generated kernels it had, with the Triton ones, and with
-those and forward's logits kept for the backward.
+For each kernel, at the Qwen3-4B shapes of one 8192-token micro-batch: the largest error of the values and
+input gradients (the norms' weights count as inputs) of both versions against an fp64 reference (the fused
+kernel must not be less accurate than the eager chain it replaces), and the device time of forward + backward
+(median of CUDA-event timings after warm-up). Where the fused kernel replaced an earlier one (the Triton
+query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that one is checked and timed too
+("previous"); for the block's RMSNorm, quack-kernels' RMSNorm too ("library"), where it is installed. The
+logprob head (forward + backward of one micro-batch at vocabulary 151,936) runs eager, with the generated
+kernels it had, with the Triton ones, and with those and forward's logits kept for the backward.
 
 Usage (on the GPU machine): python bench/gpu_fusion_check.py --out fusions.json
 """
@@ -45,6 +45,13 @@ def _generated_rms_norm():
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
     return compile_kernel(rms_norm)
+
+
+def _rms_norm_quack(x, weight):
+    """quack-kernels' RMSNorm (CuTe DSL; installed with flash-attn-4), the library candidate for the block's norms."""
+    from quack.rmsnorm import rmsnorm
+
+    return rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps=1e-6).view(x.shape)
 
 
 def _rms_norm_generated(x, weight):
@@ -139,12 +146,13 @@ def _cases(device):
     hidden_weight = (torch.rand(HIDDEN, device=device) + 0.5).to(torch.bfloat16)
     head_weight = (torch.rand(HEAD_DIM, device=device) + 0.5).to(torch.bfloat16)
     return {
-        "rms_norm hidden [T, 2560]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HIDDEN, scale=3)], [hidden_weight],
-                                      _rms_norm_generated),
-        "rms_norm hidden [T, 2048]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, 2048, scale=3)],
-                                      [hidden_weight[:2048].clone()], _rms_norm_generated),
+        # the norms' weights are inputs: their gradient is part of every side's backward, as in training
+        "rms_norm hidden [T, 2560]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HIDDEN, scale=3), hidden_weight],
+                                      [], _rms_norm_generated),
+        "rms_norm hidden [T, 2048]": (_rms_norm_eager, _rms_norm_fused, [randn(TOKENS, 2048, scale=3),
+                                      hidden_weight[:2048].clone()], [], _rms_norm_generated),
         "rms_norm query heads [T, 32, 128]": (
-            _rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HEADS, HEAD_DIM, scale=3)], [head_weight]
+            _rms_norm_eager, _rms_norm_fused, [randn(TOKENS, HEADS, HEAD_DIM, scale=3), head_weight], []
         ),
         "rope query [T, 32, 128]": (_rope_eager, _rope_fused, [randn(TOKENS, HEADS, HEAD_DIM)], [cos, sin]),
         "rope key [T, 8, 128]": (_rope_eager, _rope_fused, [randn(TOKENS, GROUPS, HEAD_DIM)], [cos, sin]),
@@ -155,6 +163,9 @@ def _cases(device):
             [randn(TOKENS, GROUPS, (HEADS // GROUPS + 2) * HEAD_DIM, scale=3)], [head_weight, cos, sin],
             _qk_norm_rope_generated),
     }
+
+
+_LIBRARY_CASES = {"rms_norm hidden [T, 2560]": _rms_norm_quack, "rms_norm hidden [T, 2048]": _rms_norm_quack}
 
 
 def run_with_grads(fn, inputs, constants, grad):
@@ -206,6 +217,13 @@ def check(device: str = "cuda") -> dict:
         for earlier in previous:
             report[name]["previous_error"] = _max_error(run_with_grads(earlier, inputs, constants, grad), reference)
             report[name]["previous_ms"] = device_ms(earlier, inputs, constants, grad)
+        if name in _LIBRARY_CASES:  # a maintained library's kernel for the same job, where installed
+            try:
+                library = _LIBRARY_CASES[name]
+                report[name]["library_error"] = _max_error(run_with_grads(library, inputs, constants, grad), reference)
+                report[name]["library_ms"] = device_ms(library, inputs, constants, grad)
+            except Exception as error:  # noqa: BLE001 - not installed or not built here: say so, go on
+                report[name]["library"] = f"{type(error).__name__}: {error}"[:300]
         print(name, json.dumps(report[name]), flush=True)
     return report
 
