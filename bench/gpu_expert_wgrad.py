@@ -99,6 +99,10 @@ def main() -> None:
                               "tflops": round(flops / ms / 1e9, 1),
                               "max_rel_error": float(torch.stack(errors).max()),
                               "empty_experts_unchanged": bool(torch.equal(target[: args.empty], start_grad[: args.empty]))}
+        if "ms" in results.get("quack_add_tuned", {}):  # the configuration the autotuner chose, to pin it by shape
+            from quack.gemm_interface import gemm_tuned
+
+            results["quack_add_tuned"]["config"] = str(getattr(gemm_tuned, "best_config", None))
         print(json.dumps({"projection": name, "experts": args.experts, "rows": rows, "out": out_features,
                           "in": in_features, **results}))
         if "ms" in results.get("quack_add", {}) and "ms" in results["grouped_mm+add"]:
