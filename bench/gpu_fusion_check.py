@@ -1,13 +1,14 @@
 """The kernels of `megatron_config.fused_kernels` against the eager ones, on one GPU.
 
-For each kernel, at the Qwen3-4B shapes of one 8192-token micro-batch: the largest error of the values and
-input gradients (the norms' weights count as inputs) of both versions against an fp64 reference (the fused
-kernel must not be less accurate than the eager chain it replaces), and the device time of forward + backward
-(median of CUDA-event timings after warm-up). Where the fused kernel replaced an earlier one (the Triton
-query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that one is checked and timed too
-("previous"); for the block's RMSNorm, quack-kernels' RMSNorm too ("library"), where it is installed. The
-logprob head (forward + backward of one micro-batch at vocabulary 151,936) runs eager, with the generated
-kernels it had, with the Triton ones, and with those and forward's logits kept for the backward.
+For each kernel, at the Qwen3-4B shapes of one 8192-token micro-batch: the largest error of the values and input
+gradients (the norms' weights count as inputs) of both versions against an fp64 reference (the fused kernel must not
+be less accurate than the eager chain it replaces), and the device time of forward + backward (median of CUDA-event
+timings after warm-up, `*_ms`, and the kernels' busy time in a profile, `*_busy_ms`, which leaves out the host's
+launch gaps that events around a sub-millisecond kernel also time). Where the fused kernel replaced an earlier one
+(the Triton query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that one is checked and
+timed too ("previous"); for the block's RMSNorm, quack-kernels' RMSNorm too ("library"), where it is installed. The
+logprob head (forward + backward of one micro-batch at vocabulary 151,936) runs eager, with the generated kernels it
+had, with the Triton ones, and with those and forward's logits kept for the backward.
 
 Usage (on the GPU machine): python bench/gpu_fusion_check.py --out fusions.json
 """
@@ -200,6 +201,24 @@ def device_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def device_busy_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
+    """Device time of forward + backward with the host's gaps left out: the kernels' merged busy time in a profile
+    of `repeats` calls (after warm-up), per call. Events around a sub-millisecond norm or rotation time the host's
+    launches as much as the kernels (the gaps a training step fills with queued work); this times the kernels."""
+    from gpu_idle import from_profiler
+
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    for _ in range(3):
+        fn(*leaves, *constants).backward(grad)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(repeats):
+            fn(*leaves, *constants).backward(grad)
+        torch.cuda.synchronize()
+    return from_profiler(profiler).busy_us / 1e3 / repeats
+
+
 def check(device: str = "cuda") -> dict:
     torch.manual_seed(0)
     report = {}
@@ -213,15 +232,19 @@ def check(device: str = "cuda") -> dict:
             "fused_error": _max_error(run_with_grads(fused, inputs, constants, grad), reference),
             "eager_ms": device_ms(eager, inputs, constants, grad),
             "fused_ms": device_ms(fused, inputs, constants, grad),
+            "eager_busy_ms": device_busy_ms(eager, inputs, constants, grad),
+            "fused_busy_ms": device_busy_ms(fused, inputs, constants, grad),
         }
         for earlier in previous:
             report[name]["previous_error"] = _max_error(run_with_grads(earlier, inputs, constants, grad), reference)
             report[name]["previous_ms"] = device_ms(earlier, inputs, constants, grad)
+            report[name]["previous_busy_ms"] = device_busy_ms(earlier, inputs, constants, grad)
         if name in _LIBRARY_CASES:  # a maintained library's kernel for the same job, where installed
             try:
                 library = _LIBRARY_CASES[name]
                 report[name]["library_error"] = _max_error(run_with_grads(library, inputs, constants, grad), reference)
                 report[name]["library_ms"] = device_ms(library, inputs, constants, grad)
+                report[name]["library_busy_ms"] = device_busy_ms(library, inputs, constants, grad)
             except Exception as error:  # noqa: BLE001 - not installed or not built here: say so, go on
                 report[name]["library"] = f"{type(error).__name__}: {error}"[:300]
         print(name, json.dumps(report[name]), flush=True)
