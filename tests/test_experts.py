@@ -278,3 +278,45 @@ def test_expert_wgrad_takes_only_aligned_half_precision_operands_and_an_fp32_tar
     assert not expert_wgrad.takes(target.to(torch.bfloat16), grad_output, x)  # a bf16 main_grad
     assert not expert_wgrad.takes(target, grad_output, torch.zeros(5 * 16 + 2, dtype=torch.bfloat16)[2:].view(5, 16))
     assert not expert_wgrad.takes(torch.zeros(2, 8, 16), grad_output, x)  # on the CPU
+
+
+def test_expert_wgrad_hands_the_kernel_the_back_to_back_main_grads_and_each_experts_rows(monkeypatch):
+    """Where quack's GEMM takes the operands, the layer calls it once with the [E, out, in] view over the experts'
+    back-to-back main grads, dY, X and the experts' row offsets. A stand-in for the GPU kernel (its definition:
+    main_grads[e] += dY_e^T X_e) runs here; an expert without rows keeps its gradient."""
+    from types import SimpleNamespace
+
+    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.model.moe.experts import _GroupedLinear, _LayoutMemo, expert_offsets
+
+    calls = []
+
+    def stand_in(main_grads, grad_output, x, offsets):  # quack's varlen-K GEMM, by its definition
+        calls.append((main_grads.shape, main_grads.data_ptr()))
+        starts = [0, *offsets.tolist()[:-1]]
+        for e, (lo, hi) in enumerate(zip(starts, offsets.tolist())):
+            main_grads[e] += grad_output[lo:hi].t() @ x[lo:hi]
+
+    monkeypatch.setattr(expert_wgrad, "takes", lambda *operands: True)
+    monkeypatch.setattr(expert_wgrad, "add_", stand_in)
+    x, weights, grad_out = _problem()
+    want = torch.autograd.grad(_per_expert(x, weights), weights, grad_out)
+    buffer = torch.full((len(weights) * weights[0].numel(),), 2.0)
+    for i, w in enumerate(weights):
+        w.main_grad = buffer[i * w.numel() : (i + 1) * w.numel()].view(w.shape)
+    layer = SimpleNamespace(expert_weights=lambda: weights, _main_grad_layout=_LayoutMemo(), wgrad_in_gemm=True)
+    offsets = expert_offsets(TOKENS_PER_EXPERT, x.device)
+    _GroupedLinear.add_weight_gradients(layer, grad_out, x.detach(), offsets)
+    assert calls == [((len(weights), *weights[0].shape), buffer.data_ptr())]
+    for w, expected in zip(weights, want):
+        torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
+    assert torch.equal(weights[1].main_grad, torch.full_like(weights[1].main_grad, 2.0))  # no rows: unchanged
+
+    calls.clear()  # main grads that do not lie back to back: the two-kernel path, never the kernel
+    for w in weights:
+        w.main_grad = torch.full(w.shape, 2.0)
+    layer._main_grad_layout = _LayoutMemo()
+    _GroupedLinear.add_weight_gradients(layer, grad_out, x.detach(), offsets)
+    assert calls == []
+    for w, expected in zip(weights, want):
+        torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
