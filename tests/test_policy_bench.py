@@ -532,3 +532,36 @@ def test_the_plain_loop_profiles_one_more_step_of_the_phase_asked(tmp_path, phas
     assert text.startswith(f"{phase}, rank 0: {{") and "top operators by host time" in text
     # the gradients' reduction and the optimizer step appear only in a profiled training call
     assert ("FSDP::post_backward_reduce" in text) == ("Optimizer.step" in text) == (phase == "train")
+
+
+def test_the_checkpoint_is_converted_in_a_start_up_of_its_own_before_any_of_our_cases_is_timed(tmp_path, monkeypatch):
+    """Where ours runs in several cases, the first of them would convert the checkpoint and store the cache entry in
+    its own start-up, then be timed in that process while the others load the entry: `--convert-first` (the
+    default) converts before any case, so each of ours starts from the cache alike. One case of ours converts as a
+    user's first run does."""
+    import argparse
+
+    bench = _bench_module()
+    variants = {"x": ["trainer.policy.megatron_config.empty_cuda_cache=false"]}
+    cases = [bench.Case.parse(text, variants) for text in ("fsdp2_loop:world1", "megatron:world1@x", "megatron:world1")]
+    events = []
+    monkeypatch.setattr(bench, "convert_once", lambda case, s, tokenizer: events.append(("convert", case.name)) or 1.5)
+    monkeypatch.setattr(bench, "run_case", lambda case, *rest: events.append(("run", case.name)) or {"case": case.name})
+    monkeypatch.setattr(bench, "run_loop_case", lambda case, *rest: events.append(("run", case.name)) or {"case": case.name})
+    settings = bench.Settings(str(tmp_path), bench.BatchShape(), str(tmp_path), cpu=False, token_budget=4096,
+                              fsdp_micro_rows=2, recompute=False, steps=1, warmup=1, variants=variants)
+
+    def run(cases, convert_first):
+        events.clear()
+        report = {"cases": [], "composed_only": [], "failed": {}}
+        args = argparse.Namespace(convert_first=convert_first, smoke=False, out=tmp_path / "report.json")
+        bench.run_cases(cases, settings, None, None, None, None, report, args)
+        return report
+
+    report = run(cases, convert_first=True)
+    assert events == [("convert", "megatron:world1@x"), ("run", "fsdp2_loop:world1"), ("run", "megatron:world1@x"),
+                      ("run", "megatron:world1")]
+    assert report["converted_first_seconds"] == 1.5 and len(report["cases"]) == 3
+    assert "converted_first_seconds" not in run(cases, convert_first=False) and events[0] == ("run", "fsdp2_loop:world1")
+    run(cases[:2], convert_first=True)  # one case of ours: it converts in its own start-up
+    assert [kind for kind, _ in events] == ["run", "run"]
