@@ -53,8 +53,8 @@ def _aligned(*tensors: Tensor) -> bool:
 
 
 def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
-    """Whether `add_` runs these operands: a contiguous fp32 [E, out, in] target, contiguous half-precision
-    operands, all 16-byte aligned (out a multiple of 8 and in of 8 for bf16/fp16); else the caller's two-kernel path."""
+    """Whether `add_` runs these operands: a contiguous fp32 [E, out, in] target and contiguous half-precision
+    operands, all 16-byte aligned (out and in multiples of 8); else the caller takes the two-kernel path."""
     return (
         main_grads.is_cuda
         and main_grads.dtype == torch.float32
