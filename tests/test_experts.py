@@ -214,13 +214,12 @@ def test_token_sort_equals_megatrons_split_and_concatenate(ep_times_tp, local_ex
         assert sort_chunks_by_idxs(tokens, sizes, by_expert)[0] is tokens
 
 
-def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_not_take_the_operands():
-    """`fused_kernels: [expert_wgrad]` on tensors quack's GEMM cannot take (CPU here, as fp32 or misaligned ones on a
-    GPU): the layer's weight gradients still land in `main_grad`, from the grouped GEMM and the fp32 add."""
+def _expert_wgrad_problem():
+    """The experts' operands, the weight gradients autograd gives, and a layer stand-in whose experts' main grads
+    (2.0 to start) lie back to back in one buffer, with `wgrad_in_gemm` set."""
     from types import SimpleNamespace
 
-    from skyrl_megatron.model.moe import expert_wgrad
-    from skyrl_megatron.model.moe.experts import _GroupedLinear, _LayoutMemo, expert_offsets
+    from skyrl_megatron.model.moe.experts import _LayoutMemo
 
     x, weights, grad_out = _problem()
     want = torch.autograd.grad(_per_expert(x, weights), weights, grad_out)
@@ -228,9 +227,19 @@ def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_no
     for i, w in enumerate(weights):
         w.main_grad = buffer[i * w.numel() : (i + 1) * w.numel()].view(w.shape)
     layer = SimpleNamespace(expert_weights=lambda: weights, _main_grad_layout=_LayoutMemo(), wgrad_in_gemm=True)
+    return x.detach(), weights, grad_out, want, buffer, layer
+
+
+def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_not_take_the_operands():
+    """`fused_kernels: [expert_wgrad]` on tensors quack's GEMM cannot take (CPU here, as fp32 or misaligned ones on a
+    GPU): the layer's weight gradients still land in `main_grad`, from the grouped GEMM and the fp32 add."""
+    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.model.moe.experts import _GroupedLinear, expert_offsets
+
+    x, weights, grad_out, want, buffer, layer = _expert_wgrad_problem()
     assert not expert_wgrad.takes(buffer.view(len(weights), *weights[0].shape), grad_out, x)
     offsets = expert_offsets(TOKENS_PER_EXPERT, x.device)
-    _GroupedLinear.add_weight_gradients(layer, grad_out, x.detach(), offsets)
+    _GroupedLinear.add_weight_gradients(layer, grad_out, x, offsets)
     for w, expected in zip(weights, want):
         torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
 
@@ -284,8 +293,6 @@ def test_expert_wgrad_hands_the_kernel_the_back_to_back_main_grads_and_each_expe
     """Where quack's GEMM takes the operands, the layer calls it once with the [E, out, in] view over the experts'
     back-to-back main grads, dY, X and the experts' row offsets. A stand-in for the GPU kernel (its definition:
     main_grads[e] += dY_e^T X_e) runs here; an expert without rows keeps its gradient."""
-    from types import SimpleNamespace
-
     from skyrl_megatron.model.moe import expert_wgrad
     from skyrl_megatron.model.moe.experts import _GroupedLinear, _LayoutMemo, expert_offsets
 
@@ -299,14 +306,9 @@ def test_expert_wgrad_hands_the_kernel_the_back_to_back_main_grads_and_each_expe
 
     monkeypatch.setattr(expert_wgrad, "takes", lambda *operands: True)
     monkeypatch.setattr(expert_wgrad, "add_", stand_in)
-    x, weights, grad_out = _problem()
-    want = torch.autograd.grad(_per_expert(x, weights), weights, grad_out)
-    buffer = torch.full((len(weights) * weights[0].numel(),), 2.0)
-    for i, w in enumerate(weights):
-        w.main_grad = buffer[i * w.numel() : (i + 1) * w.numel()].view(w.shape)
-    layer = SimpleNamespace(expert_weights=lambda: weights, _main_grad_layout=_LayoutMemo(), wgrad_in_gemm=True)
+    x, weights, grad_out, want, buffer, layer = _expert_wgrad_problem()
     offsets = expert_offsets(TOKENS_PER_EXPERT, x.device)
-    _GroupedLinear.add_weight_gradients(layer, grad_out, x.detach(), offsets)
+    _GroupedLinear.add_weight_gradients(layer, grad_out, x, offsets)
     assert calls == [((len(weights), *weights[0].shape), buffer.data_ptr())]
     for w, expected in zip(weights, want):
         torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
@@ -316,7 +318,7 @@ def test_expert_wgrad_hands_the_kernel_the_back_to_back_main_grads_and_each_expe
     for w in weights:
         w.main_grad = torch.full(w.shape, 2.0)
     layer._main_grad_layout = _LayoutMemo()
-    _GroupedLinear.add_weight_gradients(layer, grad_out, x.detach(), offsets)
+    _GroupedLinear.add_weight_gradients(layer, grad_out, x, offsets)
     assert calls == []
     for w, expected in zip(weights, want):
         torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
