@@ -322,3 +322,28 @@ def test_expert_wgrad_hands_the_kernel_the_back_to_back_main_grads_and_each_expe
     assert calls == []
     for w, expected in zip(weights, want):
         torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
+
+
+def test_expert_wgrad_is_set_only_on_linears_that_bypass_autograd_with_fp32_main_grads():
+    """`build.py` asks for the kernel after DDP wraps: a grouped linear whose weights still go through autograd
+    (`overlap_grad_reduce`) or whose main grads are bf16 (`grad_reduce_in_fp32: false`) keeps the two-kernel path, and
+    the count returned (zero makes the build warn) says how many were set."""
+    from skyrl_megatron.model.moe import experts
+
+    class Linear(experts._GroupedLinear):  # the attributes the two hooks read, without Megatron's config
+        def __init__(self, main_grad_dtype):
+            torch.nn.Module.__init__(self)
+            self.grads_bypass_autograd, self.wgrad_in_gemm = False, False
+            weight = torch.nn.Parameter(torch.zeros(8, 8))
+            weight.main_grad = torch.zeros(8, 8, dtype=main_grad_dtype)
+            self._weights = [weight]
+
+        def expert_weights(self):
+            return self._weights
+
+    fp32, bf16 = Linear(torch.float32), Linear(torch.bfloat16)
+    chunks = [torch.nn.ModuleList([fp32, bf16])]
+    assert experts.add_weight_gradients_in_gemm(chunks) == 0  # weights still in autograd: none
+    assert experts.keep_expert_weights_out_of_autograd(chunks) == 2
+    assert experts.add_weight_gradients_in_gemm(chunks) == 1
+    assert fp32.wgrad_in_gemm and not bf16.wgrad_in_gemm

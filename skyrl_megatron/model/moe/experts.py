@@ -421,12 +421,16 @@ def grouped_experts_class():
     return _grouped_experts_class
 
 
+def _grouped_linears(chunks) -> list[_GroupedLinear]:
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, _GroupedLinear)]
+
+
 def keep_expert_weights_out_of_autograd(chunks) -> int:
     """Let the grouped linears of DDP-wrapped `chunks` add their weight gradients into `main_grad`
     outside autograd (see the module doc). Only for a DDP config without `overlap_grad_reduce`: with it,
     DDP's per-parameter hook marks each gradient ready for the overlapped reduce and must run.
     Returns how many linears were set."""
-    linears = [m for chunk in chunks for m in chunk.modules() if isinstance(m, _GroupedLinear)]
+    linears = _grouped_linears(chunks)
     for linear in linears:
         linear.grads_bypass_autograd = True
     return len(linears)
@@ -437,9 +441,8 @@ def add_weight_gradients_in_gemm(chunks) -> int:
     `grad_reduce_in_fp32`) add dW into `main_grad` inside the GEMM (`expert_wgrad`, quack's varlen-K GEMM).
     Returns how many linears were set."""
     linears = [
-        m for chunk in chunks for m in chunk.modules()
-        if isinstance(m, _GroupedLinear) and m.grads_bypass_autograd
-        and all(w.main_grad.dtype == torch.float32 for w in m.expert_weights())
+        m for m in _grouped_linears(chunks)
+        if m.grads_bypass_autograd and all(w.main_grad.dtype == torch.float32 for w in m.expert_weights())
     ]
     for linear in linears:
         linear.wgrad_in_gemm = True
