@@ -656,11 +656,14 @@ def measured_policy_class(backend: str):
 # ----------------------------------------------------------------------------------------------
 
 
-def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor], arch, peak_tflops) -> dict:
+@contextlib.contextmanager
+def started_policy(case: Case, s: Settings, tokenizer):
+    """Ray and the host trainer with `case`'s policy workers built; Ray shut down on leaving. Yields the trainer,
+    the seconds the build took and the driver's clock when it began."""
     import ray
 
     from skyrl_megatron.launch import initialize_ray
-    from skyrl_megatron.testing.host_trainer import host_trainer, training_input
+    from skyrl_megatron.testing.host_trainer import host_trainer
 
     cfg = compose(case, s)
     with environment(case_environment(case, s)):
@@ -669,7 +672,17 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
         trainer = host_trainer(cfg, tokenizer, total_training_steps=100)
         started, driver_started = time.perf_counter(), time.time()
         trainer.build_models(measured_policy_class(case.backend), None, None)
-        init_seconds = time.perf_counter() - started
+        yield trainer, time.perf_counter() - started, driver_started
+    finally:
+        ray.shutdown()
+
+
+def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor], arch, peak_tflops) -> dict:
+    import ray
+
+    from skyrl_megatron.testing.host_trainer import training_input
+
+    with started_policy(case, s, tokenizer) as (trainer, init_seconds, driver_started):
         policy = trainer.policy_model
         path = ray.get(policy.async_run_ray_method("pass_through", "bench_path"))[0]
         startups = [startup_timeline(stamps, driver_started)
@@ -768,8 +781,6 @@ def run_case(case: Case, s: Settings, tokenizer, batch: dict[str, torch.Tensor],
             step(s.warmup + s.steps, profiled=s.profile_phase)  # one more step, its profiled phase timed apart
             profile = profiles[-1]
             print(f"  {case.name} profiled {s.profile_phase}: {json.dumps(profile)}", flush=True)
-    finally:
-        ray.shutdown()
 
     result = case_result(case, path, batch, arch, peak_tflops, phases, in_worker, peaks)
     result.update(init_seconds=init_seconds, startup=startups, profile=profile)
@@ -1284,21 +1295,8 @@ def main(argv: list[str] | None = None) -> int:
 def convert_once(case: Case, s: Settings, tokenizer) -> float:
     """Start `case`'s workers and stop them: the HF checkpoint's conversion is stored in the run's conversion cache,
     so that every case after it starts from a cache hit. Seconds taken."""
-    from skyrl_megatron.launch import initialize_ray
-    from skyrl_megatron.testing.host_trainer import host_trainer
-
-    cfg = compose(case, s)
-    with environment(case_environment(case, s)):
-        initialize_ray(cfg, log_to_driver=False)
-    started = time.perf_counter()
-    try:
-        host_trainer(cfg, tokenizer, total_training_steps=100).build_models(measured_policy_class(case.backend),
-                                                                           None, None)
-    finally:
-        import ray
-
-        ray.shutdown()
-    return time.perf_counter() - started
+    with started_policy(case, s, tokenizer) as (_, seconds, _):
+        return seconds
 
 
 def conversion_case(cases, args) -> Case | None:
