@@ -185,11 +185,17 @@ def _max_error(result, reference):
     return {"value": errors[0], "grad": max(errors[1:])}
 
 
-def device_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
-    """Median device time of forward + backward (CUDA events, after 3 warm-up calls)."""
+def _warm_leaves(fn, inputs, constants, grad) -> list:
+    """Fresh leaves of `inputs` after 3 untimed forward + backward calls of `fn` on them."""
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     for _ in range(3):
         fn(*leaves, *constants).backward(grad)
+    return leaves
+
+
+def device_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
+    """Median device time of forward + backward (CUDA events, after 3 warm-up calls)."""
+    leaves = _warm_leaves(fn, inputs, constants, grad)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -207,9 +213,7 @@ def device_busy_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
     launches as much as the kernels (the gaps a training step fills with queued work); this times the kernels."""
     from gpu_idle import from_profiler
 
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    for _ in range(3):
-        fn(*leaves, *constants).backward(grad)
+    leaves = _warm_leaves(fn, inputs, constants, grad)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
@@ -217,6 +221,13 @@ def device_busy_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
             fn(*leaves, *constants).backward(grad)
         torch.cuda.synchronize()
     return from_profiler(profiler).busy_us / 1e3 / repeats
+
+
+def _side(label: str, fn, inputs, constants, grad, reference) -> dict:
+    """One version's `{label}_error` against the fp64 reference, `{label}_ms` (events), `{label}_busy_ms` (profile)."""
+    return {f"{label}_error": _max_error(run_with_grads(fn, inputs, constants, grad), reference),
+            f"{label}_ms": device_ms(fn, inputs, constants, grad),
+            f"{label}_busy_ms": device_busy_ms(fn, inputs, constants, grad)}
 
 
 def check(device: str = "cuda") -> dict:
@@ -227,24 +238,13 @@ def check(device: str = "cuda") -> dict:
         grad = torch.randn_like(out)
         # fp64 reference: the eager chain on fp64 copies (Megatron's SwiGLU is fp64-capable too)
         reference = run_with_grads(eager, [x.double() for x in inputs], [c.double() for c in constants], grad.double())
-        report[name] = {
-            "eager_error": _max_error(run_with_grads(eager, inputs, constants, grad), reference),
-            "fused_error": _max_error(run_with_grads(fused, inputs, constants, grad), reference),
-            "eager_ms": device_ms(eager, inputs, constants, grad),
-            "fused_ms": device_ms(fused, inputs, constants, grad),
-            "eager_busy_ms": device_busy_ms(eager, inputs, constants, grad),
-            "fused_busy_ms": device_busy_ms(fused, inputs, constants, grad),
-        }
+        report[name] = {**_side("eager", eager, inputs, constants, grad, reference),
+                        **_side("fused", fused, inputs, constants, grad, reference)}
         for earlier in previous:
-            report[name]["previous_error"] = _max_error(run_with_grads(earlier, inputs, constants, grad), reference)
-            report[name]["previous_ms"] = device_ms(earlier, inputs, constants, grad)
-            report[name]["previous_busy_ms"] = device_busy_ms(earlier, inputs, constants, grad)
+            report[name].update(_side("previous", earlier, inputs, constants, grad, reference))
         if name in _LIBRARY_CASES:  # a maintained library's kernel for the same job, where installed
             try:
-                library = _LIBRARY_CASES[name]
-                report[name]["library_error"] = _max_error(run_with_grads(library, inputs, constants, grad), reference)
-                report[name]["library_ms"] = device_ms(library, inputs, constants, grad)
-                report[name]["library_busy_ms"] = device_busy_ms(library, inputs, constants, grad)
+                report[name].update(_side("library", _LIBRARY_CASES[name], inputs, constants, grad, reference))
             except Exception as error:  # noqa: BLE001 - not installed or not built here: say so, go on
                 report[name]["library"] = f"{type(error).__name__}: {error}"[:300]
         print(name, json.dumps(report[name]), flush=True)
