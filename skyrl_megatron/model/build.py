@@ -246,12 +246,12 @@ def _instantiate(
         fp16=False,
         use_cpu_initialization=runtime.is_cpu,
     )
-    set_in_gemm = 0
+    wgrad_in_gemm, set_in_gemm = spec.fused("expert_wgrad", runtime), 0
     if ddp_config is not None and not ddp_config.overlap_grad_reduce:
         experts.keep_expert_weights_out_of_autograd(chunks)
-        if spec.fused("expert_wgrad", runtime):
+        if wgrad_in_gemm:
             set_in_gemm = experts.add_weight_gradients_in_gemm(chunks)
-    if spec.fused("expert_wgrad", runtime) and not set_in_gemm:
+    if wgrad_in_gemm and not set_in_gemm:
         logger.warning(
             "fused_kernels: expert_wgrad is not used by this model: it needs grouped MoE experts, "
             "ddp_config.overlap_grad_reduce=false and ddp_config.grad_reduce_in_fp32=true"
