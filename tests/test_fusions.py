@@ -85,6 +85,29 @@ def test_fused_rms_norm_keeps_the_torch_norms_state_and_runs_torchs_kernel_off_g
     assert not norm._kernel_takes(x) and not norm._kernel_takes(x[:0])
 
 
+def test_fused_rms_norm_hands_contiguous_rows_to_the_library_kernel_where_one_runs(monkeypatch):
+    """Where quack-kernels' RMSNorm runs (a Hopper GPU with it installed), `FusedRMSNorm` gives it the block's
+    [T, 1, hidden] as contiguous rows [T, hidden] with its weight and eps, and reshapes the result back. The
+    library cannot run on CPU: a stand-in (PyTorch's norm, recording its arguments) takes its place here; the
+    GPU check (`bench/gpu_fusion_check.py`) holds quack's kernels against fp64."""
+    from skyrl_megatron.model.layers import norm
+
+    assert norm.library_rms_norm() is None  # no GPU here: our Triton kernels' or PyTorch's path
+    calls = []
+
+    def stand_in(rows, weight, eps):
+        calls.append((rows.shape, rows.is_contiguous(), weight, eps))
+        return torch.nn.functional.rms_norm(rows, (rows.shape[-1],), weight, eps)
+
+    monkeypatch.setattr(norm, "_kernel_takes", lambda rows: rows.shape[0] > 0)
+    monkeypatch.setattr(norm, "library_rms_norm", lambda: stand_in)
+    fused, reference = FusedRMSNorm(8, eps=1e-5), torch.nn.RMSNorm(8, eps=1e-5)
+    x = torch.randn(5, 1, 16)[..., ::2]  # strided, as a view can be
+    torch.testing.assert_close(fused(x), reference(x))
+    assert calls == [(torch.Size([5, 8]), True, fused.weight, 1e-5)]
+    assert norm.rms_norm_implementation() == "quack-kernels"
+
+
 def _megatron_rotation(t, cos, sin):
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 

@@ -327,6 +327,10 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
     if torch.distributed.get_rank() == 0:
         logger.info("model weights: %s", report.summary())
         logger.info("fused kernels: %s", ", ".join(built.fused_kernels) or "none (eager PyTorch kernels)")
+        if "rms_norm" in built.fused_kernels:
+            from skyrl_megatron.model.layers.norm import rms_norm_implementation
+
+            logger.info("rms_norm runs on %s", rms_norm_implementation())
     return built
 
 

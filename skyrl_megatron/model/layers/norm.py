@@ -5,15 +5,17 @@ under SP each TP rank normalises its own slice of tokens, so only the weight gra
 Tagging the parameters with `sequence_parallel` makes Megatron's `finalize_model_grads` all-reduce
 them over the TP group, as it does for TE's norms.
 
-`FusedTorchNorm` builds the same norms with RMSNorm as our Triton kernels on GPU (`rms_norm_kernels.py`,
-`fused_kernels: [rms_norm]`). `DeferrableNorm` builds the query/key norms whose attention applies them
+`FusedTorchNorm` builds the same norms with RMSNorm as fused kernels on GPU (`fused_kernels: [rms_norm]`):
+quack-kernels' RMSNorm where it is installed (it comes with flash-attn-4) and the GPU is Hopper or later, our
+Triton kernels (`rms_norm_kernels.py`) elsewhere. `DeferrableNorm` builds the query/key norms whose attention applies them
 inside its rotation (`model/layers/qk_norm_rope.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -40,19 +42,41 @@ class _TritonRMSNorm(torch.autograd.Function):
 
 
 def _kernel_takes(rows: Tensor) -> bool:
-    """Whether the Triton kernels take these rows: on a GPU, at least one row."""
+    """Whether a fused kernel takes these rows: on a GPU, at least one row."""
     return rows.is_cuda and rows.shape[0] > 0
 
 
+@functools.cache
+def library_rms_norm() -> Callable[..., Tensor] | None:
+    """quack-kernels' `rmsnorm(rows, weight, eps=)` (autograd included) where it is installed and the current GPU
+    is Hopper or later (its CuTe DSL kernels' targets); None where our Triton kernels run instead."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return None
+    try:
+        from quack.rmsnorm import rmsnorm
+    except ImportError:
+        return None
+    return rmsnorm
+
+
+def rms_norm_implementation() -> str:
+    """Which kernels `FusedRMSNorm` runs on this machine's GPU, for the build's log."""
+    return "quack-kernels" if library_rms_norm() is not None else "Triton (rms_norm_kernels)"
+
+
 class FusedRMSNorm(torch.nn.RMSNorm):
-    """`torch.nn.RMSNorm` (same parameters and state dict) computed by our Triton kernels on GPU; PyTorch's
-    elsewhere. The kernels see contiguous rows [N, hidden] (the block's norms get [T, 1, hidden])."""
+    """`torch.nn.RMSNorm` (same parameters and state dict) computed by fused kernels on GPU (quack-kernels'
+    where installed, else ours in Triton); PyTorch's elsewhere. The kernels see contiguous rows [N, hidden]
+    (the block's norms get [T, 1, hidden])."""
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if not _kernel_takes(rows):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # torch's default for None
+        library = library_rms_norm()
+        if library is not None:
+            return library(rows.contiguous(), self.weight, eps=eps).view(x.shape)
         return _TritonRMSNorm.apply(rows.contiguous(), self.weight, eps).view(x.shape)
 
 
