@@ -2,13 +2,14 @@
 
 For each kernel, at the Qwen3-4B shapes of one 8192-token micro-batch: the largest error of the values and input
 gradients (the norms' weights count as inputs) of both versions against an fp64 reference (the fused kernel must not
-be less accurate than the eager chain it replaces), and the device time of forward + backward (median of CUDA-event
+be less accurate than the eager chain it replaces), the device time of forward + backward (median of CUDA-event
 timings after warm-up, `*_ms`, and the kernels' busy time in a profile, `*_busy_ms`, which leaves out the host's
-launch gaps that events around a sub-millisecond kernel also time). Where the fused kernel replaced an earlier one
-(the Triton query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that one is checked and
-timed too ("previous"); for the block's RMSNorm, quack-kernels' RMSNorm too ("library"), where it is installed. The
-logprob head (forward + backward of one micro-batch at vocabulary 151,936) runs eager, with the generated kernels it
-had, with the Triton ones, and with those and forward's logits kept for the backward.
+launch gaps that events around a sub-millisecond kernel also time), and the host's time per call with the device
+kept busy (`*_host_ms`: what a host-bound step pays). Where the fused kernel replaced an earlier one (the Triton
+query/key norm + rotation and SwiGLU replaced torch.compile-generated ones), that one is checked and timed too
+("previous"); for the block's RMSNorm, quack-kernels' RMSNorm too ("library"), where it is installed. The logprob
+head (forward + backward of one micro-batch at vocabulary 151,936; `--no-head` leaves it out) runs eager, with the
+generated kernels it had, with the Triton ones, and with those and forward's logits kept for the backward.
 
 Usage (on the GPU machine): python bench/gpu_fusion_check.py --out fusions.json
 """
@@ -19,6 +20,7 @@ import argparse
 import functools
 import json
 import statistics
+import time
 
 import torch
 
@@ -223,11 +225,28 @@ def device_busy_ms(fn, inputs, constants, grad, repeats: int = 20) -> float:
     return from_profiler(profiler).busy_us / 1e3 / repeats
 
 
+def host_ms(fn, inputs, constants, grad, repeats: int = 50) -> float:
+    """Host time of forward + backward per call with the device kept busy (a sleep kernel queued first, so no call
+    waits for the GPU): what one call costs the thread that launches a step's kernels. Where a step is host-bound,
+    a kernel whose host time exceeds the eager chain's loses end to end what it saves on the device."""
+    leaves = _warm_leaves(fn, inputs, constants, grad)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second at the H100/H200's clocks: longer than the loop below
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn(*leaves, *constants).backward(grad)
+    elapsed = time.perf_counter() - started
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / repeats
+
+
 def _side(label: str, fn, inputs, constants, grad, reference) -> dict:
-    """One version's `{label}_error` against the fp64 reference, `{label}_ms` (events), `{label}_busy_ms` (profile)."""
+    """One version's `{label}_error` against the fp64 reference, `{label}_ms` (events), `{label}_busy_ms` (profile),
+    `{label}_host_ms` (the host's launch time, the device kept busy)."""
     return {f"{label}_error": _max_error(run_with_grads(fn, inputs, constants, grad), reference),
             f"{label}_ms": device_ms(fn, inputs, constants, grad),
-            f"{label}_busy_ms": device_busy_ms(fn, inputs, constants, grad)}
+            f"{label}_busy_ms": device_busy_ms(fn, inputs, constants, grad),
+            f"{label}_host_ms": host_ms(fn, inputs, constants, grad)}
 
 
 def check(device: str = "cuda") -> dict:
@@ -294,9 +313,11 @@ def check_logprob_head(device: str = "cuda") -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_fusion_check.json")
+    parser.add_argument("--no-head", action="store_true", help="the layers' kernels only, not the logprob head")
     args = parser.parse_args()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": check(),
-              "logprob_head": check_logprob_head()}
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernels": check()}
+    if not args.no_head:
+        report["logprob_head"] = check_logprob_head()
     with open(args.out, "w") as handle:
         json.dump(report, handle, indent=1)
 
