@@ -73,11 +73,12 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 # fused kernels for the TE-free layers and the logprob head (skyrl_megatron/model/layers/fusions.py),
-# and those on by default: `rms_norm` (the block's norms on our Triton kernels, in place of a generated
-# RMSNorm that was slower than PyTorch's on an H200, 2026-11-22) stays opt-in: alone slower than PyTorch's,
-# end to end not yet settled (H100, 2026-12-06); qk_norm_rope took 3% off a Qwen3-4B training step
+# and those on by default: `rms_norm` (the block's norms on quack-kernels' RMSNorm where installed, else our
+# Triton kernels) stays opt-in: less device time than PyTorch's fused norm but more host time per call, within
+# 2.5% of the defaults end to end (H200, 2026-12-06); qk_norm_rope took 3% off a Qwen3-4B training step
 # (2026-11-27); `expert_wgrad` (the MoE experts' weight gradients added into main_grad by quack's varlen-K
-# GEMM, model/moe/expert_wgrad.py) stays opt-in: far more accurate, no faster at quack's default configuration
+# GEMM, model/moe/expert_wgrad.py) stays opt-in: far more accurate, 12-13% faster alone on an H200 but 13% slower
+# at one shape on an H100 (2026-12-06)
 FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs", "expert_wgrad")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs")
 AUTO = "auto"
