@@ -1,0 +1,102 @@
+"""The experts' forward and input-gradient GEMMs on one GPU: `torch._grouped_mm` against quack's varlen-M GEMM.
+
+The forward Y_e = X_e W_e^T and the input gradient dX_e = dY_e W_e of both projections (fc1: in hidden, out 2 x
+ffn; fc2: in ffn, out hidden), rows grouped by expert with some experts receiving none, as `model/moe/experts.py`
+calls `torch._grouped_mm` today (the stacked [E, out, in] weight, transposed as a view for the forward). quack's
+`gemm` takes the same operands with the experts' row counts as the varying M (`cu_seqlens_m`): at its default
+configuration (what a layer could call for every token total) and autotuned at this shape (the best one
+configuration does; its `first_call_s` is mostly the tuning, and the autotuner keys on shapes, so every new token
+total would tune again). Errors: the largest relative error of an expert's output against fp64. The weight
+gradients are `bench/gpu_expert_wgrad.py`'s; together they decide whether the experts' GEMMs should take quack where
+it is installed (on 2026-12-06 its tuned varlen-K GEMM ran the weight gradients at 430-490 TFLOP/s on an H200
+against 344-356 for `torch._grouped_mm` and the fp32 add).
+
+    python bench/gpu_expert_gemm.py [--tokens 16384 --topk 8 --experts 128 --hidden 2048 --ffn 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from cuda_timing import median_event_ms
+from gpu_expert_wgrad import _offsets
+
+
+def _max_relative_error(out, a, b_of_expert, cu_seqlens, experts: int) -> float:
+    """Largest over experts of max |out_e - A_e B_e| / max |A_e B_e|, the product in fp64."""
+    worst = 0.0
+    for expert in range(experts):
+        lo, hi = int(cu_seqlens[expert]), int(cu_seqlens[expert + 1])
+        if hi == lo:
+            continue
+        want = a[lo:hi].double() @ b_of_expert(expert).double()
+        error = (out[lo:hi].double() - want).abs().max() / want.abs().max().clamp_min(1e-30)
+        worst = max(worst, float(error))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--empty", type=int, default=3, help="experts that receive no token")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+
+    import torch
+
+    try:
+        from quack.gemm_interface import gemm, gemm_tuned
+    except ImportError as error:
+        print(json.dumps({"quack": f"not importable: {error}"}))
+        return
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
+    offsets = _offsets(args.tokens, args.topk, args.experts, args.empty, generator, device)
+    cu_seqlens = torch.cat([offsets.new_zeros(1), offsets])
+    rows = int(offsets[-1])
+    for name, out_features, in_features in (("fc1", 2 * args.ffn, args.hidden), ("fc2", args.hidden, args.ffn)):
+        weight = torch.randn(args.experts, out_features, in_features, device=device, dtype=torch.bfloat16)
+        weight /= in_features**0.5
+        x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
+        grad_output = torch.randn(rows, out_features, device=device, dtype=torch.bfloat16)
+        # (A, B as [E, K, N], the B of one expert for the reference): the forward reads the weight transposed
+        directions = {
+            "forward": (x, weight.transpose(1, 2), lambda e: weight[e].t()),
+            "input_grad": (grad_output, weight, lambda e: weight[e]),
+        }
+        for direction, (a, b, b_of_expert) in directions.items():
+            routes = {
+                "grouped_mm": lambda a=a, b=b: torch._grouped_mm(a, b, offs=offsets),
+                "quack": lambda a=a, b=b: gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=False),
+                "quack_tuned": lambda a=a, b=b: gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=True),
+            }
+            results = {}
+            for label, fn in routes.items():
+                try:
+                    started = time.perf_counter()
+                    out = fn()
+                    torch.cuda.synchronize()
+                    first_call_s = time.perf_counter() - started
+                except Exception as error:  # noqa: BLE001 - a kernel the library cannot build here: say so, go on
+                    results[label] = {"error": f"{type(error).__name__}: {error}"[:400]}
+                    continue
+                ms = median_event_ms(fn, args.repeats)
+                flops = 2 * rows * out.shape[1] * a.shape[1]
+                results[label] = {"ms": round(ms, 3), "first_call_s": round(first_call_s, 2),
+                                  "tflops": round(flops / ms / 1e9, 1),
+                                  "max_rel_error": _max_relative_error(out, a, b_of_expert, cu_seqlens, args.experts)}
+            if "ms" in results.get("quack_tuned", {}):  # the configuration the autotuner chose, to pin it by shape
+                results["quack_tuned"]["config"] = str(getattr(gemm_tuned, "best_config", None))
+            print(json.dumps({"projection": name, "direction": direction, "experts": args.experts, "rows": rows,
+                              "out": out_features, "in": in_features, **results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
