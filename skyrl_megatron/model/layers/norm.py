@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 class _TritonRMSNorm(torch.autograd.Function):
@@ -55,6 +58,10 @@ def library_rms_norm() -> Callable[..., Tensor] | None:
     try:
         from quack.rmsnorm import rmsnorm
     except ImportError:
+        return None
+    except Exception as error:  # noqa: BLE001 - installed but unusable here (its CuTe DSL or CUDA libraries)
+        logger.warning("quack-kernels is installed but cannot be imported (%s: %s); rms_norm runs our Triton kernels",
+                       type(error).__name__, error)
         return None
     return rmsnorm
 
