@@ -7,8 +7,8 @@ them over the TP group, as it does for TE's norms.
 
 `FusedTorchNorm` builds the same norms with RMSNorm as fused kernels on GPU (`fused_kernels: [rms_norm]`):
 quack-kernels' RMSNorm where it is installed (it comes with flash-attn-4) and the GPU is Hopper or later, our
-Triton kernels (`rms_norm_kernels.py`) elsewhere. `DeferrableNorm` builds the query/key norms whose attention applies them
-inside its rotation (`model/layers/qk_norm_rope.py`).
+Triton kernels (`rms_norm_kernels.py`) elsewhere. `DeferrableNorm` builds the query/key norms whose attention
+applies them inside its rotation (`model/layers/qk_norm_rope.py`).
 """
 
 from __future__ import annotations
