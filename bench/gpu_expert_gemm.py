@@ -2,14 +2,14 @@
 
 The forward Y_e = X_e W_e^T and the input gradient dX_e = dY_e W_e of both projections (fc1: in hidden, out 2 x
 ffn; fc2: in ffn, out hidden), rows grouped by expert with some experts receiving none, as `model/moe/experts.py`
-calls `torch._grouped_mm` today (the stacked [E, out, in] weight, transposed as a view for the forward). quack's
-`gemm` takes the same operands with the experts' row counts as the varying M (`cu_seqlens_m`): at its default
-configuration (what a layer could call for every token total) and autotuned at this shape (the best one
-configuration does; its `first_call_s` is mostly the tuning, and the autotuner keys on shapes, so every new token
-total would tune again). Errors: the largest relative error of an expert's output against fp64. The weight
-gradients are `bench/gpu_expert_wgrad.py`'s; together they decide whether the experts' GEMMs should take quack where
-it is installed (on 2026-12-06 its tuned varlen-K GEMM ran the weight gradients at 430-490 TFLOP/s on an H200
-against 344-356 for `torch._grouped_mm` and the fp32 add).
+calls `torch._grouped_mm` (the stacked [E, out, in] weight, transposed as a view for the forward). quack's `gemm`
+takes the same operands with the experts' row counts as the varying M (`cu_seqlens_m`): at its default
+configuration through `model/moe/expert_gemm.py` (what `fused_kernels: [expert_gemm]` runs for every token total)
+and autotuned at this shape (the best one configuration does; its `first_call_s` is mostly the tuning, and the
+autotuner keys on shapes, so every new token total would tune again). Errors: the largest relative error of an
+expert's output against fp64. The weight gradients are `bench/gpu_expert_wgrad.py`'s; together they decide whether
+the experts' GEMMs should take quack where it is installed (on 2026-12-06 its tuned varlen-K GEMM ran the weight
+gradients at 430-490 TFLOP/s on an H200 against 344-356 for `torch._grouped_mm` and the fp32 add).
 
     python bench/gpu_expert_gemm.py [--tokens 16384 --topk 8 --experts 128 --hidden 2048 --ffn 768]
 """
@@ -50,11 +50,14 @@ def main() -> None:
 
     import torch
 
+    from skyrl_megatron.model.moe import expert_gemm, quack_support
+
     try:
         from quack.gemm_interface import gemm, gemm_tuned
     except ImportError as error:
         print(json.dumps({"quack": f"not importable: {error}"}))
         return
+    print(json.dumps({"quack": "importable", "missing_reason": quack_support.missing_reason(0)}))
     device = torch.device("cuda")
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -74,7 +77,7 @@ def main() -> None:
         for direction, (a, b, b_of_expert) in directions.items():
             routes = {
                 "grouped_mm": lambda a=a, b=b: torch._grouped_mm(a, b, offs=offsets),
-                "quack": lambda a=a, b=b: gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=False),
+                "quack": lambda a=a, b=b: expert_gemm.matmul(a, b, offsets),  # the layer's own entry point
                 "quack_tuned": lambda a=a, b=b: gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=True),
             }
             results = {}

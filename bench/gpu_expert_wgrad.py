@@ -45,7 +45,7 @@ def main() -> None:
 
     import torch
 
-    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.model.moe import expert_wgrad, quack_support
     from skyrl_megatron.model.moe.grad_accumulate import accumulate_
 
     try:
@@ -53,7 +53,7 @@ def main() -> None:
     except ImportError as error:
         print(json.dumps({"quack": f"not importable: {error}"}))
         return
-    print(json.dumps({"quack": "importable", "missing_reason": expert_wgrad.missing_reason(0)}))
+    print(json.dumps({"quack": "importable", "missing_reason": quack_support.missing_reason(0)}))
     device = torch.device("cuda")
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)

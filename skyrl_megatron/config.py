@@ -78,8 +78,9 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # 2.5% of the defaults end to end (H200, 2026-12-06); qk_norm_rope took 3% off a Qwen3-4B training step
 # (2026-11-27); `expert_wgrad` (the MoE experts' weight gradients added into main_grad by quack's varlen-K
 # GEMM, model/moe/expert_wgrad.py) stays opt-in: far more accurate, 12-13% faster alone on an H200 but 13% slower
-# at one shape on an H100 (2026-12-06)
-FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs", "expert_wgrad")
+# at one shape on an H100 (2026-12-06); `expert_gemm` (the experts' forward and input-gradient GEMMs on quack's
+# varlen-M GEMM, model/moe/expert_gemm.py) is opt-in until measured
+FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs", "expert_gemm", "expert_wgrad")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs")
 AUTO = "auto"
 

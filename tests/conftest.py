@@ -53,7 +53,7 @@ BAD_VALUES = {
     "runtime": ([f"{MC}.runtime=gpu"], f"{MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."),
     "fused_kernels": ([f"{MC}.fused_kernels=[rope,swigl]"],
                       f"{MC}.fused_kernels: unknown kernel 'swigl'. Fix: did you mean 'swiglu'? "
-                      "(known: rms_norm, rope, qk_norm_rope, swiglu, logprobs, expert_wgrad)."),
+                      "(known: rms_norm, rope, qk_norm_rope, swiglu, logprobs, expert_gemm, expert_wgrad)."),
     "attention_kernel": ([f"{MC}.attention_kernel=flash3"],
                          f"{MC}.attention_kernel: unknown kernel 'flash3'. Fix: use one of auto, flash4, varlen, sdpa "
                          "(did you mean 'flash4'?)."),

@@ -244,22 +244,23 @@ def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_no
         torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
 
 
-def test_expert_wgrad_that_cannot_run_fails_the_build_naming_the_key_and_the_fix(monkeypatch, tmp_path):
-    """Asked for on a GPU it cannot run on (no quack-kernels, or older than Hopper): one message before any weights
-    load; on the CPU runtime the kernel is not used, so nothing fails."""
+@pytest.mark.parametrize("kernel", ["expert_gemm", "expert_wgrad"])
+def test_quack_kernels_that_cannot_run_fail_the_build_naming_the_key_and_the_fix(monkeypatch, tmp_path, kernel):
+    """Asked for on a GPU they cannot run on (no quack-kernels, or older than Hopper): one message before any weights
+    load; on the CPU runtime the kernels are not used, so nothing fails."""
     from skyrl_megatron.model import build
-    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.model.moe import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
-    spec = build.ModelSpec(str(tmp_path / "no-checkpoint-needed"), fused_kernels=("expert_wgrad",))
+    spec = build.ModelSpec(str(tmp_path / "no-checkpoint-needed"), fused_kernels=(kernel,))
     build._check_kernels_can_run(spec, Runtime(Device.CPU))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(expert_wgrad, "missing_reason", lambda device: "it needs quack-kernels")
+    monkeypatch.setattr(quack_support, "missing_reason", lambda device: "it needs quack-kernels")
     with pytest.raises(ValueError) as error:
         build._check_kernels_can_run(spec, Runtime(Device.CUDA))
     assert str(error.value) == (
-        "megatron_config.fused_kernels: expert_wgrad cannot run here: it needs quack-kernels; remove it from the list")
-    monkeypatch.setattr(expert_wgrad, "missing_reason", lambda device: None)
+        f"megatron_config.fused_kernels: {kernel} cannot run here: it needs quack-kernels; remove it from the list")
+    monkeypatch.setattr(quack_support, "missing_reason", lambda device: None)
     build._check_kernels_can_run(spec, Runtime(Device.CUDA))
 
 
@@ -347,3 +348,125 @@ def test_expert_wgrad_is_set_only_on_linears_that_bypass_autograd_with_fp32_main
     assert experts.keep_expert_weights_out_of_autograd(chunks) == 2
     assert experts.add_weight_gradients_in_gemm(chunks) == 1
     assert fp32.wgrad_in_gemm and not bf16.wgrad_in_gemm
+
+
+def _varlen_m_stand_in(calls: list):
+    """quack's varlen-M GEMM by its definition (out[rows of e] = a[rows of e] @ b[e]), recording its operands."""
+
+    def matmul(a, b, offsets):
+        calls.append((a.data_ptr(), tuple(b.shape), b.stride()))
+        starts = [0, *offsets.tolist()[:-1]]
+        return torch.cat([a[lo:hi] @ b[e] for e, (lo, hi) in enumerate(zip(starts, offsets.tolist()))])
+
+    return matmul
+
+
+def test_expert_gemm_runs_the_forward_and_input_gradient_gemms_on_quack_in_every_path(monkeypatch):
+    """With `gemm_on_quack` (`fused_kernels: [expert_gemm]`) the experts' forward hands quack's varlen-M GEMM the
+    rows and the stacked weight transposed ([E, in, out], a view), and the backward the output gradient and the
+    stacked weight ([E, out, in]): in the autograd path, the path with the weights outside autograd, and a pass
+    without autograd. The GPU kernel cannot run here: a stand-in by its definition does; results equal per-expert
+    matmuls, an expert without tokens included."""
+    from types import SimpleNamespace
+
+    from skyrl_megatron.model.moe import expert_gemm
+    from skyrl_megatron.model.moe.experts import (
+        _GroupedLinear,
+        _GroupedLinearIntoMainGrad,
+        _LayoutMemo,
+        expert_offsets,
+        stacked_weights,
+    )
+
+    calls = []
+    monkeypatch.setattr(expert_gemm, "takes", lambda a, b: True)
+    monkeypatch.setattr(expert_gemm, "matmul", _varlen_m_stand_in(calls))
+    x, weights, grad_out = _problem()
+    dout, din = weights[0].shape
+    expected = _per_expert(x, weights)
+    want = torch.autograd.grad(expected, [x, *weights], grad_out)
+    forward_call = (x.data_ptr(), (len(weights), din, dout))
+
+    out = grouped_linear(x, TOKENS_PER_EXPERT, weights, on_quack=True)  # weights in autograd
+    got = torch.autograd.grad(out, [x, *weights], grad_out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert [call[:2] for call in calls] == [forward_call, (grad_out.data_ptr(), (len(weights), dout, din))]
+    assert calls[0][2][1] == 1  # the forward's B is the weight's transposed view, not a copy
+
+    calls.clear()  # weights outside autograd: the layer adds their gradients itself
+    stacked = stacked_weights([w.detach() for w in weights])
+    layer = SimpleNamespace(gemm_on_quack=True, add_weight_gradients=lambda *operands: None)
+    rows = x.detach().clone().requires_grad_()
+    out = _GroupedLinearIntoMainGrad.apply(rows, expert_offsets(TOKENS_PER_EXPERT, x.device), stacked, layer)
+    out.backward(grad_out)
+    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rows.grad, want[0], rtol=0, atol=1e-5)
+    assert len(calls) == 2
+
+    calls.clear()  # a pass without autograd (scoring)
+    layer = SimpleNamespace(expert_weights=lambda: weights, _weight_layout=_LayoutMemo(), gemm_on_quack=True)
+    with torch.no_grad():
+        out, _ = _GroupedLinear.forward(layer, x, torch.tensor(TOKENS_PER_EXPERT))
+    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-6)
+    assert len(calls) == 1
+
+    calls.clear()  # without the key: torch's grouped GEMM, never quack's
+    grouped_linear(x, TOKENS_PER_EXPERT, weights).backward(grad_out)
+    assert calls == []
+
+
+def test_expert_gemm_falls_back_to_torchs_grouped_gemm_where_quack_does_not_take_the_operands():
+    """On tensors quack's GEMM cannot take (CPU here; fp32, misaligned or empty ones on a GPU) the key changes
+    nothing: the results are torch's grouped GEMM's."""
+    from skyrl_megatron.model.moe import expert_gemm
+
+    x, weights, grad_out = _problem()
+    assert not expert_gemm.takes(x, stacked_weights(weights))
+    out = grouped_linear(x, TOKENS_PER_EXPERT, weights, on_quack=True)
+    torch.testing.assert_close(out, _per_expert(x, weights), rtol=0, atol=1e-6)
+    got = torch.autograd.grad(out, [x, *weights], grad_out)
+    want = torch.autograd.grad(_per_expert(x, weights), [x, *weights], grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_expert_gemm_takes_only_aligned_half_precision_rows_and_a_unit_stride_weight():
+    """quack's GEMM is compiled for 16-byte aligned addresses and strides and half-precision operands; it needs rows
+    to multiply and a weight with a unit stride in one of its last two dimensions."""
+    from skyrl_megatron.model.moe import expert_gemm
+
+    class OnGpu(torch.Tensor):  # reports CUDA without a GPU, for the predicate alone
+        @property
+        def is_cuda(self):
+            return True
+
+    def operands(din, dout, rows=5, dtype=torch.bfloat16):  # the forward's: rows [rows, in], weights [E, out, in]
+        return torch.zeros(rows, din, dtype=dtype).as_subclass(OnGpu), torch.zeros(3, dout, din, dtype=dtype)
+
+    rows, weights = operands(16, 8)
+    assert expert_gemm.takes(rows, weights.transpose(1, 2))  # the forward: the weight transposed, a view
+    assert expert_gemm.takes(torch.zeros(5, 8, dtype=torch.bfloat16).as_subclass(OnGpu), weights)  # input gradient
+    assert expert_gemm.takes(*operands(16, 8, dtype=torch.float16))
+    assert not expert_gemm.takes(*operands(12, 8))  # rows 24 bytes apart
+    assert not expert_gemm.takes(*operands(16, 8, dtype=torch.float32))  # fp32
+    assert not expert_gemm.takes(*operands(16, 8, rows=0))  # no rows on this rank
+    assert not expert_gemm.takes(rows, weights[:, ::2, ::2])  # no unit stride in the weight
+    unaligned = torch.zeros(5 * 16 + 2, dtype=torch.bfloat16)[2:].view(5, 16).as_subclass(OnGpu)
+    assert not expert_gemm.takes(unaligned, weights)  # rows starting 4 bytes off
+    assert not expert_gemm.takes(torch.zeros(5, 16, dtype=torch.bfloat16), weights)  # on the CPU
+
+
+def test_run_gemms_on_quack_sets_every_grouped_linear_and_counts_them():
+    from skyrl_megatron.model.moe import experts
+
+    class Linear(experts._GroupedLinear):  # the attribute the hook sets, without Megatron's config
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.gemm_on_quack = False
+
+    linears = [Linear(), Linear()]
+    assert experts.run_gemms_on_quack([torch.nn.ModuleList(linears)]) == 2
+    assert all(linear.gemm_on_quack for linear in linears)
+    assert experts.run_gemms_on_quack([torch.nn.Linear(2, 2)]) == 0  # a dense model: the build warns

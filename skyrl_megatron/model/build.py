@@ -114,6 +114,7 @@ class BuiltModel:
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
             "logprobs": self.fused_logprobs,
+            "expert_gemm": any(getattr(module, "gemm_on_quack", False) for module in modules),
             "expert_wgrad": any(getattr(module, "wgrad_in_gemm", False) for module in modules),
         }
         return tuple(name for name, used in present.items() if used)
@@ -256,19 +257,22 @@ def _instantiate(
             "fused_kernels: expert_wgrad is not used by this model: it needs grouped MoE experts, "
             "ddp_config.overlap_grad_reduce=false and ddp_config.grad_reduce_in_fp32=true"
         )
+    if spec.fused("expert_gemm", runtime) and not experts.run_gemms_on_quack(chunks):
+        logger.warning("fused_kernels: expert_gemm is not used by this model: it needs grouped MoE experts")
     return provider, list(chunks)
 
 
 def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
     """Opt-in kernels that need a library or a GPU generation fail here, before any weights move."""
-    if spec.fused("expert_wgrad", runtime):
-        from skyrl_megatron.model.moe import expert_wgrad
+    for kernel in ("expert_gemm", "expert_wgrad"):  # quack's GEMMs
+        if spec.fused(kernel, runtime):
+            from skyrl_megatron.model.moe import quack_support
 
-        reason = expert_wgrad.missing_reason(torch.cuda.current_device())
-        if reason is not None:
-            raise ValueError(
-                f"megatron_config.fused_kernels: expert_wgrad cannot run here: {reason}; remove it from the list"
-            )
+            reason = quack_support.missing_reason(torch.cuda.current_device())
+            if reason is not None:
+                raise ValueError(
+                    f"megatron_config.fused_kernels: {kernel} cannot run here: {reason}; remove it from the list"
+                )
 
 
 def _returning_chunks(step: Callable[[list], Any]) -> Callable[[list], list]:

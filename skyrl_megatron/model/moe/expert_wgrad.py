@@ -13,43 +13,16 @@ operands' shapes, and the experts' token total changes with every micro-batch, s
 every candidate again; a timing-picked configuration would also make the gradients' summation order depend on the
 run.
 
-Hopper and later only; imported only where it runs. `bench/gpu_expert_wgrad.py` times it against the two-kernel path
-and checks both against an fp64 reference.
+Hopper and later only (`quack_support.missing_reason`); quack is imported only where it runs.
+`bench/gpu_expert_wgrad.py` times it against the two-kernel path and checks both against an fp64 reference.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
-_HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def missing_reason(device_index: int) -> str | None:
-    """Why the kernel cannot run on this CUDA device (None when it can)."""
-    major, _ = torch.cuda.get_device_capability(device_index)
-    if major < 9:
-        return f"it needs a Hopper or later GPU (this one is sm_{major}x)"
-    try:
-        import quack.gemm_interface  # noqa: F401
-    except ImportError as error:
-        return f"it needs quack-kernels (pip install quack-kernels; import failed: {error})"
-    return None
-
-
-# quack compiles its GEMMs for operands whose addresses and strides (but the unit one) are multiples of 16 bytes
-_ALIGNMENT_BYTES = 16
-
-
-def _aligned(*tensors: Tensor) -> bool:
-    return all(
-        t.data_ptr() % _ALIGNMENT_BYTES == 0
-        and all(stride * t.element_size() % _ALIGNMENT_BYTES == 0 for stride in t.stride() if stride != 1)
-        for t in tensors
-    )
+from skyrl_megatron.model.moe.quack_support import HALF_DTYPES, aligned
 
 
 def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
@@ -59,11 +32,11 @@ def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
         main_grads.is_cuda
         and main_grads.dtype == torch.float32
         and main_grads.is_contiguous()
-        and grad_output.dtype in _HALF_DTYPES
+        and grad_output.dtype in HALF_DTYPES
         and x.dtype == grad_output.dtype
         and grad_output.is_contiguous()
         and x.is_contiguous()
-        and _aligned(main_grads, grad_output, x)
+        and aligned(main_grads, grad_output, x)
     )
 
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.moe import expert_wgrad
+from skyrl_megatron.model.moe import expert_gemm, expert_wgrad
 from skyrl_megatron.model.moe.grad_accumulate import accumulate_
 
 logger = logging.getLogger(__name__)
@@ -129,14 +129,22 @@ def _grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
 
 
+def _expert_rows_mm(a: Tensor, b: Tensor, offsets: Tensor, on_quack: bool) -> Tensor:
+    """Expert g's rows of `a` times b[g] ([E, K, N]): quack's varlen-M GEMM where `on_quack` (`expert_gemm`) and it
+    takes the operands, else `_grouped_mm`."""
+    if on_quack and expert_gemm.takes(a, b):
+        return expert_gemm.matmul(a, b, offsets)
+    return _grouped_mm(a, b, offsets)
+
+
 class _GroupedLinearFunction(torch.autograd.Function):
     """y = x_g @ W_g^T per expert g; the stacked weights are rebuilt in backward rather than saved."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, offsets: Tensor, fuse_wgrad: bool, *weights: Tensor) -> Tensor:
-        ctx.fuse_wgrad = fuse_wgrad
+    def forward(ctx, x: Tensor, offsets: Tensor, fuse_wgrad: bool, on_quack: bool, *weights: Tensor) -> Tensor:
+        ctx.fuse_wgrad, ctx.on_quack = fuse_wgrad, on_quack
         ctx.save_for_backward(x, offsets, *weights)
-        return _grouped_mm(x, stacked_weights(weights).transpose(1, 2), offsets)
+        return _expert_rows_mm(x, stacked_weights(weights).transpose(1, 2), offsets, on_quack)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
@@ -144,11 +152,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         grad_input = None
         if ctx.needs_input_grad[0]:
-            grad_input = _grouped_mm(grad_output, stacked_weights(weights), offsets)
+            grad_input = _expert_rows_mm(grad_output, stacked_weights(weights), offsets, ctx.on_quack)
         grad_weights: list[Tensor | None] = [None] * len(weights)
-        if any(ctx.needs_input_grad[3:]):
+        if any(ctx.needs_input_grad[4:]):
             grad_weights = list(_weight_gradients(x, grad_output, offsets, weights, ctx.fuse_wgrad))
-        return grad_input, None, None, *grad_weights
+        return grad_input, None, None, None, *grad_weights
 
 
 def _add_into(targets: Sequence[Tensor], grads: Tensor, runs: list[tuple[int, int]]) -> None:
@@ -188,13 +196,13 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
     def forward(ctx, x: Tensor, offsets: Tensor, stacked_weight: Tensor, layer: "_GroupedLinear") -> Tensor:
         ctx.layer = layer
         ctx.save_for_backward(x, offsets, stacked_weight)
-        return _grouped_mm(x, stacked_weight.transpose(1, 2), offsets)
+        return _expert_rows_mm(x, stacked_weight.transpose(1, 2), offsets, layer.gemm_on_quack)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         x, offsets, stacked_weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
-        grad_input = _grouped_mm(grad_output, stacked_weight, offsets)
+        grad_input = _expert_rows_mm(grad_output, stacked_weight, offsets, ctx.layer.gemm_on_quack)
         ctx.layer.add_weight_gradients(grad_output, x, offsets)
         return grad_input, None, None, None
 
@@ -215,10 +223,17 @@ def expert_offsets(tokens_per_expert: TokenCounts, device: torch.device) -> Tens
     return ends if ends.device == device else ends.to(device, non_blocking=True)
 
 
-def grouped_linear(x: Tensor, tokens_per_expert: TokenCounts, weights: Sequence[Tensor], fuse_wgrad: bool = False) -> Tensor:
-    """Expert g's rows of `x` (consecutive, `tokens_per_expert[g]` of them) times weights[g]^T."""
+def grouped_linear(
+    x: Tensor,
+    tokens_per_expert: TokenCounts,
+    weights: Sequence[Tensor],
+    fuse_wgrad: bool = False,
+    on_quack: bool = False,
+) -> Tensor:
+    """Expert g's rows of `x` (consecutive, `tokens_per_expert[g]` of them) times weights[g]^T; `on_quack`: the
+    forward and input-gradient GEMMs through `expert_gemm` where it takes them."""
     offsets = expert_offsets(tokens_per_expert, x.device)
-    return _GroupedLinearFunction.apply(x, offsets, fuse_wgrad, *weights)
+    return _GroupedLinearFunction.apply(x, offsets, fuse_wgrad, on_quack, *weights)
 
 
 class _GroupedLinear(torch.nn.Module):
@@ -273,6 +288,7 @@ class _GroupedLinear(torch.nn.Module):
         self.fuse_wgrad = bool(config.gradient_accumulation_fusion)
         self.grads_bypass_autograd = False  # set by build.py where DDP's hooks need no gradient
         self.wgrad_in_gemm = False  # set by build.py for `fused_kernels: [expert_wgrad]` (expert_wgrad.py)
+        self.gemm_on_quack = False  # set by build.py for `fused_kernels: [expert_gemm]` (expert_gemm.py)
         self._weight_layout, self._main_grad_layout = _LayoutMemo(), _LayoutMemo()
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         # Registered last to first: Megatron DDP lays its param and grad buffers out in reverse
@@ -300,12 +316,13 @@ class _GroupedLinear(torch.nn.Module):
         runs = self._weight_layout.runs(weights)
         if not torch.is_grad_enabled():
             offsets = expert_offsets(tokens_per_expert, x.device)
-            return _grouped_mm(x, stacked_weights(weights, runs).transpose(1, 2), offsets), None
+            stacked = stacked_weights(weights, runs)
+            return _expert_rows_mm(x, stacked.transpose(1, 2), offsets, self.gemm_on_quack), None
         if self._weights_bypass_autograd(x, weights, runs):
             offsets = expert_offsets(tokens_per_expert, x.device)
             stacked = stacked_weights(weights, runs).detach()
             return _GroupedLinearIntoMainGrad.apply(x, offsets, stacked, self), None
-        return grouped_linear(x, tokens_per_expert, weights, self.fuse_wgrad), None
+        return grouped_linear(x, tokens_per_expert, weights, self.fuse_wgrad, self.gemm_on_quack), None
 
     def _weights_bypass_autograd(self, x: Tensor, weights: list[Tensor], runs: list[tuple[int, int]]) -> bool:
         """Whether this pass may keep the weights out of autograd: their gradients go to `main_grad`
@@ -446,6 +463,15 @@ def add_weight_gradients_in_gemm(chunks) -> int:
     ]
     for linear in linears:
         linear.wgrad_in_gemm = True
+    return len(linears)
+
+
+def run_gemms_on_quack(chunks) -> int:
+    """Let every grouped linear of `chunks` run its forward and input-gradient GEMMs on quack's varlen-M GEMM
+    (`expert_gemm`). Returns how many linears were set."""
+    linears = _grouped_linears(chunks)
+    for linear in linears:
+        linear.gemm_on_quack = True
     return len(linears)
 
 

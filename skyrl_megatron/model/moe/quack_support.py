@@ -1,0 +1,38 @@
+"""What quack-kernels' GEMMs need from the machine and from their operands (`expert_gemm`, `expert_wgrad`).
+
+quack (`quack-kernels`, the CuTe DSL kernels flash-attn-4 ships with) builds its GEMMs for Hopper and later GPUs, and
+compiles them for operands whose addresses and strides (but the unit one) are multiples of 16 bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+_ALIGNMENT_BYTES = 16
+
+
+@functools.cache
+def missing_reason(device_index: int) -> str | None:
+    """Why quack's GEMMs cannot run on this CUDA device (None when they can)."""
+    major, _ = torch.cuda.get_device_capability(device_index)
+    if major < 9:
+        return f"it needs a Hopper or later GPU (this one is sm_{major}x)"
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError as error:
+        return f"it needs quack-kernels (pip install quack-kernels; import failed: {error})"
+    return None
+
+
+def aligned(*tensors: Tensor) -> bool:
+    """Whether every tensor's address and every stride but the unit one are multiples of 16 bytes."""
+    return all(
+        t.data_ptr() % _ALIGNMENT_BYTES == 0
+        and all(stride * t.element_size() % _ALIGNMENT_BYTES == 0 for stride in t.stride() if stride != 1)
+        for t in tensors
+    )
