@@ -16,12 +16,11 @@ gradients at 430-490 TFLOP/s on an H200 against 344-356 for `torch._grouped_mm` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 from cuda_timing import median_event_ms
-from gpu_expert_wgrad import _offsets
+from gpu_expert_wgrad import parse_layer_args, quack_importable, routed_rows
 
 
 def _max_relative_error(out, a, b_of_expert, cu_seqlens, experts: int) -> float:
@@ -38,32 +37,18 @@ def _max_relative_error(out, a, b_of_expert, cu_seqlens, experts: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--empty", type=int, default=3, help="experts that receive no token")
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
+    args = parse_layer_args(__doc__)
 
     import torch
 
-    from skyrl_megatron.model.moe import expert_gemm, quack_support
+    from skyrl_megatron.model.moe import expert_gemm
 
-    try:
-        from quack.gemm_interface import gemm, gemm_tuned
-    except ImportError as error:
-        print(json.dumps({"quack": f"not importable: {error}"}))
+    if not quack_importable():
         return
-    print(json.dumps({"quack": "importable", "missing_reason": quack_support.missing_reason(0)}))
+    from quack.gemm_interface import gemm, gemm_tuned
+
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    generator = torch.Generator(device=device).manual_seed(0)
-    offsets = _offsets(args.tokens, args.topk, args.experts, args.empty, generator, device)
-    cu_seqlens = torch.cat([offsets.new_zeros(1), offsets])
-    rows = int(offsets[-1])
+    offsets, cu_seqlens, rows = routed_rows(args, device)
     for name, out_features, in_features in (("fc1", 2 * args.ffn, args.hidden), ("fc2", args.hidden, args.ffn)):
         weight = torch.randn(args.experts, out_features, in_features, device=device, dtype=torch.bfloat16)
         weight /= in_features**0.5

@@ -32,8 +32,9 @@ def _offsets(tokens: int, topk: int, experts: int, empty: int, generator, device
     return counts.cumsum(0).to(device=device, dtype=torch.int32)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_layer_args(doc: str) -> argparse.Namespace:
+    """An MoE layer's widths and one micro-batch's routing (this script's and `gpu_expert_gemm.py`'s arguments)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=128)
@@ -41,25 +42,47 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=768)
     parser.add_argument("--empty", type=int, default=3, help="experts that receive no token")
     parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def routed_rows(args: argparse.Namespace, device):
+    """(offsets, cu_seqlens, rows): the experts' cumulative row ends as the grouped GEMM takes them, the same with a
+    leading zero as quack takes them, and the rows in all; seeded, the first `--empty` experts without a token."""
     import torch
 
-    from skyrl_megatron.model.moe import expert_wgrad, quack_support
-    from skyrl_megatron.model.moe.grad_accumulate import accumulate_
-
-    try:
-        from quack.gemm_interface import gemm_add_inplace
-    except ImportError as error:
-        print(json.dumps({"quack": f"not importable: {error}"}))
-        return
-    print(json.dumps({"quack": "importable", "missing_reason": quack_support.missing_reason(0)}))
-    device = torch.device("cuda")
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
     offsets = _offsets(args.tokens, args.topk, args.experts, args.empty, generator, device)
-    cu_seqlens = torch.cat([offsets.new_zeros(1), offsets])
-    rows = int(offsets[-1])
+    return offsets, torch.cat([offsets.new_zeros(1), offsets]), int(offsets[-1])
+
+
+def quack_importable() -> bool:
+    """Whether quack's GEMMs import here; prints the answer as the report's first line."""
+    from skyrl_megatron.model.moe import quack_support
+
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError as error:
+        print(json.dumps({"quack": f"not importable: {error}"}))
+        return False
+    print(json.dumps({"quack": "importable", "missing_reason": quack_support.missing_reason(0)}))
+    return True
+
+
+def main() -> None:
+    args = parse_layer_args(__doc__)
+
+    import torch
+
+    from skyrl_megatron.model.moe import expert_wgrad
+    from skyrl_megatron.model.moe.grad_accumulate import accumulate_
+
+    if not quack_importable():
+        return
+    from quack.gemm_interface import gemm_add_inplace
+
+    device = torch.device("cuda")
+    offsets, cu_seqlens, rows = routed_rows(args, device)
     # fc1 (gate and up: out 2 x ffn, in hidden) and fc2 (out hidden, in ffn), as the experts' two projections
     for name, out_features, in_features in (("fc1", 2 * args.ffn, args.hidden), ("fc2", args.hidden, args.ffn)):
         x = torch.randn(rows, in_features, device=device, dtype=torch.bfloat16)
