@@ -62,7 +62,7 @@ def main() -> None:
         for direction, (a, b, b_of_expert) in directions.items():
             routes = {
                 "grouped_mm": lambda a=a, b=b: torch._grouped_mm(a, b, offs=offsets),
-                "quack": lambda a=a, b=b: expert_gemm.matmul(a, b, offsets),  # the layer's own entry point
+                "quack": lambda a=a, b=b: expert_gemm.matmul(a, b, offsets),  # what the layers call where `takes`
                 "quack_tuned": lambda a=a, b=b: gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=True),
             }
             results = {}

@@ -433,8 +433,9 @@ def test_expert_gemm_falls_back_to_torchs_grouped_gemm_where_quack_does_not_take
 
 
 def test_expert_gemm_takes_only_aligned_half_precision_rows_and_a_unit_stride_weight():
-    """quack's GEMM is compiled for 16-byte aligned addresses and strides and half-precision operands; it needs rows
-    to multiply and a weight with a unit stride in one of its last two dimensions."""
+    """quack's GEMM is compiled for 16-byte aligned addresses and strides (the output's rows included) and
+    half-precision operands; it needs rows to multiply, a matching inner width and a weight with a unit stride in one
+    of its last two dimensions."""
     from skyrl_megatron.model.moe import expert_gemm
 
     class OnGpu(torch.Tensor):  # reports CUDA without a GPU, for the predicate alone
@@ -442,20 +443,48 @@ def test_expert_gemm_takes_only_aligned_half_precision_rows_and_a_unit_stride_we
         def is_cuda(self):
             return True
 
-    def operands(din, dout, rows=5, dtype=torch.bfloat16):  # the forward's: rows [rows, in], weights [E, out, in]
-        return torch.zeros(rows, din, dtype=dtype).as_subclass(OnGpu), torch.zeros(3, dout, din, dtype=dtype)
+    def forward_operands(din, dout, rows=5, dtype=torch.bfloat16):  # rows [rows, in], the weight [E, out, in]^T
+        weight = torch.zeros(3, dout, din, dtype=dtype)
+        return torch.zeros(rows, din, dtype=dtype).as_subclass(OnGpu), weight.transpose(1, 2)
 
-    rows, weights = operands(16, 8)
-    assert expert_gemm.takes(rows, weights.transpose(1, 2))  # the forward: the weight transposed, a view
-    assert expert_gemm.takes(torch.zeros(5, 8, dtype=torch.bfloat16).as_subclass(OnGpu), weights)  # input gradient
-    assert expert_gemm.takes(*operands(16, 8, dtype=torch.float16))
-    assert not expert_gemm.takes(*operands(12, 8))  # rows 24 bytes apart
-    assert not expert_gemm.takes(*operands(16, 8, dtype=torch.float32))  # fp32
-    assert not expert_gemm.takes(*operands(16, 8, rows=0))  # no rows on this rank
-    assert not expert_gemm.takes(rows, weights[:, ::2, ::2])  # no unit stride in the weight
+    rows, weight_t = forward_operands(16, 8)
+    assert expert_gemm.takes(rows, weight_t)  # the forward: the weight transposed, a view
+    grad_output = torch.zeros(5, 8, dtype=torch.bfloat16).as_subclass(OnGpu)
+    assert expert_gemm.takes(grad_output, weight_t.transpose(1, 2))  # the input gradient: the weight as it lies
+    assert expert_gemm.takes(*forward_operands(16, 8, dtype=torch.float16))
+    assert not expert_gemm.takes(rows, weight_t.transpose(1, 2))  # inner widths differ: 16 against 8
+    assert not expert_gemm.takes(*forward_operands(12, 8))  # rows 24 bytes apart
+    assert not expert_gemm.takes(*forward_operands(16, 12))  # output rows 24 bytes apart
+    assert not expert_gemm.takes(*forward_operands(16, 8, dtype=torch.float32))  # fp32
+    assert not expert_gemm.takes(*forward_operands(16, 8, rows=0))  # no rows on this rank
+    no_unit_stride = torch.zeros(3, 16, 32, dtype=torch.bfloat16)[:, :, ::2]
+    assert not expert_gemm.takes(rows, no_unit_stride)
     unaligned = torch.zeros(5 * 16 + 2, dtype=torch.bfloat16)[2:].view(5, 16).as_subclass(OnGpu)
-    assert not expert_gemm.takes(unaligned, weights)  # rows starting 4 bytes off
-    assert not expert_gemm.takes(torch.zeros(5, 16, dtype=torch.bfloat16), weights)  # on the CPU
+    assert not expert_gemm.takes(unaligned, weight_t)  # rows starting 4 bytes off
+    assert not expert_gemm.takes(torch.zeros(5, 16, dtype=torch.bfloat16), weight_t)  # on the CPU
+
+
+def test_expert_gemm_hands_quack_the_experts_row_ends_with_a_leading_zero_at_its_default_configuration(monkeypatch):
+    """`expert_gemm.matmul` calls quack's `gemm` with the rows, the [E, K, N] weight, int32 `cu_seqlens_m` (the
+    grouped GEMM's cumulative row ends with a leading zero) and `tuned=False`. quack's GEMM cannot run on CPU: a
+    module standing in for `quack.gemm_interface` records the call."""
+    import sys
+    import types
+
+    from skyrl_megatron.model.moe import expert_gemm
+    from skyrl_megatron.model.moe.experts import expert_offsets
+
+    calls = []
+    interface = types.ModuleType("quack.gemm_interface")
+    interface.gemm = lambda a, b, **kwargs: calls.append((a, b, kwargs)) or "out"
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", interface)
+    a, b = torch.zeros(10, 4), torch.zeros(4, 4, 2)
+    assert expert_gemm.matmul(a, b, expert_offsets(TOKENS_PER_EXPERT, a.device)) == "out"
+    [(got_a, got_b, kwargs)] = calls
+    assert got_a is a and got_b is b and set(kwargs) == {"cu_seqlens_m", "tuned"} and kwargs["tuned"] is False
+    assert kwargs["cu_seqlens_m"].dtype == torch.int32
+    assert kwargs["cu_seqlens_m"].tolist() == [0, 3, 3, 8, 10]
 
 
 def test_run_gemms_on_quack_sets_every_grouped_linear_and_counts_them():

@@ -92,20 +92,23 @@ def test_fused_rms_norm_hands_contiguous_rows_to_the_library_kernel_where_one_ru
     GPU check (`bench/gpu_fusion_check.py`) holds quack's kernels against fp64."""
     from skyrl_megatron.model.layers import norm
 
-    assert norm.library_rms_norm() is None  # no GPU here: our Triton kernels' or PyTorch's path
+    with monkeypatch.context() as without_cuda:  # a machine without a GPU: our Triton kernels' or PyTorch's path
+        without_cuda.setattr(torch.cuda, "is_available", lambda: False)
+        assert norm.library_rms_norm.__wrapped__(0) is None
     calls = []
 
-    def stand_in(rows, weight, eps):
-        calls.append((rows.shape, rows.is_contiguous(), weight, eps))
-        return torch.nn.functional.rms_norm(rows, (rows.shape[-1],), weight, eps)
+    # quack's signature: eps must go by keyword (the third positional argument is the bias)
+    def stand_in(x, weight=None, bias=None, residual=None, out_dtype=None, residual_dtype=None, eps=1e-6):
+        calls.append((x.shape, x.is_contiguous(), weight, bias, residual, eps))
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
     monkeypatch.setattr(norm, "_kernel_takes", lambda rows: rows.shape[0] > 0)
-    monkeypatch.setattr(norm, "library_rms_norm", lambda: stand_in)
+    monkeypatch.setattr(norm, "library_rms_norm", lambda device_index: stand_in)
     fused, reference = FusedRMSNorm(8, eps=1e-5), torch.nn.RMSNorm(8, eps=1e-5)
     x = torch.randn(5, 1, 16)[..., ::2]  # strided, as a view can be
     torch.testing.assert_close(fused(x), reference(x))
-    assert calls == [(torch.Size([5, 8]), True, fused.weight, 1e-5)]
-    assert norm.rms_norm_implementation() == "quack-kernels"
+    assert calls == [(torch.Size([5, 8]), True, fused.weight, None, None, 1e-5)]
+    assert norm.rms_norm_implementation(0) == "quack-kernels"
 
 
 def _megatron_rotation(t, cos, sin):

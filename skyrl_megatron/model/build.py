@@ -334,7 +334,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
         if "rms_norm" in built.fused_kernels:
             from skyrl_megatron.model.layers.norm import rms_norm_implementation
 
-            logger.info("rms_norm runs on %s", rms_norm_implementation())
+            logger.info("rms_norm runs on %s", rms_norm_implementation(torch.cuda.current_device()))
     return built
 
 

@@ -50,10 +50,10 @@ def _kernel_takes(rows: Tensor) -> bool:
 
 
 @functools.cache
-def library_rms_norm() -> Callable[..., Tensor] | None:
-    """quack-kernels' `rmsnorm(rows, weight, eps=)` (autograd included) where it is installed and the current GPU
-    is Hopper or later (its CuTe DSL kernels' targets); None where our Triton kernels run instead."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+def library_rms_norm(device_index: int) -> Callable[..., Tensor] | None:
+    """quack-kernels' `rmsnorm(rows, weight, eps=)` (autograd included) where it is installed and this GPU is Hopper
+    or later (its CuTe DSL kernels' targets); None where our Triton kernels run instead."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index)[0] < 9:
         return None
     try:
         from quack.rmsnorm import rmsnorm
@@ -66,9 +66,9 @@ def library_rms_norm() -> Callable[..., Tensor] | None:
     return rmsnorm
 
 
-def rms_norm_implementation() -> str:
-    """Which kernels `FusedRMSNorm` runs on this machine's GPU, for the build's log."""
-    return "quack-kernels" if library_rms_norm() is not None else "Triton (rms_norm_kernels)"
+def rms_norm_implementation(device_index: int) -> str:
+    """Which kernels `FusedRMSNorm` runs on this GPU, for the build's log."""
+    return "quack-kernels" if library_rms_norm(device_index) is not None else "Triton (rms_norm_kernels)"
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
@@ -81,7 +81,7 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         if not _kernel_takes(rows):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # torch's default for None
-        library = library_rms_norm()
+        library = library_rms_norm(rows.device.index)
         if library is not None:
             return library(rows.contiguous(), self.weight, eps=eps).view(x.shape)
         return _TritonRMSNorm.apply(rows.contiguous(), self.weight, eps).view(x.shape)
@@ -109,7 +109,7 @@ class TorchNorm:
 
 
 class FusedTorchNorm:
-    """`TorchNorm` with RMSNorm on our Triton kernels (`FusedRMSNorm`; LayerNorm stays PyTorch's)."""
+    """`TorchNorm` with RMSNorm on fused kernels (`FusedRMSNorm`: quack-kernels' or ours; LayerNorm stays PyTorch's)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
         return _build_norm(config, hidden_size, eps, FusedRMSNorm)

@@ -16,24 +16,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.moe.quack_support import HALF_DTYPES, aligned
+from skyrl_megatron.model.moe.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned
 
 
 def takes(a: Tensor, b: Tensor) -> bool:
     """Whether `matmul` runs these operands: half-precision rows a [rows >= 1, K] (contiguous) and b [E, K, N] of the
-    same dtype with a unit stride in one of its last two dimensions, all 16-byte aligned; else the caller takes
-    `torch._grouped_mm`."""
+    same dtype with a unit stride in one of its last two dimensions, all 16-byte aligned, the output's rows too (N a
+    multiple of 8); else the caller takes `torch._grouped_mm`."""
     return (
         a.is_cuda
         and a.dim() == 2
         and b.dim() == 3
         and a.shape[0] > 0
+        and a.shape[1] == b.shape[1]
         and a.dtype in HALF_DTYPES
         and b.dtype == a.dtype
         and b.device == a.device
         and a.is_contiguous()
         and 1 in (b.stride(1), b.stride(2))
         and aligned(a, b)
+        and b.shape[2] * a.element_size() % ALIGNMENT_BYTES == 0
     )
 
 

@@ -194,15 +194,15 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, offsets: Tensor, stacked_weight: Tensor, layer: "_GroupedLinear") -> Tensor:
-        ctx.layer = layer
+        ctx.layer, ctx.on_quack = layer, layer.gemm_on_quack
         ctx.save_for_backward(x, offsets, stacked_weight)
-        return _expert_rows_mm(x, stacked_weight.transpose(1, 2), offsets, layer.gemm_on_quack)
+        return _expert_rows_mm(x, stacked_weight.transpose(1, 2), offsets, ctx.on_quack)
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         x, offsets, stacked_weight = ctx.saved_tensors
         grad_output = grad_output.contiguous()
-        grad_input = _expert_rows_mm(grad_output, stacked_weight, offsets, ctx.layer.gemm_on_quack)
+        grad_input = _expert_rows_mm(grad_output, stacked_weight, offsets, ctx.on_quack)
         ctx.layer.add_weight_gradients(grad_output, x, offsets)
         return grad_input, None, None, None
 

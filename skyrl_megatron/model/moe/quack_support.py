@@ -13,7 +13,7 @@ from torch import Tensor
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-_ALIGNMENT_BYTES = 16
+ALIGNMENT_BYTES = 16
 
 
 @functools.cache
@@ -26,13 +26,15 @@ def missing_reason(device_index: int) -> str | None:
         import quack.gemm_interface  # noqa: F401
     except ImportError as error:
         return f"it needs quack-kernels (pip install quack-kernels; import failed: {error})"
+    except Exception as error:  # noqa: BLE001 - installed but unusable here (its CuTe DSL or CUDA libraries)
+        return f"quack-kernels is installed but does not import here ({type(error).__name__}: {error})"
     return None
 
 
 def aligned(*tensors: Tensor) -> bool:
     """Whether every tensor's address and every stride but the unit one are multiples of 16 bytes."""
     return all(
-        t.data_ptr() % _ALIGNMENT_BYTES == 0
-        and all(stride * t.element_size() % _ALIGNMENT_BYTES == 0 for stride in t.stride() if stride != 1)
+        t.data_ptr() % ALIGNMENT_BYTES == 0
+        and all(stride * t.element_size() % ALIGNMENT_BYTES == 0 for stride in t.stride() if stride != 1)
         for t in tensors
     )
