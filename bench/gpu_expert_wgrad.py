@@ -50,10 +50,12 @@ def routed_rows(args: argparse.Namespace, device):
     leading zero as quack takes them, and the rows in all; seeded, the first `--empty` experts without a token."""
     import torch
 
+    from skyrl_megatron.model.moe.quack_support import cu_seqlens
+
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
     offsets = _offsets(args.tokens, args.topk, args.experts, args.empty, generator, device)
-    return offsets, torch.cat([offsets.new_zeros(1), offsets]), int(offsets[-1])
+    return offsets, cu_seqlens(offsets), int(offsets[-1])
 
 
 def quack_importable() -> bool:

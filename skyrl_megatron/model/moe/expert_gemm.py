@@ -13,10 +13,9 @@ against fp64. Hopper and later only (`quack_support.missing_reason`); quack is i
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from skyrl_megatron.model.moe.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned
+from skyrl_megatron.model.moe.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned, cu_seqlens
 
 
 def takes(a: Tensor, b: Tensor) -> bool:
@@ -44,5 +43,4 @@ def matmul(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     contributes none. `offsets`: int32 cumulative row ends per expert (as `torch._grouped_mm` takes them)."""
     from quack.gemm_interface import gemm
 
-    cu_seqlens_m = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32)
-    return gemm(a, b, cu_seqlens_m=cu_seqlens_m, tuned=False)
+    return gemm(a, b, cu_seqlens_m=cu_seqlens(offsets), tuned=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.moe.quack_support import HALF_DTYPES, aligned
+from skyrl_megatron.model.moe.quack_support import HALF_DTYPES, aligned, cu_seqlens
 
 
 def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:
@@ -47,5 +47,4 @@ def add_(main_grads: Tensor, grad_output: Tensor, x: Tensor, offsets: Tensor) ->
     rows keeps its gradient unchanged."""
     from quack.gemm_interface import gemm_add_inplace
 
-    cu_seqlens_k = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32)
-    gemm_add_inplace(grad_output.t(), x, main_grads, cu_seqlens_k=cu_seqlens_k, tuned=False)
+    gemm_add_inplace(grad_output.t(), x, main_grads, cu_seqlens_k=cu_seqlens(offsets), tuned=False)

@@ -31,6 +31,12 @@ def missing_reason(device_index: int) -> str | None:
     return None
 
 
+def cu_seqlens(offsets: Tensor) -> Tensor:
+    """quack's `cu_seqlens_m` / `cu_seqlens_k` from the grouped GEMM's `offs` (each expert's cumulative row end): the
+    same ends after a leading zero, int32."""
+    return torch.cat([offsets.new_zeros(1), offsets]).to(torch.int32)
+
+
 def aligned(*tensors: Tensor) -> bool:
     """Whether every tensor's address and every stride but the unit one are multiples of 16 bytes."""
     return all(
