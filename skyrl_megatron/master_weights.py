@@ -23,6 +23,14 @@ run with one kernel call (one remainder and one list of tie indices per run, ind
 and the next rebuild joins it with one. The first release after `attach` meets the optimizer's own,
 separately allocated masters and splits them one by one; the rebuild after it gathers them.
 
+From then on the masters stay views of their run's buffer and a release frees the buffer's storage
+(`resize_(0)`, as FSDP frees unsharded parameters), a rebuild gives it back and joins into it: no
+per-tensor work in either. Re-pointing and freeing each master (about 6 us of host time a tensor on
+this repository's CI machine, per release and per rebuild) left the device idle inside the optimizer
+step at MoE widths, where thousands of masters form a few dozen runs. A released master keeps its
+shape over an empty storage: nothing may read it until the rebuild (`materialised` for everything
+that does outside the optimizer step).
+
 Exact by construction, and checked: an element whose remainder falls outside the range (a model
 weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
 whole run's masters in fp32 (its tensor's, on the per-tensor path), so a master is never rebuilt
@@ -188,14 +196,22 @@ def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tenso
     return remainder, _tie_indices(master, model, _tie_counts(stats), checks)
 
 
-def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch.Tensor) -> torch.Tensor:
-    """The fp32 master that `split_master` took apart, as a new tensor."""
+def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 master that `split_master` took apart: a new tensor, or written into `out` (contiguous fp32 of
+    the model's length) where given."""
     kernels = _kernels(model.device)
     upper = model.view(torch.int16)
+    out_bits = None if out is None else out.view(torch.int32)
     if kernels.join_with_ties is not None:
-        return kernels.join_with_ties(upper, remainder, tie_indices).view(torch.float32)
-    bits = _joined(tuple(kernels.join(upper[start:stop], remainder[start:stop])
-                         for start, stop in _chunks(model.numel(), kernels.chunk)))
+        return kernels.join_with_ties(upper, remainder, tie_indices, out=out_bits).view(torch.float32)
+    if out_bits is None:
+        bits = _joined(tuple(kernels.join(upper[start:stop], remainder[start:stop])
+                             for start, stop in _chunks(model.numel(), kernels.chunk)))
+    else:
+        bits = out_bits
+        for start, stop in _chunks(model.numel(), kernels.chunk):
+            bits[start:stop] = kernels.join(upper[start:stop], remainder[start:stop])
     if tie_indices.numel():
         bits[tie_indices] += 2 * _TIE
     return bits.view(torch.float32)
@@ -217,7 +233,8 @@ class _Master:
         return self.model.numel()
 
     def free(self) -> None:
-        """Release the master's fp32 values (its remainder stands for them now)."""
+        """Release the master's fp32 values (its remainder stands for them now): the per-tensor path, while
+        the master is not yet a view of its run's buffer."""
         self.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
         self.master.data = torch.empty(0, dtype=torch.float32, device=self.master.device)
         self.released = True
@@ -238,28 +255,38 @@ class _Run:
 
     `model` is a flat bf16 view over the whole span. After a rebuild every master's `.data` is a view
     of `buffer` (one fp32 tensor over the span), so the next release splits the run with one kernel
-    call; the first release after `attach` finds Megatron's separately allocated masters and splits
-    them one by one (pieces), and the rebuild after it gathers them into a buffer."""
+    call and frees the buffer's storage, the members staying its views (`parked`); the first release
+    after `attach` finds Megatron's separately allocated masters and splits them one by one (pieces),
+    and the rebuild after it gathers them into a buffer."""
     members: list[_Master]
     model: torch.Tensor
     buffer: torch.Tensor | None = None
     pieces: list[_Piece] = field(default_factory=list)
+    parked: bool = False  # released whole: `buffer`'s storage is empty, the members still its views
 
     @property
     def span(self) -> int:
         return self.model.numel()
 
     def whole(self) -> bool:
-        """Whether the masters are, as the rebuild left them, views of `buffer` in the model's layout
-        (anything that gave a master other storage since sends the run down the per-tensor path)."""
-        if self.buffer is None or any(m.released for m in self.members):
+        """Whether the masters are present as the rebuild left them: views of `buffer` (anything that gave a
+        master other storage since sends the run down the per-tensor path). Only the storage is compared, the
+        cheapest check per tensor: nothing of ours re-points a master into its own run's buffer elsewhere."""
+        if self.buffer is None or self.parked or any(m.released for m in self.members):
             return False
-        storage, base = self.buffer.untyped_storage().data_ptr(), self.buffer.data_ptr()
-        return all(
-            m.master.data.untyped_storage().data_ptr() == storage and m.master.data.is_contiguous()
-            and m.master.data.data_ptr() == base + 4 * m.offset and m.master.numel() == m.numel
-            for m in self.members
-        )
+        storage = self.buffer.untyped_storage().data_ptr()
+        return all(m.master.untyped_storage().data_ptr() == storage for m in self.members)
+
+    def park(self) -> None:
+        """Free the buffer's storage (the run's remainders stand for it); the members stay its views."""
+        self.buffer.untyped_storage().resize_(0)
+        self.parked = True
+
+    def unpark(self) -> torch.Tensor:
+        """The buffer with its storage back (values undefined until joined into)."""
+        self.buffer.untyped_storage().resize_(4 * self.span)
+        self.parked = False
+        return self.buffer
 
 
 # elements of padding a run may step over: Megatron starts each parameter in its DDP buffer at a
@@ -325,7 +352,10 @@ class _Split:
 
 def _splits(run: _Run) -> Iterator[_Split]:
     """The run's present masters split on the device: at once when they are views of the run's buffer,
-    else one by one (the first release after `attach`, or masters given other storage since)."""
+    else one by one (the first release after `attach`, or masters given other storage since); none where
+    the run is released whole already."""
+    if run.parked:
+        return
     if run.whole():
         yield _Split(run, run.members, 0, run.span, True, run.buffer, run.model,
                      *_split_on_device(run.buffer, run.model))
@@ -455,7 +485,12 @@ class CompactMasterWeights:
 
 def _gather(run: _Run) -> None:
     """Rebuild the run's released masters into one fp32 buffer over its span, every master a view of it."""
-    if [(p.start, p.stop) for p in run.pieces] == [(0, run.span)]:  # released whole: one kernel call
+    if run.parked:  # released whole from its buffer: the storage back, one kernel call, the views unchanged
+        (piece,) = run.pieces
+        join_master(run.model, piece.remainder, piece.tie_indices, out=run.unpark())
+        run.pieces = []
+        return
+    if [(p.start, p.stop) for p in run.pieces] == [(0, run.span)]:  # one master released whole: one kernel call
         (piece,) = run.pieces
         buffer = join_master(run.model, piece.remainder, piece.tie_indices)
     else:  # released one by one (or partly kept): once after `attach`, then the run is whole
@@ -473,11 +508,11 @@ def _gather(run: _Run) -> None:
 
 
 def _release_as_before(runs: list[tuple[_Run, list[_Piece]]]) -> None:
-    """Give each run its pieces back and free its fp32 buffer, as the release that made them left it."""
+    """Give each run its pieces back and free its fp32 buffer's storage (the rebuild just gathered the run: its
+    masters are the buffer's views), as the release that made them left it."""
     for run, pieces in runs:
-        for m in run.members:
-            m.free()
-        run.buffer, run.pieces = None, pieces
+        run.park()
+        run.pieces = pieces
 
 
 class _HostChecks:
@@ -522,10 +557,11 @@ def _settle(group: list[_Split], checks: _HostChecks) -> tuple[int, int]:
         piece = _Piece(split.start, split.stop, split.remainder, ties)
         split.run.pieces.append(piece)
         freed += 4 * (split.stop - split.start) - piece.remainder.nbytes - piece.tie_indices.nbytes
-        for m in split.members:
-            m.free()
         if split.whole_run:
-            split.run.buffer = None  # its last views are gone: the memory is free
+            split.run.park()
+        else:
+            for m in split.members:
+                m.free()
     return freed, kept
 
 

@@ -111,11 +111,12 @@ def tie_indices(bits: Tensor, upper: Tensor, partials: Tensor, count: int) -> Te
     return out
 
 
-def join(upper: Tensor, remainder: Tensor, tie_indices: Tensor) -> Tensor:
+def join(upper: Tensor, remainder: Tensor, tie_indices: Tensor, out: Tensor | None = None) -> Tensor:
     """The master's int32 bits from its model weight's int16 bits and the int16 remainder (contiguous,
-    one-dimensional, of the same length), the ties at `tie_indices` (int64, distinct) raised to +2**15."""
+    one-dimensional, of the same length), the ties at `tie_indices` (int64, distinct) raised to +2**15; written
+    into `out` (contiguous int32 of that length) where given."""
     numel = upper.numel()
-    bits = torch.empty(numel, dtype=torch.int32, device=upper.device)
+    bits = torch.empty(numel, dtype=torch.int32, device=upper.device) if out is None else out
     if numel:
         _join_kernel[(triton.cdiv(numel, _BLOCK),)](upper, remainder, bits, numel, BLOCK=_BLOCK, num_warps=8)
     count = tie_indices.numel()

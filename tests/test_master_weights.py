@@ -139,7 +139,7 @@ def test_each_groups_checks_are_read_after_the_next_groups_split_is_queued(monke
     masters = CompactMasterWeights(pairs)
     masters.release()
     assert events == ["split", "split", "read", "split", "read", "split", "read", "read"]
-    assert all(master.numel() == 0 for master, _ in pairs)
+    assert all(_holds_nothing(master) for master, _ in pairs)
     masters.rebuild()
     _assert_exact(pairs, expected)
 
@@ -200,6 +200,12 @@ def _counting(monkeypatch, kernels) -> dict[str, int]:
     return calls
 
 
+def _holds_nothing(master: torch.Tensor) -> bool:
+    """A released master: its fp32 storage freed (an empty tensor on the first release after attach, later its
+    run's buffer's storage resized to nothing, the master keeping its shape)."""
+    return master.untyped_storage().nbytes() == 0
+
+
 def _bits(pairs) -> list[torch.Tensor]:
     return [master.detach().view(torch.int32).clone() for master, _ in pairs]
 
@@ -223,17 +229,24 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
     masters = CompactMasterWeights(pairs)
     assert masters.runs == 2
     masters.release()
-    assert calls["split"] == len(pairs) and all(master.numel() == 0 for master in parameters)
+    assert calls["split"] == len(pairs) and all(_holds_nothing(master) for master in parameters)
     masters.rebuild()
     assert calls["join"] == len(pairs)
     _assert_exact(pairs, expected)
+    # from now on no per-tensor work: each run's buffer gives up its storage and gets it back, the masters stay
+    # its views (the same storage objects, their shapes kept while released) and none is freed one by one
+    storages = [master.untyped_storage()._cdata for master in parameters]
+    freed_one_by_one = []
+    monkeypatch.setattr(master_weights._Master, "free", lambda self: freed_one_by_one.append(self))
     for _ in range(2):
         calls.update(split=0, tie_mask=0, join=0)
         masters.release()
-        assert all(master.numel() == 0 for master, _ in pairs) and len(masters.stored_tensors()) == 2 * 2
+        assert all(_holds_nothing(master) for master, _ in pairs) and len(masters.stored_tensors()) == 2 * 2
+        assert [master.shape for master in parameters] == [torch.Size([n]) for n in sizes * 2]
         masters.rebuild()
         assert calls == {"split": 2, "tie_mask": 2, "join": 2}  # every run has ties
         _assert_exact(pairs, expected)
+        assert [master.untyped_storage()._cdata for master in parameters] == storages and not freed_one_by_one
     # the same Parameter objects (Adam's state is keyed by them), each run's masters views of one buffer
     assert all(a is b for a, b in zip(parameters, [master for master, _ in pairs], strict=True))
     first, second = parameters[: len(sizes)], parameters[len(sizes) :]
@@ -268,7 +281,7 @@ def test_a_read_only_materialise_returns_the_masters_to_their_remainders_without
         with masters.materialised(read_only=True):
             _assert_exact(pairs, expected)
         assert calls == {"split": 0, "tie_mask": 0, "join": 1} and not settled
-        assert masters.released and all(master.numel() == 0 for master, _ in pairs)
+        assert masters.released and all(_holds_nothing(master) for master, _ in pairs)
         assert all(a is b for a, b in zip(masters.stored_tensors(), stored, strict=True))
     monkeypatch.undo()
     masters.rebuild()
@@ -303,7 +316,7 @@ def test_runs_are_exact_across_their_borders_and_a_failing_run_stays_in_fp32(mon
     victim = 50  # a master in the middle of a run: its whole run stays in fp32
     _corrupt(pairs[victim][1], 3)
     masters.release()
-    kept = [i for i, (master, _) in enumerate(pairs) if master.numel()]
+    kept = [i for i, (master, _) in enumerate(pairs) if not _holds_nothing(master)]
     assert victim in kept and len(pairs) > len(kept) > 1
     storage = pairs[victim][0].untyped_storage().data_ptr()
     assert all(pairs[i][0].untyped_storage().data_ptr() == storage for i in kept)  # the run, as a whole
@@ -312,7 +325,7 @@ def test_runs_are_exact_across_their_borders_and_a_failing_run_stays_in_fp32(mon
 
     _corrupt(pairs[victim][1], 3)  # right again
     masters.release()
-    assert all(master.numel() == 0 for master, _ in pairs)
+    assert all(_holds_nothing(master) for master, _ in pairs)
     masters.rebuild()
     _assert_exact(pairs, expected)
 
@@ -332,7 +345,7 @@ def test_an_offload_parks_a_kept_run_whole(monkeypatch):
     masters.rebuild()
     _corrupt(pairs[4][1], 0)  # the second run stays in fp32: three views of one buffer
     masters.release()
-    assert [master.numel() for master, _ in pairs] == [0, 0, 0, 3000, 5000, 2000]
+    assert [_holds_nothing(master) for master, _ in pairs] == [True] * 3 + [False] * 3
     kept_buffer = pairs[3][0].untyped_storage().nbytes()
     assert kept_buffer == 4 * (3008 + 5056 + 2000)  # the run's span: its shards and the padding between
     to_park = kept_buffer + sum(t.untyped_storage().nbytes() for t in masters.stored_tensors())
@@ -795,7 +808,7 @@ for corrupt in (False, False, True):  # tensor by tensor, then whole runs; then 
     if corrupt:
         pairs[5][1].view(torch.int16)[0] ^= 0x4000
     compact.release()
-    kept = [i for i, (master, _) in enumerate(pairs) if master.numel()]
+    kept = [i for i, (master, _) in enumerate(pairs) if master.untyped_storage().nbytes()]
     assert (5 in kept and len(kept) < len(pairs)) if corrupt else not kept, kept
     if corrupt:
         pairs[5][1].view(torch.int16)[0] ^= 0x4000

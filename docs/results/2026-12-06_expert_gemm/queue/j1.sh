@@ -1,0 +1,5 @@
+# disk/memory monitor, then the kernel checks (seconds each)
+(setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+python bench/gpu_expert_gemm.py > $JOBS/out/egemm.jsonl 2>&1; tail -6 $JOBS/out/egemm.jsonl
+python bench/gpu_fusion_check.py --no-head --out $JOBS/out/fusions_host.json > $JOBS/out/fusions_host.log 2>&1; tail -25 $JOBS/out/fusions_host.log
