@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from skyrl_megatron import host_api
+from skyrl_megatron.compute.pending_metrics import PendingMetrics
 
 # host `loss_reduction` -> which count a micro-batch result is weighted by
 _REDUCTION_UNIT = {"token_mean": "tokens", "sequence_mean": "sequences", "seq_mean_token_sum_norm": "sequences"}
@@ -171,9 +172,10 @@ class ValueObjective:
         return loss, {k: v.to(torch.float64).reshape(()) for k, v in metrics.items()}
 
 
-def mini_batch_metrics(per_micro_batch: list[dict], dp_group, device) -> dict[str, float]:
+def mini_batch_metrics(per_micro_batch: list[dict], dp_group, device) -> PendingMetrics:
     """A mini-batch's metrics: its micro-batches' (each already their share of the mini-batch) summed, then
-    over DP ranks; broadcast from the last pipeline stage, where the loss ran, so every rank returns them."""
+    over DP ranks; broadcast from the last pipeline stage, where the loss ran, so every rank reads them. The sums and
+    collectives are queued here; the values reach the host when read."""
     from megatron.core import parallel_state as ps
 
     names = sorted({k for m in per_micro_batch for k in m})
@@ -193,4 +195,4 @@ def mini_batch_metrics(per_micro_batch: list[dict], dp_group, device) -> dict[st
         dist.broadcast(totals, src=last, group=ps.get_pipeline_model_parallel_group())
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
-    return {name: float(value) for name, value in zip(names, totals)}
+    return PendingMetrics(lambda: dict(zip(names, totals.tolist())))

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from skyrl_megatron.compute.pending_metrics import PendingMetrics
 from skyrl_megatron.model.moe.settings import routers
 from skyrl_megatron.runtime import current_runtime
 
@@ -144,8 +145,12 @@ class RouterMetrics:
 
     def summary(self, groups: ReductionGroups | None = None) -> dict[str, float]:
         """The mini-batch's metrics, the same on every rank. Collective: every rank of the model calls it."""
+        return self.pending_summary(groups).read()
+
+    def pending_summary(self, groups: ReductionGroups | None = None) -> PendingMetrics:
+        """`summary` with its table's reductions queued, read later (`PendingMetrics`). Collective."""
         if not self.is_moe:
-            return {}
+            return PendingMetrics()
         groups = groups or ReductionGroups.from_parallel_state()
         experts = self.config.num_moe_experts
         device = current_runtime().torch_device  # stages without MoE layers join the sum too
@@ -158,7 +163,8 @@ class RouterMetrics:
         for group in (groups.tokens, groups.stages):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(table, group=group)
-        return _metrics(table.cpu(), experts, self.config.moe_router_topk)
+        topk = self.config.moe_router_topk
+        return PendingMetrics(lambda: _metrics(table.cpu(), experts, topk))
 
 
 def _metrics(table: torch.Tensor, experts: int, topk: int) -> dict[str, float]:

@@ -29,6 +29,7 @@ from skyrl_megatron.compute.microbatch.micro_batch import MicroBatch
 from skyrl_megatron.compute.microbatch.pipeline import MicroBatches, prepare_micro_batches
 from skyrl_megatron.compute.microbatch.plan import MicroBatching
 from skyrl_megatron.compute.microbatch.results import collect, recorded_host_routes, response_columns
+from skyrl_megatron.compute.pending_metrics import PendingMetrics
 from skyrl_megatron.compute.route_replay import RouteReplay, RouteStore
 from skyrl_megatron.compute.router_metrics import RouterMetrics
 from skyrl_megatron.compute.schedule import forward_backward, forward_only
@@ -278,12 +279,14 @@ class ModelRunner:
         temperature: float = 1.0,
         dp_group=None,
         routes: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+        defer_metrics: bool = False,
+    ) -> dict[str, float] | PendingMetrics:
         """Forward + backward of one mini-batch with the policy objective; returns its metrics summed
         over micro-batches and DP ranks (each micro-batch's metrics are already its share of the
         mini-batch). `routes` [B, S, L, k] (host columns): MoE routes every micro-batch replays (an
         attached `route_replay`). With attached router metrics, the mini-batch's MoE load joins the
-        metrics (collective: every rank)."""
+        metrics (collective: every rank). `defer_metrics`: return them unread (`PendingMetrics`), for a
+        caller that queues the optimizer step first."""
 
         def loss(values: torch.Tensor, mb: MicroBatch, totals: MiniBatchTotals):
             return objective(values[..., 0], values[..., 1], mb.response, totals)
@@ -294,8 +297,8 @@ class ModelRunner:
         forward_fn = self._forward_fn(temperature, with_entropy=True)
         metrics = self._train(sequences, attention_mask, response, batching, forward_fn, loss, dp_group, routes)
         if self.router_metrics is not None:
-            metrics.update(self.router_metrics.summary())
-        return metrics
+            metrics = metrics.joined(self.router_metrics.pending_summary())
+        return metrics if defer_metrics else metrics.read()
 
     def train_value_mini_batch(
         self,
@@ -306,17 +309,19 @@ class ModelRunner:
         batching: MicroBatching,
         *,
         dp_group=None,
-    ) -> dict[str, float]:
+        defer_metrics: bool = False,
+    ) -> dict[str, float] | PendingMetrics:
         """Forward + backward of one critic mini-batch with the host's value loss (`response` holds
         `loss_mask`, old `values` and `returns`, [B, A]); metrics as for `train_mini_batch`."""
 
         def loss(values: torch.Tensor, mb: MicroBatch, totals: MiniBatchTotals):
             return objective(values[..., 0], mb.response, totals)
 
-        return self._train(sequences, attention_mask, response, batching, self._value_forward_fn(), loss, dp_group)
+        metrics = self._train(sequences, attention_mask, response, batching, self._value_forward_fn(), loss, dp_group)
+        return metrics if defer_metrics else metrics.read()
 
     def _train(self, sequences, attention_mask, response, batching, forward_fn, micro_batch_loss, dp_group,
-               routes: torch.Tensor | None = None):
+               routes: torch.Tensor | None = None) -> PendingMetrics:
         from megatron.core import parallel_state as ps
 
         self.gradients.restore()
@@ -354,7 +359,7 @@ class ModelRunner:
                 seq_length=shape[1],
                 micro_batch_size=shape[0],
             )
-        with _mark("skyrl_megatron.metrics"):
+        with _mark("skyrl_megatron.metrics"):  # queued: the values are read when the caller reads them
             return mini_batch_metrics(per_micro_batch, dp_group, self.device)
 
     # -- routing replay ---------------------------------------------------------------------------

@@ -93,10 +93,12 @@ def critic_steps(
     }
     history = []
     for _ in range(steps):
-        metrics = runner.train_value_mini_batch(
-            batch["sequences"], batch["attention_mask"], response, objective, micro, dp_group=ps.get_data_parallel_group()
+        pending = runner.train_value_mini_batch(
+            batch["sequences"], batch["attention_mask"], response, objective, micro, dp_group=ps.get_data_parallel_group(),
+            defer_metrics=True,  # read after the step is queued, as the critic worker does
         )
-        metrics["grad_norm"] = optimizer_step(optimizer, scheduler).grad_norm
+        grad_norm = optimizer_step(optimizer, scheduler).grad_norm
+        metrics = {**pending.read(), "grad_norm": grad_norm}
         history.append(metrics)
     final = runner.response_values(batch["sequences"], batch["attention_mask"], response_length, micro)
     if save_dir is not None:

@@ -150,7 +150,7 @@ def policy_steps(
     history = []
     response = {k: v for k, v in batch.items() if k not in ("sequences", "attention_mask")}
     for _ in range(steps):
-        metrics = runner.train_mini_batch(
+        pending = runner.train_mini_batch(
             batch["sequences"],
             batch["attention_mask"],
             response,
@@ -158,8 +158,10 @@ def policy_steps(
             micro,
             dp_group=ps.get_data_parallel_group(),
             routes=routes,
+            defer_metrics=True,  # read after the step is queued, as the policy worker does
         )
         result = optimizer_step(optimizer, scheduler)
+        metrics = pending.read()
         metrics["grad_norm"] = result.grad_norm
         history.append(metrics)
     if inspect is not None:

@@ -72,9 +72,9 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
 
     # -- training: one mini-batch, then one optimizer step ----------------------------------------
 
-    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None) -> dict[str, float]:
+    def _train_mini_batch(self, data, start: int = 0, stop: int | None = None, defer_metrics: bool = False):
         """Forward + backward of rows [start, stop) of `data` with the host's value loss; gradients stay
-        for `_optimizer_step`."""
+        for `_optimizer_step`. Its metrics, or with `defer_metrics` their `PendingMetrics`."""
         from megatron.core import parallel_state as ps
 
         missing = [k for k in VALUE_KEYS if k not in data or data[k] is None]
@@ -89,6 +89,7 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
                 self.objective,
                 self._batching(self.host_cfg.trainer.micro_train_batch_size_per_gpu, "training"),
                 dp_group=ps.get_data_parallel_group(),
+                defer_metrics=defer_metrics,
             )
 
     def ppo_train(self, train_data):
@@ -108,8 +109,9 @@ class MegatronCriticWorker(TrainedRoleMixin, CriticWorkerBase):
         with self._watched("training"):
             for _ in range(int(trainer.update_epochs_per_batch)):
                 for start in range(0, rows, mini):
-                    metrics = self._train_mini_batch(train_data, start, start + mini)
-                    metrics.update(self._optimizer_step())
+                    pending = self._train_mini_batch(train_data, start, start + mini, defer_metrics=True)
+                    step = self._optimizer_step()  # queued before the metrics are read: no wait for the backward
+                    metrics = {**pending.read(), **step}
                     steps += 1
                     for name, value in metrics.items():
                         history[name].append(value)

@@ -98,10 +98,12 @@ class MegatronPolicyWorker(TrainedRoleMixin, PolicyWorkerBase):
                 for start in range(0, rows, mini):
                     batch = mini_batch_rows(train_data, slice(start, start + mini), routes)
                     with self._step_guard("training"):
-                        metrics = self.runner.train_mini_batch(
-                            batch.sequences, batch.attention_mask, batch.response, **settings, routes=batch.routes
+                        pending = self.runner.train_mini_batch(
+                            batch.sequences, batch.attention_mask, batch.response, **settings, routes=batch.routes,
+                            defer_metrics=True,
                         )
-                    metrics.update(self._optimizer_step())
+                    step = self._optimizer_step()  # queued before the metrics are read: no wait for the backward
+                    metrics = {**pending.read(), **step}
                     steps += 1
                     for name, value in metrics.items():
                         history[name].append(value)
