@@ -1185,7 +1185,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where ours runs in more than one case, convert the checkpoint in a start-up of its own "
                              "before any case is timed, so that each of ours starts from the conversion cache alike")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int,
+                        help="steps run before the measured ones (default 2, 1 with --smoke): after a single warm-up "
+                             "the first measured step was often a case's slowest (up to 1.5x its later ones)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny model and batch; the host's FSDP2 cases composed only")
     parser.add_argument("--out", type=Path, default=Path("policy_bench.json"))
@@ -1206,6 +1208,8 @@ def main(argv: list[str] | None = None) -> int:
     default_cases = ("megatron:tp2,fsdp2_loop:world1,fsdp2_loop:dp2,fsdp2:world1,fsdp2_sdpa:world1" if args.smoke
                      else "megatron:world1,fsdp2:world1,fsdp2_loop:world1,fsdp2_sdpa:world1")
     cases = [Case.parse(text, variants) for text in (args.cases or default_cases).split(",")]
+    if args.warmup is None:
+        args.warmup = 1 if args.smoke else 2
     cpu = args.smoke or not torch.cuda.is_available()
     if cpu and not args.smoke:
         raise SystemExit("no GPU here: use --smoke for the CPU check")
