@@ -24,12 +24,12 @@ and the next rebuild joins it with one. The first release after `attach` meets t
 separately allocated masters and splits them one by one; the rebuild after it gathers them.
 
 From then on the masters stay views of their run's buffer and a release frees the buffer's storage
-(`resize_(0)`, as FSDP frees unsharded parameters), a rebuild gives it back and joins into it: no
-per-tensor work in either. Re-pointing and freeing each master (about 6 us of host time a tensor on
-this repository's CI machine, per release and per rebuild) left the device idle inside the optimizer
-step at MoE widths, where thousands of masters form a few dozen runs. A released master keeps its
-shape over an empty storage: nothing may read it until the rebuild (`materialised` for everything
-that does outside the optimizer step).
+(`resize_(0)`, as FSDP frees unsharded parameters), a rebuild gives it back and joins into it: nothing
+per tensor but the release dropping each master's gradient reference. Re-pointing and freeing each
+master (about 6 us of host time a tensor on this repository's CI machine, per release and per rebuild)
+left the device idle inside the optimizer step at MoE widths, where thousands of masters form a few
+dozen runs. A released master keeps its shape over an empty storage: nothing may read it until the
+rebuild (`materialised` for everything that does outside the optimizer step).
 
 Exact by construction, and checked: an element whose remainder falls outside the range (a model
 weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
@@ -278,7 +278,10 @@ class _Run:
         return all(m.master.untyped_storage().data_ptr() == storage for m in self.members)
 
     def park(self) -> None:
-        """Free the buffer's storage (the run's remainders stand for it); the members stay its views."""
+        """Free the buffer's storage (the run's remainders stand for it); the members stay its views. Their
+        gradients go (the step hands them over again): with a bf16 gradient buffer each is an fp32 copy."""
+        for m in self.members:
+            m.master.grad = None
         self.buffer.untyped_storage().resize_(0)
         self.parked = True
 

@@ -233,16 +233,19 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
     masters.rebuild()
     assert calls["join"] == len(pairs)
     _assert_exact(pairs, expected)
-    # from now on no per-tensor work: each run's buffer gives up its storage and gets it back, the masters stay
+    # from now on no per-tensor re-pointing: each run's buffer gives up its storage and gets it back, the masters stay
     # its views (the same storage objects, their shapes kept while released) and none is freed one by one
     storages = [master.untyped_storage()._cdata for master in parameters]
     freed_one_by_one = []
     monkeypatch.setattr(master_weights._Master, "free", lambda self: freed_one_by_one.append(self))
     for _ in range(2):
         calls.update(split=0, tie_mask=0, join=0)
+        for master in parameters:  # as the step hands them over (fp32 copies where the gradient buffer is bf16)
+            master.grad = torch.zeros_like(master)
         masters.release()
         assert all(_holds_nothing(master) for master, _ in pairs) and len(masters.stored_tensors()) == 2 * 2
         assert [master.shape for master in parameters] == [torch.Size([n]) for n in sizes * 2]
+        assert all(master.grad is None for master in parameters)  # no gradient memory held between steps
         masters.rebuild()
         assert calls == {"split": 2, "tie_mask": 2, "join": 2}  # every run has ties
         _assert_exact(pairs, expected)
