@@ -24,12 +24,13 @@ and the next rebuild joins it with one. The first release after `attach` meets t
 separately allocated masters and splits them one by one; the rebuild after it gathers them.
 
 From then on the masters stay views of their run's buffer and a release frees the buffer's storage
-(`resize_(0)`, as FSDP frees unsharded parameters), a rebuild gives it back and joins into it: nothing
-per tensor but the release dropping each master's gradient reference. Re-pointing and freeing each
-master (about 6 us of host time a tensor on this repository's CI machine, per release and per rebuild)
-left the device idle inside the optimizer step at MoE widths, where thousands of masters form a few
-dozen runs. A released master keeps its shape over an empty storage: nothing may read it until the
-rebuild (`materialised` for everything that does outside the optimizer step).
+(`resize_(0)`, as FSDP frees unsharded parameters), a rebuild gives it back and joins into it: per
+tensor only the release's storage check and the dropping of its gradient reference (well under a
+microsecond each). Re-pointing and freeing each master (about 6 us of host time a tensor on this
+repository's CI machine, per release and per rebuild) left the device idle inside the optimizer step
+at MoE widths, where thousands of masters form a few dozen runs. A master released so keeps its shape
+over an empty storage: reading it before the rebuild reads freed memory and ends the process, so
+everything that reads masters outside the optimizer step goes through `materialised`.
 
 Exact by construction, and checked: an element whose remainder falls outside the range (a model
 weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
@@ -233,8 +234,8 @@ class _Master:
         return self.model.numel()
 
     def free(self) -> None:
-        """Release the master's fp32 values (its remainder stands for them now): the per-tensor path, while
-        the master is not yet a view of its run's buffer."""
+        """Release the master's fp32 values (its remainder stands for them now): the per-tensor path (the first
+        release after `attach`, or a run whose masters are no longer all views of its buffer)."""
         self.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
         self.master.data = torch.empty(0, dtype=torch.float32, device=self.master.device)
         self.released = True
@@ -285,10 +286,9 @@ class _Run:
         self.buffer.untyped_storage().resize_(0)
         self.parked = True
 
-    def unpark(self) -> torch.Tensor:
-        """The buffer with its storage back (values undefined until joined into)."""
+    def unparked_buffer(self) -> torch.Tensor:
+        """The buffer with its storage back, values undefined until joined into (still `parked` until then)."""
         self.buffer.untyped_storage().resize_(4 * self.span)
-        self.parked = False
         return self.buffer
 
 
@@ -490,10 +490,10 @@ def _gather(run: _Run) -> None:
     """Rebuild the run's released masters into one fp32 buffer over its span, every master a view of it."""
     if run.parked:  # released whole from its buffer: the storage back, one kernel call, the views unchanged
         (piece,) = run.pieces
-        join_master(run.model, piece.remainder, piece.tie_indices, out=run.unpark())
-        run.pieces = []
+        join_master(run.model, piece.remainder, piece.tie_indices, out=run.unparked_buffer())
+        run.parked, run.pieces = False, []
         return
-    if [(p.start, p.stop) for p in run.pieces] == [(0, run.span)]:  # one master released whole: one kernel call
+    if [(p.start, p.stop) for p in run.pieces] == [(0, run.span)]:  # released whole, its masters not views: one call
         (piece,) = run.pieces
         buffer = join_master(run.model, piece.remainder, piece.tie_indices)
     else:  # released one by one (or partly kept): once after `attach`, then the run is whole

@@ -116,6 +116,10 @@ def join(upper: Tensor, remainder: Tensor, tie_indices: Tensor, out: Tensor | No
     one-dimensional, of the same length), the ties at `tie_indices` (int64, distinct) raised to +2**15; written
     into `out` (contiguous int32 of that length) where given."""
     numel = upper.numel()
+    if out is not None and not (out.dtype == torch.int32 and out.numel() == numel and out.is_contiguous()
+                                and out.device == upper.device):
+        raise ValueError(f"join: out must be a contiguous int32 tensor of {numel} elements on {upper.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     bits = torch.empty(numel, dtype=torch.int32, device=upper.device) if out is None else out
     if numel:
         _join_kernel[(triton.cdiv(numel, _BLOCK),)](upper, remainder, bits, numel, BLOCK=_BLOCK, num_warps=8)

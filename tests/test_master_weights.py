@@ -258,6 +258,46 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
     assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
 
 
+def test_parked_runs_are_left_alone_by_a_second_release_and_follow_a_master_given_other_storage(monkeypatch):
+    """Runs released whole (their buffers' storage freed) are not split again by a release without a rebuild between;
+    a writing materialise rebuilds and releases them exactly; a master given storage of its own after a rebuild sends
+    its run down the per-tensor path (its new values kept, bit for bit), and the run is gathered whole again after."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    calls = _counting(monkeypatch, master_weights._EAGER)
+    values = _adversarial_masters()
+    sizes = [1000, 37, 4096, 129]
+    pairs = _back_to_back([list(torch.split(values[: sum(sizes)], sizes))])
+    parameters, expected = [master for master, _ in pairs], _bits(pairs)
+    masters = CompactMasterWeights(pairs)
+    masters.release()
+    masters.rebuild()
+    masters.release()  # parked
+    calls.update(split=0, tie_mask=0, join=0)
+    masters.release()
+    assert calls["split"] == 0 and masters.released and all(_holds_nothing(master) for master in parameters)
+    with masters.materialised():
+        _assert_exact(pairs, expected)
+    assert masters.released and all(_holds_nothing(master) for master in parameters)
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+
+    # a master given a tensor of its own (as a load that replaced `.data` would): its run goes tensor by tensor
+    own = parameters[2].detach().clone()
+    parameters[2].data = own
+    calls.update(split=0, tie_mask=0, join=0)
+    masters.release()
+    assert calls["split"] == len(pairs) and all(_holds_nothing(master) for master in parameters)
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+    assert len({master.untyped_storage().data_ptr() for master in parameters}) == 1  # gathered whole again
+    calls.update(split=0, tie_mask=0, join=0)
+    masters.release()
+    masters.rebuild()
+    assert calls["split"] == 1 and calls["join"] == 1
+    _assert_exact(pairs, expected)
+
+
 def test_a_read_only_materialise_returns_the_masters_to_their_remainders_without_splitting_again(monkeypatch):
     """A save reads the masters: inside the read-only block they are exact; after it each run is released again with
     the pieces it had (the same remainder and tie tensors), with no split kernel and no read of its checks; the next

@@ -2,7 +2,7 @@
 
 `train_mini_batch(..., defer_metrics=True)` queues the metrics' sums and collectives and returns them unread; the
 workers queue the optimizer step before reading them, so the host prepares the step while the device finishes the
-backward. Checked: nothing is read before `read`, and on a tiny MoE (CPU, world 1, router load metrics attached)
+backward. Checked: the sums are queued with no host read until `read`, and on a tiny MoE (CPU, world 1, router load metrics attached)
 the deferred metrics equal the ones read at once, name for name and bit for bit.
 """
 
@@ -28,6 +28,29 @@ def test_readers_run_only_when_read_in_the_order_joined():
     assert pending.read() == {"a": 1.0, "b": 2.0, "shared": 2.0}  # a later reader's name wins, as dict.update
     assert calls == ["a", "b"]
     assert PendingMetrics().read() == {}
+
+
+def test_the_mini_batch_sums_are_queued_without_a_host_read(monkeypatch):
+    """`mini_batch_metrics` sums on the device and reads nothing on the host until `read` (one `tolist`)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from skyrl_megatron.compute.losses import mini_batch_metrics
+
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_last_rank", lambda: 0)
+    reads = []
+    for name in ("tolist", "item", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
+    per_micro_batch = [
+        {"loss": torch.tensor(0.25, dtype=torch.float64), "clipfrac": torch.tensor(0.125, dtype=torch.float64)},
+        {"loss": torch.tensor(0.5, dtype=torch.float64)},
+    ]
+    pending = mini_batch_metrics(per_micro_batch, None, torch.device("cpu"))
+    assert reads == []
+    assert pending.read() == {"clipfrac": 0.125, "loss": 0.75}
+    assert reads == ["tolist"]
 
 
 def _read_now_and_later(rank, world_size, hf_dir: str) -> dict:
