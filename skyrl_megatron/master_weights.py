@@ -206,13 +206,9 @@ def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch
     out_bits = None if out is None else out.view(torch.int32)
     if kernels.join_with_ties is not None:
         return kernels.join_with_ties(upper, remainder, tie_indices, out=out_bits).view(torch.float32)
-    if out_bits is None:
-        bits = _joined(tuple(kernels.join(upper[start:stop], remainder[start:stop])
-                             for start, stop in _chunks(model.numel(), kernels.chunk)))
-    else:
-        bits = out_bits
-        for start, stop in _chunks(model.numel(), kernels.chunk):
-            bits[start:stop] = kernels.join(upper[start:stop], remainder[start:stop])
+    bits = torch.empty(model.numel(), dtype=torch.int32, device=model.device) if out_bits is None else out_bits
+    for start, stop in _chunks(model.numel(), kernels.chunk):
+        bits[start:stop] = kernels.join(upper[start:stop], remainder[start:stop])
     if tie_indices.numel():
         bits[tie_indices] += 2 * _TIE
     return bits.view(torch.float32)
@@ -493,17 +489,14 @@ def _gather(run: _Run) -> None:
         join_master(run.model, piece.remainder, piece.tie_indices, out=run.unparked_buffer())
         run.parked, run.pieces = False, []
         return
-    if [(p.start, p.stop) for p in run.pieces] == [(0, run.span)]:  # released whole, its masters not views: one call
-        (piece,) = run.pieces
-        buffer = join_master(run.model, piece.remainder, piece.tie_indices)
-    else:  # released one by one (or partly kept): once after `attach`, then the run is whole
-        buffer = run.model.float()  # the padding between shards: its weight widened, exactly (remainder 0)
-        for piece in run.pieces:
-            buffer[piece.start : piece.stop] = join_master(run.model[piece.start : piece.stop], piece.remainder,
-                                                           piece.tie_indices)
-        for m in run.members:
-            if not m.released:  # kept in fp32: copied in
-                buffer[m.offset : m.offset + m.numel] = m.master.data.view(-1)
+    # released one by one (or partly kept): once after `attach`, then the run is whole and parks
+    buffer = run.model.float()  # the padding between shards: its weight widened, exactly (remainder 0)
+    for piece in run.pieces:
+        join_master(run.model[piece.start : piece.stop], piece.remainder, piece.tie_indices,
+                    out=buffer[piece.start : piece.stop])
+    for m in run.members:
+        if not m.released:  # kept in fp32: copied in
+            buffer[m.offset : m.offset + m.numel] = m.master.data.view(-1)
     for m in run.members:
         m.master.data = buffer[m.offset : m.offset + m.numel].view(m.shape)
         m.released = False
