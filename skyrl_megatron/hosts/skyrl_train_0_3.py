@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable
 
 from skyrl_megatron.hosts.base import HostAdapter, HostRelease, LocalEngineFactories
+from skyrl_megatron.hosts.batch_pickling import pickle_batches_once
 from skyrl_megatron.hosts.fixes import allow_flash_attn_import_without_kernels
 
 RELEASE = HostRelease(
@@ -30,6 +31,7 @@ _TOKENIZER_MODULE = "transformers.tokenization_utils_base"
 _FSDP_STRATEGY_MODULE = "skyrl_train.distributed.fsdp_strategy"
 _FSDP_UTILS_MODULE = "skyrl_train.distributed.fsdp_utils"
 _DISTRIBUTED_UTILS_MODULE = "skyrl_train.distributed.utils"
+_TRAINING_BATCH_MODULE = "skyrl_train.training_batch"
 _HOST_PACKAGES = ("skyrl_train.", "skyrl_gym.")
 
 
@@ -82,6 +84,7 @@ class SkyRLTrain03(HostAdapter):
             _FSDP_UTILS_MODULE: _fix_fsdp_utils,
             _DISTRIBUTED_UTILS_MODULE: _fix_custom_process_group,
             _TRAINER_UTILS_MODULE: _size_dataloader_workers_to_the_machine,
+            _TRAINING_BATCH_MODULE: _pickle_training_batches_once,
         }
 
     def apply_compat_fixes(self) -> None:
@@ -93,7 +96,8 @@ class SkyRLTrain03(HostAdapter):
         # would cost every Ray worker process torch, transformers and peft at start-up (about 7 s of CPU).
         # Modules imported before activation are fixed now.
         for name, fix in ((_FSDP_UTILS_MODULE, _fix_fsdp_utils), (_DISTRIBUTED_UTILS_MODULE, _fix_custom_process_group),
-                          (_TOKENIZER_MODULE, _legacy_chat_template_for_host)):
+                          (_TOKENIZER_MODULE, _legacy_chat_template_for_host),
+                          (_TRAINING_BATCH_MODULE, _pickle_training_batches_once)):
             if name in sys.modules:
                 fix(sys.modules[name])
         self._compat_done = True
@@ -381,6 +385,14 @@ def _size_dataloader_workers_to_the_machine(trainer_utils) -> None:
             super().__init__(*args, num_workers=min(num_workers, os.cpu_count() or 1), **kwargs)
 
     trainer_utils.StatefulDataLoader = StatefulDataLoader
+
+
+def _pickle_training_batches_once(training_batch) -> None:
+    """Every Ray call that carries a batch (scoring, training, on every DP rank) pickled each tensor twice:
+    through 0.3.1's ``torch.save``-based ``__getstate__`` and again as a dict item (`batch_pickling`). Once,
+    through buffers: a 64 x 4,352-token training batch's dispatch on a 2-core machine went from about 80 to
+    25 ms, its scoring fields' from 33 to 19."""
+    pickle_batches_once(training_batch.TensorBatch)
 
 
 def _fix_fsdp_utils(fsdp_utils) -> None:

@@ -89,12 +89,16 @@ def test_entry_point_group_declares_megatron():
 
 @pytest.mark.slow
 def test_activation_reaches_ray_worker_processes():
-    """Ray tasks run in fresh worker processes: the setup hook must activate there too."""
+    """Ray tasks run in fresh worker processes: the setup hook must activate there too, and the host's
+    batches cross to them and back."""
     code = textwrap.dedent(
         """
         import json, ray, skyrl_megatron
         skyrl_megatron.activate()
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+        import torch
+        from skyrl_train.training_batch import TensorBatch, TrainingInputBatch, TrainingOutputBatch
 
         @ray.remote
         def which():
@@ -102,13 +106,39 @@ def test_activation_reaches_ray_worker_processes():
             from skyrl_train.workers.megatron.megatron_worker import MegatronPolicyWorker
             return MegatronPolicyWorker.__module__, os.environ.get("SKYRL_MEGATRON_ACTIVE")
 
-        print(json.dumps(ray.get(which.remote())))
+        @ray.remote
+        def score(batch):  # a worker's side of a dispatch: the batch in, an output batch back
+            from skyrl_train.training_batch import TensorBatch, TrainingOutputBatch
+            output = TrainingOutputBatch({"output": batch["sequences"].float() * batch["loss_mask"]})
+            output.metadata = {"rows": len(batch), "got": type(batch).__name__}
+            return output, TensorBatch.__reduce__.__module__
+
+        generator = torch.Generator().manual_seed(0)
+        batch = TrainingInputBatch({
+            "sequences": torch.randint(0, 1000, (4, 4096), generator=generator),
+            "loss_mask": torch.rand(4, 4096, generator=generator).bfloat16(),
+        })
+        batch.metadata = {"response_length": 4096}
+        output, worker_reduce = ray.get(score.remote(batch))
+        expected = batch["sequences"].float() * batch["loss_mask"]
+        print(json.dumps({
+            "worker": ray.get(which.remote()),
+            "driver_reduce": TensorBatch.__reduce__.__module__,
+            "worker_reduce": worker_reduce,
+            "output": [type(output).__name__, output.metadata, torch.equal(output["output"], expected)],
+        }))
         ray.shutdown()
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["skyrl_megatron.workers.policy", "1"]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "worker": ["skyrl_megatron.workers.policy", "1"],
+        # batches cross processes through our reduction on both sides (hosts/batch_pickling.py)
+        "driver_reduce": "skyrl_megatron.hosts.batch_pickling",
+        "worker_reduce": "skyrl_megatron.hosts.batch_pickling",
+        "output": ["TrainingOutputBatch", {"rows": 4, "got": "TrainingInputBatch"}, True],
+    }
 
 
 _COMPAT_PROBE = textwrap.dedent(
