@@ -11,7 +11,8 @@ Megatron's `step()` computes it again); an H200 profile of 2026-11-27 shows the 
 
 PyTorch's `_foreach_norm`, `_foreach_mul_` and `_foreach_copy_` do the same arithmetic in a few
 multi-tensor launches and read nothing on the host. `install()` puts them in place of Megatron's local
-ops only, never over TE's or Apex's kernels. The results equal the local ops' bitwise on CPU
+ops only, never over TE's or Apex's kernels, and gives Megatron the tensor-factor scale it otherwise
+takes from TE: the gradient norm then stays on the device, as it does with TE. The results equal the local ops' bitwise on CPU
 (tests/test_multi_tensor.py); the signatures are amp_C's, as Megatron calls them through
 `multi_tensor_applier(op, noop_flag, tensor_lists, *args)`.
 """
@@ -41,6 +42,8 @@ def scale(chunk_size: int, noop_flag: Tensor, tensor_lists: list[list[Tensor]], 
     sources, destinations = tensor_lists
     if not sources:
         return
+    if isinstance(factor, Tensor):
+        factor = factor.reshape(())  # Megatron's clip coefficient is [1]; the foreach ops take a 0-dim scalar
     if all(s is d for s, d in zip(sources, destinations)):
         torch._foreach_mul_(destinations, factor)
     elif not isinstance(factor, Tensor) and factor == 1.0:
@@ -65,4 +68,10 @@ def install() -> list[str]:
         if getattr(module, name, None) is local_op:
             setattr(module, name, foreach_op)
             replaced.append(f"{module.__name__}.{name}")
+    # With a scale that takes its factor as a tensor (TE's `multi_tensor_scale_tensor`), Megatron keeps the
+    # gradient norm on the device: `get_grad_norm_fp32` returns a tensor and the clip multiplies by
+    # min(1, max_norm / (norm + 1e-6)) computed there, so nothing is read before the update is queued.
+    if clip_grads.l2_norm_impl is l2_norm and getattr(clip_grads, "multi_tensor_scale_tensor_impl", scale) is None:
+        clip_grads.multi_tensor_scale_tensor_impl = scale
+        replaced.append(f"{clip_grads.__name__}.multi_tensor_scale_tensor_impl")
     return replaced

@@ -2,7 +2,8 @@
 
 The ops must give bitwise Megatron's local ops' results (CPU) without reading a value on the host;
 on a real model, one optimizer step with clipping must leave the same weights and Adam state, with a
-number of host reads that no longer grows with the number of parameter tensors.
+number of host reads that no longer grows with the number of parameter tensors, none of them before
+the update is queued.
 """
 
 from __future__ import annotations
@@ -82,20 +83,59 @@ def test_install_replaces_only_megatrons_local_ops(monkeypatch):
     fused_kernel = object()  # stands for TE's or Apex's op, which must stay
     monkeypatch.setattr(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", fused_kernel)
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", None)
     monkeypatch.setattr(megatron_optimizer, "multi_tensor_scale_impl", local_multi_tensor_scale)
 
     replaced = multi_tensor.install()
     assert sorted(replaced) == ["megatron.core.optimizer.clip_grads.l2_norm_impl",
+                                "megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl",
                                 "megatron.core.optimizer.optimizer.multi_tensor_scale_impl"]
     assert clip_grads.l2_norm_impl is multi_tensor.l2_norm
     assert clip_grads.multi_tensor_scale_impl is fused_kernel
+    assert clip_grads.multi_tensor_scale_tensor_impl is multi_tensor.scale  # the norm stays on the device
     assert megatron_optimizer.multi_tensor_scale_impl is multi_tensor.scale
     assert multi_tensor.install() == []  # idempotent
+
+
+def test_a_norm_kept_on_the_device_stays_there_only_with_our_norm(monkeypatch):
+    """TE's tensor-factor scale stays; with TE's or Apex's norm (not ours), no tensor scale is added."""
+    from megatron.core.optimizer import clip_grads
+
+    te_scale = object()
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", multi_tensor.l2_norm)
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", te_scale)
+    assert "megatron.core.optimizer.clip_grads.multi_tensor_scale_tensor_impl" not in multi_tensor.install()
+    assert clip_grads.multi_tensor_scale_tensor_impl is te_scale
+    apex_norm = object()
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", apex_norm)
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", None)
+    multi_tensor.install()
+    assert clip_grads.multi_tensor_scale_tensor_impl is None
+
+
+@pytest.mark.parametrize("factor", [0.25, 1.0])
+def test_scale_by_a_device_factor_equals_the_float_factor(factor):
+    generator = torch.Generator().manual_seed(2)
+    grads = [torch.randn(7, 5, generator=generator), torch.randn(3, generator=generator)]
+    by_float, by_tensor = [g.clone() for g in grads], [g.clone() for g in grads]
+    multi_tensor.scale(2048, torch.zeros(1, dtype=torch.int), [by_float, by_float], factor)
+    multi_tensor.scale(2048, torch.zeros(1, dtype=torch.int), [by_tensor, by_tensor], torch.tensor([factor]))
+    assert all(torch.equal(a, b) for a, b in zip(by_float, by_tensor))
 
 
 # ----------------------------------------------------------------------------------------------
 # One clipped optimizer step on a real model (bf16, distributed optimizer, world 1)
 # ----------------------------------------------------------------------------------------------
+
+
+def _marked(step, found: list):
+    from skyrl_megatron.testing.host_syncs import HostSync
+
+    def marked(*args, **kwargs):
+        found.append(HostSync("update", ""))
+        return step(*args, **kwargs)
+
+    return marked
 
 
 def _step_both_ways(rank, world, hf_dir):
@@ -122,26 +162,43 @@ def _step_both_ways(rank, world, hf_dir):
         scheduler = settings.build_scheduler(optimizer)
         model(tokens[:, :-1], positions[:, :-1], None, labels=tokens[:, 1:]).float().mean().backward()
         finalize_model_grads([model])
+        adams = [inner.optimizer for inner in optimizer.chained_optimizers]
+        from megatron.core.optimizer.optimizer import SEPARATE_GRAD_NORM_GROUPS
+
+        for group in SEPARATE_GRAD_NORM_GROUPS:  # one read at the first step, cached for good: not this test's
+            optimizer.has_grad_norm_group(group)
         with HostSyncProbe() as probe:
+            for adam in adams:  # marks where the update is queued among the reads
+                adam.step = _marked(adam.step, probe.found)
             result = optimizer_step(optimizer, scheduler)
         state = [v.clone() for inner in optimizer.chained_optimizers for s in inner.optimizer.state.values()
                  for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         # torch Adam's per-parameter step counters are host tensors (not fused/capturable): reading them
         # waits for nothing on a GPU, so they are left out
-        reads = sum(1 for s in probe.found if s.what in ("Tensor.item", "Tensor.__float__")
-                    and not s.stack.rstrip().splitlines()[-2].endswith("in step_with_ready_grads"))
-        return dict(grad_norm=result.grad_norm, skipped=result.skipped, reads=reads,
+        reads = [s.what for s in probe.found if s.what == "update" or s.what in ("Tensor.item", "Tensor.__float__")
+                 and not s.stack.rstrip().splitlines()[-2].endswith("in step_with_ready_grads")]
+        return dict(grad_norm=result.grad_norm, skipped=result.skipped, reads=len(reads) - reads.count("update"),
+                    reads_before_update=reads.index("update"),
                     params=[p.detach().clone() for p in model.parameters()], state=state,
                     tensors=sum(1 for _ in model.parameters()))
 
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_scale
+
+    def megatrons_local_ops():
+        # Megatron's local ops, as without this module; its local scale stands for TE's tensor-factor scale,
+        # so that both sides keep the norm on the device and clip by the same arithmetic
+        clip_grads.multi_tensor_scale_tensor_impl = local_multi_tensor_scale
+        return []
+
     saved_install = multi_tensor.install
-    multi_tensor.install = lambda: []  # Megatron's local ops, as without this module
+    multi_tensor.install = megatrons_local_ops
     try:
         local = one_step()
     finally:
         multi_tensor.install = saved_install
+        clip_grads.multi_tensor_scale_tensor_impl = None
     foreach = one_step()
-    from megatron.core.optimizer import clip_grads
 
     return dict(local=local, foreach=foreach, installed=clip_grads.l2_norm_impl is multi_tensor.l2_norm)
 
@@ -165,3 +222,6 @@ def test_a_clipped_step_leaves_the_same_weights_and_reads_the_host_a_fixed_numbe
     # its non-finite check); the foreach norm reads only the totals
     assert local["tensors"] <= local["reads"] < 2 * local["tensors"]
     assert foreach["reads"] <= 8 < local["tensors"]
+    # the norm is read once the update is queued: a GPU does not drain before the clip and the update
+    assert local["reads_before_update"] >= local["tensors"]
+    assert foreach["reads_before_update"] == 0
