@@ -1,11 +1,10 @@
-# disk/memory monitor, then the MoE three sides (Qwen3-30B-A3B widths, EP1): compact masters off, quack's expert
-# GEMMs, then the defaults (masters parked without per-tensor work, metrics read after the step, batches pickled once)
+# disk/memory monitor, then the MoE three sides (Qwen3-30B-A3B widths, EP1): the defaults (masters parked without
+# per-tensor work, metrics read after the step, the norm read after the update, batches pickled once)
 (setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
-N='trainer.policy.megatron_config.compact_master_weights=false'
-G='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,logprobs,expert_gemm,expert_wgrad]'
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 LAYERS=8; [ "$MEM" -gt 100000 ] || LAYERS=4
 python bench/policy_bench.py --model Qwen3-30B-A3B --layers $LAYERS --token-budget 16384 --fsdp-packed-rows 8 --fsdp-forward-rows 32 \
-  --steps 4 --cases megatron:world1@nocompact,megatron:world1@egemm,megatron:world1,fsdp2:world1,fsdp2_loop:world1 \
-  --variant nocompact="$N" --variant egemm="$G" --out $JOBS/out/moe${LAYERS}_three.json --markdown $JOBS/out/moe${LAYERS}_three.md
+  --steps 4 --cases megatron:world1,fsdp2:world1,fsdp2_loop:world1 \
+  --out $JOBS/out/moe${LAYERS}_three.json --markdown $JOBS/out/moe${LAYERS}_three.md
