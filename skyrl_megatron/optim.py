@@ -291,11 +291,12 @@ def _step_then_read(optimizer, scheduler, grad_norm: torch.Tensor, lr: float | N
     4-layer MoE training call on an H100).
 
     Torch's fused Adam takes both decisions on the device: `found_inf` (the norm is not finite) makes it leave
-    the weights, moments and step counts as they were, and `grad_scale` divides each gradient as it reads it,
-    so the clip is 1 / min(1, max_norm / (norm + 1e-6)) there instead of a pass multiplying every gradient (a
-    pass Megatron's TE path makes even when it does not clip: 9 ms of a 4-layer MoE call on an H100). Unclipped
-    steps are bitwise Megatron's; a clipped gradient divided by the inverse coefficient may differ from
-    Megatron's product by one ulp. The schedule advances only after an applied step, as on the host path."""
+    the weights, moments and step counts as they were, and `grad_scale` divides each gradient as it reads it
+    (writing the result back), so the clip is 1 / min(1, max_norm / (norm + 1e-6)) there instead of a separate
+    pass multiplying every gradient, which Megatron's TE path makes even when it does not clip (on an H100 at the
+    4-layer MoE: 9.1 ms for that pass, +5 ms for the kernel's write-back). Unclipped steps are bitwise Megatron's;
+    a clipped gradient divided by the inverse coefficient may differ from Megatron's product by one ulp. The
+    schedule advances only after an applied step, as on the host path."""
     skip = (~torch.isfinite(grad_norm)).reshape(()).to(torch.float32)
     adams = []
     for part in chained_parts(optimizer):
