@@ -12,9 +12,9 @@ Megatron's `step()` computes it again); an H200 profile of 2026-11-27 shows the 
 PyTorch's `_foreach_norm`, `_foreach_mul_` and `_foreach_copy_` do the same arithmetic in a few
 multi-tensor launches and read nothing on the host. `install()` puts them in place of Megatron's local
 ops only, never over TE's or Apex's kernels, and gives Megatron the tensor-factor scale it otherwise
-takes from TE: the gradient norm then stays on the device, as it does with TE. The results equal the local ops' bitwise on CPU
-(tests/test_multi_tensor.py); the signatures are amp_C's, as Megatron calls them through
-`multi_tensor_applier(op, noop_flag, tensor_lists, *args)`.
+takes from TE: the gradient norm then stays on the device, as it does with TE. The results equal the
+local ops' bitwise on CPU (tests/test_multi_tensor.py); the signatures are amp_C's, as Megatron calls
+them through `multi_tensor_applier(op, noop_flag, tensor_lists, *args)`.
 """
 
 from __future__ import annotations

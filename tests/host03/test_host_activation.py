@@ -98,7 +98,7 @@ def test_activation_reaches_ray_worker_processes():
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 
         import torch
-        from skyrl_train.training_batch import TensorBatch, TrainingInputBatch, TrainingOutputBatch
+        from skyrl_train.training_batch import TensorBatch, TrainingInputBatch
 
         @ray.remote
         def which():
