@@ -94,12 +94,7 @@ class SkyRLTrain03(HostAdapter):
         allow_flash_attn_import_without_kernels()
         # The other fixes patch host modules as they are imported (`import_patches`): importing them here
         # would cost every Ray worker process torch, transformers and peft at start-up (about 7 s of CPU).
-        # Modules imported before activation are fixed now.
-        for name, fix in ((_FSDP_UTILS_MODULE, _fix_fsdp_utils), (_DISTRIBUTED_UTILS_MODULE, _fix_custom_process_group),
-                          (_TOKENIZER_MODULE, _legacy_chat_template_for_host),
-                          (_TRAINING_BATCH_MODULE, _pickle_training_batches_once)):
-            if name in sys.modules:
-                fix(sys.modules[name])
+        # `activate()` applies them at once to those imported before it.
         self._compat_done = True
 
     # -- config -----------------------------------------------------------------------------------

@@ -186,6 +186,29 @@ def test_compat_fixes_for_the_pinned_host_are_in_place_after_activation():
     }
 
 
+_IMPORTED_FIRST_PROBE = textwrap.dedent(
+    """
+    import json
+    import skyrl_train.distributed.utils as host_distributed_utils
+    import skyrl_train.training_batch as training_batch
+    import skyrl_megatron; skyrl_megatron.activate()
+    from skyrl_megatron.hosts.skyrl_train_0_3 import standalone_process_group
+
+    print(json.dumps({
+        "process_group_fixed": host_distributed_utils.init_custom_process_group is standalone_process_group,
+        "batches_pickled_once": training_batch.TensorBatch.__reduce__.__module__,
+    }))
+    """
+)
+
+
+def test_host_modules_imported_before_activation_are_fixed_by_it():
+    assert _run_probe(_IMPORTED_FIRST_PROBE) == {
+        "process_group_fixed": True,
+        "batches_pickled_once": "skyrl_megatron.hosts.batch_pickling",
+    }
+
+
 _FSDP2_PROBE = textwrap.dedent(
     """
     import json, tempfile
