@@ -2,8 +2,8 @@
 
 `train_mini_batch(..., defer_metrics=True)` queues the metrics' sums and collectives and returns them unread; the
 workers queue the optimizer step before reading them, so the host prepares the step while the device finishes the
-backward. Checked: the sums are queued with no host read until `read`, and on a tiny MoE (CPU, world 1, router load metrics attached)
-the deferred metrics equal the ones read at once, name for name and bit for bit.
+backward. Checked: the sums are queued with no host read until `read`, and on a tiny MoE (CPU, world 1, router load
+metrics attached) the deferred metrics equal the ones read at once, name for name and bit for bit.
 """
 
 from __future__ import annotations
@@ -36,21 +36,20 @@ def test_the_mini_batch_sums_are_queued_without_a_host_read(monkeypatch):
     from megatron.core import parallel_state as ps
 
     from skyrl_megatron.compute.losses import mini_batch_metrics
+    from skyrl_megatron.testing.host_syncs import HostSyncProbe
 
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_last_rank", lambda: 0)
-    reads = []
-    for name in ("tolist", "item", "__float__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a))
     per_micro_batch = [
         {"loss": torch.tensor(0.25, dtype=torch.float64), "clipfrac": torch.tensor(0.125, dtype=torch.float64)},
         {"loss": torch.tensor(0.5, dtype=torch.float64)},
     ]
-    pending = mini_batch_metrics(per_micro_batch, None, torch.device("cpu"))
-    assert reads == []
-    assert pending.read() == {"clipfrac": 0.125, "loss": 0.75}
-    assert reads == ["tolist"]
+    with HostSyncProbe() as queued:
+        pending = mini_batch_metrics(per_micro_batch, None, torch.device("cpu"))
+    assert queued.found == [], queued.report()
+    with HostSyncProbe() as read:
+        assert pending.read() == {"clipfrac": 0.125, "loss": 0.75}
+    assert [s.what for s in read.found] == ["Tensor.tolist"], read.report()
 
 
 def _read_now_and_later(rank, world_size, hf_dir: str) -> dict:
