@@ -175,8 +175,10 @@ def test_each_micro_batch_is_prepared_when_the_schedule_first_asks_for_it(monkey
 
     batch = make_rl_batch(12, 16, 24, seed=3)
     args = (batch["sequences"], batch["attention_mask"], MicroBatching(max_tokens=48), ParallelConfig())
-    # the plan agrees on the count over the world: a world of one, in this process
+    # the plan agrees on the count over the world: a world of one, in this process, which agrees with nobody
+    # (no collective, so no device round trip before the first micro-batch on a GPU)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("a world of one ran the plan's collective"))
     try:
         _prepare_on_demand(monkeypatch, pipeline, args)
     finally:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from skyrl_megatron.compute.microbatch.plan import MicroBatchLayout, packed_lengths
-from skyrl_megatron.compute.microbatch.rows import IGNORE_LABEL, HostRows, RowSpans
+from skyrl_megatron.compute.microbatch.rows import IGNORE_LABEL, HostRows, RowSpans, host_labels
 from skyrl_megatron.compute.route_replay import NO_ROUTE
 from skyrl_megatron.host_copies import to_device
 from skyrl_megatron.parallel import ParallelConfig
@@ -190,7 +190,8 @@ def pack(
     where `routes` [B, S, L, k] (host columns) are given, the routes to replay.
     """
     index = layout.rows
-    sequences, attention_mask, labels = rows.sequences[index], rows.attention_mask[index], rows.labels[index]
+    sequences, attention_mask = rows.sequences[index], rows.attention_mask[index]
+    labels = host_labels(sequences, attention_mask)
     spans = RowSpans(rows.spans.start[index], rows.spans.length[index])
     if layout.packed:
         inputs = _packed_inputs(sequences, attention_mask, labels, spans, layout, pad_token_id)

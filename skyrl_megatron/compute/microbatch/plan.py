@@ -238,11 +238,13 @@ def plan_schedule(
     # pipeline pair up forward passes across data-parallel ranks; the allgather MoE dispatcher
     # also needs as many tokens on every expert-parallel rank, hence one shape for all ranks
     agreed = [len(plan), *(shape if equal_token_counts else ())]
-    agreed = torch.tensor(agreed, dtype=torch.long, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    count = int(agreed[0])
+    if dist.get_world_size() > 1:  # alone, there is nothing to agree on (and no device round trip to wait for)
+        agreed = torch.tensor(agreed, dtype=torch.long, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        agreed = agreed.tolist()
+    count = agreed[0]
     if equal_token_counts:
-        shape = (int(agreed[1]), int(agreed[2]))
+        shape = (agreed[1], agreed[2])
     if parallel.virtual_pipeline:
         # the interleaved schedule walks micro-batches in groups of PP size
         count = -(-count // parallel.pipeline) * parallel.pipeline

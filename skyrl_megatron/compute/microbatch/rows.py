@@ -4,7 +4,9 @@ The host hands a worker `sequences` [B, S] whose rows are a left-padded prompt f
 right-padded response, with `attention_mask` marking the real tokens (one contiguous run per row),
 and per-response tensors [B, A] for the last A columns. Megatron's attention (ours or TE's) is
 causal without a padding mask, so the later steps move each row's real tokens to position 0.
-Both are found once for the rank's whole batch; the later steps only select rows of them.
+The spans are found once for the rank's whole batch (the plan needs every row's length); the labels
+(`host_labels`) per micro-batch, for its rows only, so that only the first micro-batch's share stands
+before the first kernel.
 """
 
 from __future__ import annotations
@@ -41,17 +43,15 @@ class RowSpans:
 
 @dataclass(frozen=True)
 class HostRows:
-    """The rank's rows in the host's [B, S] columns, with their real-token spans and next-token labels."""
+    """The rank's rows in the host's [B, S] columns, with their real-token spans."""
 
     sequences: torch.Tensor  # [B, S]
     attention_mask: torch.Tensor  # [B, S]
     spans: RowSpans
-    labels: torch.Tensor  # [B, S] the following token where it is real, IGNORE_LABEL elsewhere
 
     @classmethod
     def from_batch(cls, sequences: torch.Tensor, attention_mask: torch.Tensor) -> "HostRows":
-        spans = RowSpans.from_attention_mask(attention_mask)
-        return cls(sequences, attention_mask, spans, host_labels(sequences, attention_mask))
+        return cls(sequences, attention_mask, RowSpans.from_attention_mask(attention_mask))
 
 
 def host_labels(sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
