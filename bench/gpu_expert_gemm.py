@@ -4,11 +4,11 @@ The forward Y_e = X_e W_e^T and the input gradient dX_e = dY_e W_e of both proje
 ffn; fc2: in ffn, out hidden), rows grouped by expert with some experts receiving none, as `model/moe/experts.py`
 calls `torch._grouped_mm` (the stacked [E, out, in] weight, transposed as a view for the forward). quack's `gemm`
 takes the same operands with the experts' row counts as the varying M (`cu_seqlens_m`): at its default
-configuration through `model/moe/expert_gemm.py` (what `fused_kernels: [expert_gemm]` runs for every token total)
+configuration through `model/moe/expert_gemm.py` (what `moe_config.expert_gemms` auto runs on such a GPU, for every token total)
 and autotuned at this shape (the best one configuration does; its `first_call_s` is mostly the tuning, and the
 autotuner keys on shapes, so every new token total would tune again). Errors: the largest relative error of an
-expert's output against fp64. The weight gradients are `bench/gpu_expert_wgrad.py`'s; together they decide whether
-the experts' GEMMs should take quack where it is installed (on 2026-12-06 its tuned varlen-K GEMM ran the weight
+expert's output against fp64. The weight gradients are `bench/gpu_expert_wgrad.py`'s; together they decided that
+the experts' GEMMs take quack where it is installed (on 2026-12-06 its tuned varlen-K GEMM ran the weight
 gradients at 430-490 TFLOP/s on an H200 against 344-356 for `torch._grouped_mm` and the fp32 add).
 
     python bench/gpu_expert_gemm.py [--tokens 16384 --topk 8 --experts 128 --hidden 2048 --ffn 768]

@@ -552,7 +552,7 @@ class _Measured:
             dtype = next(self.built.chunks[0].parameters()).dtype
             return {"transformer_engine": te, "attention": attention,
                     "flash4_passed_over": None if te else flash4_passed_over(self.runtime, dtype),
-                    "fused_kernels": list(self.built.fused_kernels),
+                    "fused_kernels": list(self.built.fused_kernels), "expert_gemms": self.built.expert_gemms,
                     "weights": dataclasses.asdict(self.built.load_report),
                     "process_groups": dict(getattr(self, "init_parallel_seconds", {})), **threads}
         config = getattr(getattr(model, "model", model), "config", None)

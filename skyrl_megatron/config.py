@@ -76,12 +76,11 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # and those on by default: `rms_norm` (the block's norms on quack-kernels' RMSNorm where installed, else our
 # Triton kernels) stays opt-in: less device time than PyTorch's fused norm but more host time per call, within
 # 2.5% of the defaults end to end (H200, 2026-12-06); qk_norm_rope took 3% off a Qwen3-4B training step
-# (2026-11-27); `expert_wgrad` (the MoE experts' weight gradients added into main_grad by quack's varlen-K
-# GEMM, model/moe/expert_wgrad.py) stays opt-in: far more accurate, 12-13% faster alone on an H200 but 13% slower
-# at one shape on an H100 (2026-12-06); `expert_gemm` (the experts' forward and input-gradient GEMMs on quack's
-# varlen-M GEMM, model/moe/expert_gemm.py) is opt-in until measured
-FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs", "expert_gemm", "expert_wgrad")
+# (2026-11-27). The MoE experts' GEMMs are `moe_config.expert_gemms`.
+FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs")
+# names `fused_kernels` took before the experts' GEMMs got their own key
+_EXPERT_GEMM_KERNELS = ("expert_gemm", "expert_wgrad")
 AUTO = "auto"
 
 
@@ -107,6 +106,9 @@ ROUTER_DTYPES = ("fp32", "fp64")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # r2: the policy's scoring pass records routes, training replays them; r3: the inference engine's routes
 ROUTING_REPLAYS = ("r2", "r3")
+# the grouped experts' GEMMs (model/moe/quack_support.py `experts_on_quack`): auto takes quack-kernels' varlen GEMMs
+# on a Hopper or later GPU where quack imports, else torch._grouped_mm; quack refuses to start without them
+EXPERT_GEMMS = ("auto", "quack", "torch")
 
 
 @dataclass
@@ -131,6 +133,8 @@ class MoeSettings:
     # EP > 1: each MoE layer's tokens in two halves, one half's all-to-all under the other's experts
     # (model/moe/split_overlap.py)
     overlap_all_to_all: bool = False
+    # the grouped experts' GEMMs: auto | quack | torch (EXPERT_GEMMS)
+    expert_gemms: str = "auto"
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -176,6 +180,7 @@ class MoeSettings:
             found.append(Problem(f"{prefix}.device_all_to_all", f"it replaces the alltoall dispatcher's exchange, and "
                                  f"token_dispatcher is {self.token_dispatcher!r}", "set token_dispatcher=alltoall, or device_all_to_all=false"))
         boolean("overlap_all_to_all", self.overlap_all_to_all)
+        one_of("expert_gemms", self.expert_gemms, EXPERT_GEMMS)
         if self.overlap_all_to_all is True and self.token_dispatcher != "alltoall":
             found.append(Problem(f"{prefix}.overlap_all_to_all", f"it runs the alltoall dispatcher's exchange in two "
                                  f"halves, and token_dispatcher is {self.token_dispatcher!r}",
@@ -788,7 +793,12 @@ def _fused_kernel_problems(key: str, names) -> list[Problem]:
     allowed = ", ".join(FUSED_KERNELS)
     if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
         return [Problem(key, f"must be a list of kernel names, got {names!r}", f"list some of {allowed}, or [] for eager kernels")]
+    moe_key = key.rpartition(".")[0] + ".moe_config.expert_gemms"
     return [
+        Problem(key, f"{name!r} is no longer a fused kernel: {moe_key} chooses the MoE experts' GEMMs (auto by default: "
+                     "quack-kernels where it runs, else torch._grouped_mm)",
+                f"remove it from the list; set {moe_key}=quack to require quack")
+        if name in _EXPERT_GEMM_KERNELS else
         Problem(key, f"unknown kernel {name!r}", _did_you_mean(name, FUSED_KERNELS) + f" (known: {allowed})")
         for name in names
         if name not in FUSED_KERNELS

@@ -53,7 +53,15 @@ BAD_VALUES = {
     "runtime": ([f"{MC}.runtime=gpu"], f"{MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."),
     "fused_kernels": ([f"{MC}.fused_kernels=[rope,swigl]"],
                       f"{MC}.fused_kernels: unknown kernel 'swigl'. Fix: did you mean 'swiglu'? "
-                      "(known: rms_norm, rope, qk_norm_rope, swiglu, logprobs, expert_gemm, expert_wgrad)."),
+                      "(known: rms_norm, rope, qk_norm_rope, swiglu, logprobs)."),
+    "fused_kernels_moved": ([f"{MC}.fused_kernels=[rope,expert_gemm]"],
+                            f"{MC}.fused_kernels: 'expert_gemm' is no longer a fused kernel: {MC}.moe_config.expert_gemms "
+                            "chooses the MoE experts' GEMMs (auto by default: quack-kernels where it runs, else "
+                            f"torch._grouped_mm). Fix: remove it from the list; set {MC}.moe_config.expert_gemms=quack "
+                            "to require quack."),
+    "expert_gemms": ([f"{MC}.moe_config.expert_gemms=quak"],
+                     f"{MC}.moe_config.expert_gemms: unknown value 'quak'. Fix: use one of auto, quack, torch (did you "
+                     "mean 'quack'?)."),
     "attention_kernel": ([f"{MC}.attention_kernel=flash3"],
                          f"{MC}.attention_kernel: unknown kernel 'flash3'. Fix: use one of auto, flash4, varlen, sdpa "
                          "(did you mean 'flash4'?)."),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skyrl_megatron.model.moe import experts as experts_module
 from skyrl_megatron.model.moe.experts import back_to_back_runs, grouped_linear, stacked_weights
 from skyrl_megatron.testing import run_on_ranks
 
@@ -144,7 +145,8 @@ def _moe_logits_and_grads(rank, world_size, hf_dir: str, grouped: bool, cache_ro
     assert token_dispatcher.sort_chunks_by_idxs is token_sort.sort_chunks_by_idxs  # installed by the build
     exported = {k: v.clone() for k, v in built.bridge.export_hf_weights(built.chunks, cpu=True)}
     return {"logits": logits.detach(), "grads": grads, "kinds": kinds, "export": exported, "runs": runs,
-            "cache_hit": built.load_report.hit, "bypass": bypass, "accumulations": len(accumulations)}
+            "cache_hit": built.load_report.hit, "bypass": bypass, "accumulations": len(accumulations),
+            "expert_gemms": built.expert_gemms}
 
 
 def _expert_key(name: str) -> str:
@@ -170,6 +172,8 @@ def test_grouped_experts_equal_sequential_experts(tmp_path):
     overlapped = run_on_ranks(_moe_logits_and_grads, 1, str(hf_dir), True, cache_root, True)[0]
     assert (sequential["cache_hit"], grouped["cache_hit"]) == (False, True)
     assert grouped["kinds"] == ["GroupedExperts"] and sequential["kinds"] == ["SequentialMLP"]
+    # `expert_gemms: auto` on the CPU runtime: torch's grouped GEMM; per-expert linears have no grouped GEMMs
+    assert (grouped["expert_gemms"], sequential["expert_gemms"]) == ("torch", None)
     num_experts, moe_layers = 8, 4
     assert grouped["runs"] == {((0, num_experts),)} and sequential["runs"] == set()
     assert (grouped["bypass"], overlapped["bypass"]) == ({True}, {False})
@@ -231,7 +235,7 @@ def _expert_wgrad_problem():
 
 
 def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_not_take_the_operands():
-    """`fused_kernels: [expert_wgrad]` on tensors quack's GEMM cannot take (CPU here, as fp32 or misaligned ones on a
+    """quack's weight-gradient GEMM (`moe_config.expert_gemms`) on tensors it cannot take (CPU here, as fp32 or misaligned ones on a
     GPU): the layer's weight gradients still land in `main_grad`, from the grouped GEMM and the fp32 add."""
     from skyrl_megatron.model.moe import expert_wgrad
     from skyrl_megatron.model.moe.experts import _GroupedLinear, expert_offsets
@@ -244,24 +248,92 @@ def test_expert_wgrad_falls_back_to_the_grouped_gemm_where_quacks_kernel_does_no
         torch.testing.assert_close(w.main_grad, 2 + expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["expert_gemm", "expert_wgrad"])
-def test_quack_kernels_that_cannot_run_fail_the_build_naming_the_key_and_the_fix(monkeypatch, tmp_path, kernel):
-    """Asked for on a GPU they cannot run on (no quack-kernels, or older than Hopper): one message before any weights
-    load; on the CPU runtime the kernels are not used, so nothing fails."""
+def test_expert_gemms_quack_that_cannot_run_fails_the_build_naming_the_key_and_the_fix(monkeypatch, tmp_path):
+    """`moe_config.expert_gemms: quack` on a GPU quack cannot run on (no quack-kernels, or older than Hopper): one
+    message before any weights load; `auto` and `torch` never fail there, and on the CPU runtime nothing fails."""
+    from skyrl_megatron.config import MoeSettings
     from skyrl_megatron.model import build
     from skyrl_megatron.model.moe import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
-    spec = build.ModelSpec(str(tmp_path / "no-checkpoint-needed"), fused_kernels=(kernel,))
-    build._check_kernels_can_run(spec, Runtime(Device.CPU))
+    def spec(choice):
+        return build.ModelSpec(str(tmp_path / "no-checkpoint-needed"), moe=MoeSettings(expert_gemms=choice))
+
+    build._check_kernels_can_run(spec("quack"), Runtime(Device.CPU))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(quack_support, "missing_reason", lambda device: "it needs quack-kernels")
     with pytest.raises(ValueError) as error:
-        build._check_kernels_can_run(spec, Runtime(Device.CUDA))
+        build._check_kernels_can_run(spec("quack"), Runtime(Device.CUDA))
     assert str(error.value) == (
-        f"megatron_config.fused_kernels: {kernel} cannot run here: it needs quack-kernels; remove it from the list")
+        "megatron_config.moe_config.expert_gemms: quack cannot run here: it needs quack-kernels; set auto (quack where "
+        "it runs, else torch._grouped_mm) or torch")
+    for choice in ("auto", "torch"):
+        build._check_kernels_can_run(spec(choice), Runtime(Device.CUDA))
     monkeypatch.setattr(quack_support, "missing_reason", lambda device: None)
-    build._check_kernels_can_run(spec, Runtime(Device.CUDA))
+    build._check_kernels_can_run(spec("quack"), Runtime(Device.CUDA))
+
+
+class _StandInLinear(experts_module._GroupedLinear):
+    """The attributes the build's hooks read and set, without Megatron's config."""
+
+    def __init__(self, main_grad_dtype=torch.float32):
+        torch.nn.Module.__init__(self)
+        self.grads_bypass_autograd, self.wgrad_in_gemm, self.gemm_on_quack = False, False, False
+        weight = torch.nn.Parameter(torch.zeros(8, 8))
+        weight.main_grad = torch.zeros(8, 8, dtype=main_grad_dtype)
+        self._weights = [weight]
+
+    def expert_weights(self):
+        return self._weights
+
+
+@pytest.mark.parametrize("choice,quack_runs,runtime,expected", [
+    ("auto", True, "cuda", "quack"),
+    ("quack", True, "cuda", "quack"),
+    ("auto", False, "cuda", "torch"),  # quack missing or an older GPU: torch's grouped GEMM, no error
+    ("torch", True, "cuda", "torch"),
+    ("auto", True, "cpu", "torch"),
+    ("quack", True, "cpu", "torch"),  # the CPU runtime runs no GPU kernel, whatever was asked
+])
+def test_expert_gemms_choose_quack_where_it_runs_and_torchs_grouped_gemm_elsewhere(
+        monkeypatch, tmp_path, caplog, choice, quack_runs, runtime, expected):
+    """`moe_config.expert_gemms` on built chunks: quack's forward and input-gradient GEMMs on every grouped linear, its
+    weight-gradient GEMM where the weights bypass autograd into fp32 main grads, and the log line says which and why."""
+    import logging
+
+    from skyrl_megatron.config import MoeSettings
+    from skyrl_megatron.model import build
+    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.runtime import Device, Runtime
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(quack_support, "missing_reason", lambda device: None if quack_runs else "it needs quack-kernels")
+    fp32, bf16 = _StandInLinear(torch.float32), _StandInLinear(torch.bfloat16)
+    chunks = [torch.nn.ModuleList([fp32, bf16])]
+    experts_module.keep_expert_weights_out_of_autograd(chunks)
+    spec = build.ModelSpec(str(tmp_path / "no-checkpoint-needed"), moe=MoeSettings(expert_gemms=choice))
+    with caplog.at_level(logging.INFO, logger=build.logger.name):
+        build._choose_expert_gemms(spec, Runtime(Device.CUDA if runtime == "cuda" else Device.CPU), chunks)
+    on_quack = expected == "quack"
+    assert (fp32.gemm_on_quack, bf16.gemm_on_quack) == (on_quack, on_quack)
+    assert (fp32.wgrad_in_gemm, bf16.wgrad_in_gemm) == (on_quack, False)  # a bf16 main_grad keeps the two kernels
+    reason = {("auto", False): "quack cannot run here: it needs quack-kernels", ("torch", True): "moe_config.expert_gemms=torch"}
+    expected_log = (f"MoE experts' GEMMs: quack-kernels (moe_config.expert_gemms={choice}), weight gradients into main_grad by quack"
+                    if on_quack else
+                    f"MoE experts' GEMMs: torch._grouped_mm ({reason.get((choice, quack_runs), 'the CPU runtime')})")
+    assert [r.getMessage() for r in caplog.records] == [expected_log]
+
+
+def test_expert_gemms_leave_a_dense_model_alone(monkeypatch, tmp_path, caplog):
+    """No grouped experts: quack is not even probed, and nothing is logged."""
+    from skyrl_megatron.model import build
+    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.runtime import Device, Runtime
+
+    monkeypatch.setattr(quack_support, "missing_reason", lambda device: pytest.fail("probed quack for a dense model"))
+    with caplog.at_level("INFO", logger=build.logger.name):
+        build._choose_expert_gemms(build.ModelSpec(str(tmp_path)), Runtime(Device.CUDA), [torch.nn.Linear(2, 2)])
+    assert caplog.records == []
 
 
 def test_expert_wgrad_takes_only_aligned_half_precision_operands_and_an_fp32_target():
@@ -328,25 +400,12 @@ def test_expert_wgrad_hands_the_kernel_the_back_to_back_main_grads_and_each_expe
 def test_expert_wgrad_is_set_only_on_linears_that_bypass_autograd_with_fp32_main_grads():
     """`build.py` asks for the kernel after DDP wraps: a grouped linear whose weights still go through autograd
     (`overlap_grad_reduce`) or whose main grads are bf16 (`grad_reduce_in_fp32: false`) keeps the two-kernel path, and
-    the count returned (zero makes the build warn) says how many were set."""
-    from skyrl_megatron.model.moe import experts
-
-    class Linear(experts._GroupedLinear):  # the attributes the two hooks read, without Megatron's config
-        def __init__(self, main_grad_dtype):
-            torch.nn.Module.__init__(self)
-            self.grads_bypass_autograd, self.wgrad_in_gemm = False, False
-            weight = torch.nn.Parameter(torch.zeros(8, 8))
-            weight.main_grad = torch.zeros(8, 8, dtype=main_grad_dtype)
-            self._weights = [weight]
-
-        def expert_weights(self):
-            return self._weights
-
-    fp32, bf16 = Linear(torch.float32), Linear(torch.bfloat16)
+    the count returned says how many were set."""
+    fp32, bf16 = _StandInLinear(torch.float32), _StandInLinear(torch.bfloat16)
     chunks = [torch.nn.ModuleList([fp32, bf16])]
-    assert experts.add_weight_gradients_in_gemm(chunks) == 0  # weights still in autograd: none
-    assert experts.keep_expert_weights_out_of_autograd(chunks) == 2
-    assert experts.add_weight_gradients_in_gemm(chunks) == 1
+    assert experts_module.add_weight_gradients_in_gemm(chunks) == 0  # weights still in autograd: none
+    assert experts_module.keep_expert_weights_out_of_autograd(chunks) == 2
+    assert experts_module.add_weight_gradients_in_gemm(chunks) == 1
     assert fp32.wgrad_in_gemm and not bf16.wgrad_in_gemm
 
 
@@ -362,7 +421,7 @@ def _varlen_m_stand_in(calls: list):
 
 
 def test_expert_gemm_runs_the_forward_and_input_gradient_gemms_on_quack_in_every_path(monkeypatch):
-    """With `gemm_on_quack` (`fused_kernels: [expert_gemm]`) the experts' forward hands quack's varlen-M GEMM the
+    """With `gemm_on_quack` (`moe_config.expert_gemms` picking quack) the experts' forward hands quack's varlen-M GEMM the
     rows and the stacked weight transposed ([E, in, out], a view), and the backward the output gradient and the
     stacked weight ([E, out, in]): in the autograd path, the path with the weights outside autograd, and a pass
     without autograd. The GPU kernel cannot run here: a stand-in by its definition does; results equal per-expert
@@ -488,14 +547,7 @@ def test_expert_gemm_hands_quack_the_experts_row_ends_with_a_leading_zero_at_its
 
 
 def test_run_gemms_on_quack_sets_every_grouped_linear_and_counts_them():
-    from skyrl_megatron.model.moe import experts
-
-    class Linear(experts._GroupedLinear):  # the attribute the hook sets, without Megatron's config
-        def __init__(self):
-            torch.nn.Module.__init__(self)
-            self.gemm_on_quack = False
-
-    linears = [Linear(), Linear()]
-    assert experts.run_gemms_on_quack([torch.nn.ModuleList(linears)]) == 2
+    linears = [_StandInLinear(), _StandInLinear()]
+    assert experts_module.run_gemms_on_quack([torch.nn.ModuleList(linears)]) == 2
     assert all(linear.gemm_on_quack for linear in linears)
-    assert experts.run_gemms_on_quack([torch.nn.Linear(2, 2)]) == 0  # a dense model: the build warns
+    assert experts_module.run_gemms_on_quack([torch.nn.Linear(2, 2)]) == 0  # a dense model

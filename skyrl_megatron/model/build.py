@@ -114,10 +114,18 @@ class BuiltModel:
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
             "logprobs": self.fused_logprobs,
-            "expert_gemm": any(getattr(module, "gemm_on_quack", False) for module in modules),
-            "expert_wgrad": any(getattr(module, "wgrad_in_gemm", False) for module in modules),
         }
         return tuple(name for name, used in present.items() if used)
+
+    @property
+    def expert_gemms(self) -> str | None:
+        """What runs the grouped MoE experts' GEMMs, as built (`moe_config.expert_gemms`); None for a dense model."""
+        linears = experts.grouped_linears(self.chunks)
+        if not linears:
+            return None
+        if not any(linear.gemm_on_quack for linear in linears):
+            return "torch"
+        return "quack" if any(linear.wgrad_in_gemm for linear in linears) else "quack (weight gradients: torch)"
 
     @property
     def segment_kernel(self) -> str | None:
@@ -247,32 +255,42 @@ def _instantiate(
         fp16=False,
         use_cpu_initialization=runtime.is_cpu,
     )
-    wgrad_in_gemm, set_in_gemm = spec.fused("expert_wgrad", runtime), 0
     if ddp_config is not None and not ddp_config.overlap_grad_reduce:
         experts.keep_expert_weights_out_of_autograd(chunks)
-        if wgrad_in_gemm:
-            set_in_gemm = experts.add_weight_gradients_in_gemm(chunks)
-    if wgrad_in_gemm and not set_in_gemm:
-        logger.warning(
-            "fused_kernels: expert_wgrad is not used by this model: it needs grouped MoE experts, "
-            "ddp_config.overlap_grad_reduce=false and ddp_config.grad_reduce_in_fp32=true"
-        )
-    if spec.fused("expert_gemm", runtime) and not experts.run_gemms_on_quack(chunks):
-        logger.warning("fused_kernels: expert_gemm is not used by this model: it needs grouped MoE experts")
+    _choose_expert_gemms(spec, runtime, chunks)
     return provider, list(chunks)
 
 
 def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
-    """Opt-in kernels that need a library or a GPU generation fail here, before any weights move."""
-    for kernel in ("expert_gemm", "expert_wgrad"):  # quack's GEMMs
-        if spec.fused(kernel, runtime):
-            from skyrl_megatron.model.moe import quack_support
+    """Kernels asked for by name that need a library or a GPU generation fail here, before any weights move."""
+    if spec.moe.expert_gemms == "quack" and not runtime.is_cpu:
+        from skyrl_megatron.model.moe import quack_support
 
-            reason = quack_support.missing_reason(torch.cuda.current_device())
-            if reason is not None:
-                raise ValueError(
-                    f"megatron_config.fused_kernels: {kernel} cannot run here: {reason}; remove it from the list"
-                )
+        reason = quack_support.missing_reason(torch.cuda.current_device())
+        if reason is not None:
+            raise ValueError(
+                f"megatron_config.moe_config.expert_gemms: quack cannot run here: {reason}; set auto (quack where it "
+                "runs, else torch._grouped_mm) or torch"
+            )
+
+
+def _choose_expert_gemms(spec: ModelSpec, runtime: Runtime, chunks: list) -> None:
+    """`moe_config.expert_gemms` on the built chunks: quack's varlen GEMMs for the grouped experts' forward and input
+    gradients (`expert_gemm.py`), and for their weight gradients into fp32 `main_grad` (`expert_wgrad.py`) where the
+    weights bypass autograd (`ddp_config.overlap_grad_reduce: false`) and the main grads are fp32
+    (`grad_reduce_in_fp32`); elsewhere `torch._grouped_mm`. Dense models have no grouped experts: nothing to choose."""
+    if not experts.grouped_linears(chunks):
+        return
+    from skyrl_megatron.model.moe import quack_support
+
+    on_quack, why = quack_support.experts_on_quack(spec.moe.expert_gemms, on_gpu=not runtime.is_cpu)
+    if not on_quack:
+        logger.info("MoE experts' GEMMs: torch._grouped_mm (%s)", why)
+        return
+    experts.run_gemms_on_quack(chunks)
+    with_wgrad = experts.add_weight_gradients_in_gemm(chunks) > 0
+    logger.info("MoE experts' GEMMs: quack-kernels (%s), weight gradients %s", why,
+                "into main_grad by quack" if with_wgrad else "through torch._grouped_mm (no fp32 main_grad to add into)")
 
 
 def _returning_chunks(step: Callable[[list], Any]) -> Callable[[list], list]:

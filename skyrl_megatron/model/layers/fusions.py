@@ -21,9 +21,9 @@ torch.compile unless Inductor's was slow (then hand-written), or a maintained li
   Megatron's torch.compile'd functions;
 - `logprobs`: the logprob/entropy head's softmax statistics and logit gradient, one pass over each
   chunk's bf16 logits (hand-written in `compute/logprob_kernels.py`; the runner takes it from
-  `BuiltModel.fused_logprobs`);
-- `expert_gemm`, `expert_wgrad`: the MoE experts' GEMMs on quack-kernels (`model/moe/expert_gemm.py`,
-  `model/moe/expert_wgrad.py`), opt-in.
+  `BuiltModel.fused_logprobs`).
+
+The MoE experts' GEMMs (quack-kernels or `torch._grouped_mm`) are `moe_config.expert_gemms`, not a fused kernel.
 
 On CPU the eager kernels run (Megatron turns its fusions off there too): compiling for a tiny CPU
 model costs more than it saves. The generated kernels compute in fp32 and round once, so they

@@ -1,4 +1,4 @@
-"""The experts' forward and input-gradient GEMMs on quack's varlen-M GEMM (`fused_kernels: [expert_gemm]`, opt-in).
+"""The experts' forward and input-gradient GEMMs on quack's varlen-M GEMM (`moe_config.expert_gemms`, auto by default).
 
 Each expert's rows of A (consecutive, cumulative row ends `offsets`) times that expert's [K, N] slice of B [E, K, N]:
 the product `experts._grouped_mm` gets from `torch._grouped_mm` otherwise, for the forward (x times the stacked
@@ -7,8 +7,8 @@ row counts as the varying M (`cu_seqlens_m`) and the operands as they lie. It ru
 for the GPU, not its autotuner: the autotuner keys on the operands' shapes, and the experts' token total changes
 with every micro-batch.
 
-Opt-in until measured end to end: `bench/gpu_expert_gemm.py` times both libraries at MoE widths and checks them
-against fp64. Hopper and later only (`quack_support.missing_reason`); quack is imported only where it runs.
+`bench/gpu_expert_gemm.py` times both libraries at MoE widths and checks them against fp64. Hopper and later only
+(`quack_support.missing_reason`); quack is imported only where it runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The experts' weight gradients added into DDP's fp32 `main_grad` by the GEMM itself (`fused_kernels: [expert_wgrad]`).
+"""The experts' weight gradients added into DDP's fp32 `main_grad` by the GEMM itself (`moe_config.expert_gemms`).
 
 Without it, each expert's dW_e = dY_e^T X_e leaves `torch._grouped_mm` in bf16 (it has no fp32 output) and a second
 kernel (`grad_accumulate`) adds it into `main_grad`: the GEMM writes E x out x in half-precision values that the add

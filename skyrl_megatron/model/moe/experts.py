@@ -287,8 +287,8 @@ class _GroupedLinear(torch.nn.Module):
         # gradient_accumulation_fusion is only on where DDP gives parameters a main_grad (build.py)
         self.fuse_wgrad = bool(config.gradient_accumulation_fusion)
         self.grads_bypass_autograd = False  # set by build.py where DDP's hooks need no gradient
-        self.wgrad_in_gemm = False  # set by build.py for `fused_kernels: [expert_wgrad]` (expert_wgrad.py)
-        self.gemm_on_quack = False  # set by build.py for `fused_kernels: [expert_gemm]` (expert_gemm.py)
+        self.wgrad_in_gemm = False  # set by build.py where `moe_config.expert_gemms` picks quack (expert_wgrad.py)
+        self.gemm_on_quack = False  # set by build.py where `moe_config.expert_gemms` picks quack (expert_gemm.py)
         self._weight_layout, self._main_grad_layout = _LayoutMemo(), _LayoutMemo()
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         # Registered last to first: Megatron DDP lays its param and grad buffers out in reverse
@@ -438,7 +438,8 @@ def grouped_experts_class():
     return _grouped_experts_class
 
 
-def _grouped_linears(chunks) -> list[_GroupedLinear]:
+def grouped_linears(chunks) -> list[_GroupedLinear]:
+    """The grouped experts' linears of `chunks` (none in a dense model, or where LoRA keeps per-expert linears)."""
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, _GroupedLinear)]
 
 
@@ -447,7 +448,7 @@ def keep_expert_weights_out_of_autograd(chunks) -> int:
     outside autograd (see the module doc). Only for a DDP config without `overlap_grad_reduce`: with it,
     DDP's per-parameter hook marks each gradient ready for the overlapped reduce and must run.
     Returns how many linears were set."""
-    linears = _grouped_linears(chunks)
+    linears = grouped_linears(chunks)
     for linear in linears:
         linear.grads_bypass_autograd = True
     return len(linears)
@@ -458,7 +459,7 @@ def add_weight_gradients_in_gemm(chunks) -> int:
     `grad_reduce_in_fp32`) add dW into `main_grad` inside the GEMM (`expert_wgrad`, quack's varlen-K GEMM).
     Returns how many linears were set."""
     linears = [
-        m for m in _grouped_linears(chunks)
+        m for m in grouped_linears(chunks)
         if m.grads_bypass_autograd and all(w.main_grad.dtype == torch.float32 for w in m.expert_weights())
     ]
     for linear in linears:
@@ -469,7 +470,7 @@ def add_weight_gradients_in_gemm(chunks) -> int:
 def run_gemms_on_quack(chunks) -> int:
     """Let every grouped linear of `chunks` run its forward and input-gradient GEMMs on quack's varlen-M GEMM
     (`expert_gemm`). Returns how many linears were set."""
-    linears = _grouped_linears(chunks)
+    linears = grouped_linears(chunks)
     for linear in linears:
         linear.gemm_on_quack = True
     return len(linears)

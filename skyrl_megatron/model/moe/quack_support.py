@@ -1,4 +1,5 @@
-"""What quack-kernels' GEMMs need from the machine and from their operands (`expert_gemm`, `expert_wgrad`).
+"""What quack-kernels' GEMMs need from the machine and from their operands (`expert_gemm`, `expert_wgrad`), and
+which GEMMs `moe_config.expert_gemms` picks.
 
 quack (`quack-kernels`, the CuTe DSL kernels flash-attn-4 ships with) builds its GEMMs for Hopper and later GPUs, and
 compiles them for operands whose addresses and strides (but the unit one) are multiples of 16 bytes.
@@ -29,6 +30,20 @@ def missing_reason(device_index: int) -> str | None:
     except Exception as error:  # noqa: BLE001 - installed but unusable here (its CuTe DSL or CUDA libraries)
         return f"quack-kernels is installed but does not import here ({type(error).__name__}: {error})"
     return None
+
+
+def experts_on_quack(choice: str, on_gpu: bool) -> tuple[bool, str]:
+    """Whether the grouped experts' GEMMs run on quack for `moe_config.expert_gemms` = `choice` (auto | quack | torch),
+    and why. `quack` where quack cannot run is refused at the build's start (`build._check_kernels_can_run`); on the CPU
+    runtime every choice runs `torch._grouped_mm`."""
+    if choice == "torch":
+        return False, "moe_config.expert_gemms=torch"
+    if not on_gpu:
+        return False, "the CPU runtime"
+    reason = missing_reason(torch.cuda.current_device())
+    if reason is not None:
+        return False, f"quack cannot run here: {reason}"
+    return True, f"moe_config.expert_gemms={choice}"
 
 
 def cu_seqlens(offsets: Tensor) -> Tensor:
