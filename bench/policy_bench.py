@@ -973,8 +973,8 @@ def path_cell(path: dict) -> str:
         cell += ", packed" if path["sample_packing"] else ", padded"
     if "flash_attn" in path:
         cell += f" ({path['flash_attn']})"
-    if "experts" in path:
-        cell += f", experts: {path['experts']}"
+    if path.get("experts") or path.get("expert_gemms"):  # the host's experts kernel, or ours (moe_config.expert_gemms)
+        cell += f", experts: {path.get('experts') or path['expert_gemms']}"
     if path.get("logprobs", "").startswith("flash-attn"):
         cell += ", Triton CE"
     return cell

@@ -125,6 +125,18 @@ def _gpu_idle_module():
     return module
 
 
+def test_the_path_cell_names_what_ran_the_experts_gemms_on_either_side():
+    """A MoE row says which library ran the experts' GEMMs: ours from `BuiltModel.expert_gemms`, the host's from
+    transformers' experts kernel; a dense row names none."""
+    bench = _bench_module()
+    ours = {"attention": "ours (SDPA / flash4)", "transformer_engine": False, "fused_kernels": ["rope", "swiglu"]}
+    assert bench.path_cell({**ours, "expert_gemms": "quack"}) == "ours (SDPA / flash4), fused: rope swiglu, experts: quack"
+    assert bench.path_cell({**ours, "expert_gemms": "torch"}).endswith(", experts: torch")
+    assert "experts" not in bench.path_cell({**ours, "expert_gemms": None})
+    host = {"attention": "flash_attention_2", "transformer_engine": False, "sample_packing": True, "experts": "grouped_mm"}
+    assert bench.path_cell(host) == "flash_attention_2, packed, experts: grouped_mm"
+
+
 def test_idle_gaps_are_attributed_to_the_host_operation_running_then():
     gpu_idle = _gpu_idle_module()
     HostOp = gpu_idle.HostOp
