@@ -29,6 +29,7 @@ a hook for ``GPTModel.forward(output_processor=...)`` that makes the model retur
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from skyrl_megatron.compute import logprob_gemm
 from skyrl_megatron.host_copies import to_device
 from skyrl_megatron.model.layers.fusions import compile_kernel
 from skyrl_megatron.model.layers.wgrad import wgrad_gemm_accum_fp32
@@ -111,6 +113,7 @@ def vocab_parallel_logprobs(
     fused: bool = False,
     kept_logits_bytes: int = 0,
     into_main_grad: bool = False,
+    lse_gemm: bool = False,
 ) -> TokenLogprobs:
     """log softmax(hidden @ weight.T / temperature)[label] per token, without the full logits.
 
@@ -125,7 +128,8 @@ def vocab_parallel_logprobs(
     `kept_logits_bytes` of logits (whole chunks) stay from forward for the backward. `into_main_grad`
     (Megatron's `gradient_accumulation_fusion`): where `weight` has an fp32 DDP `main_grad`, its gradient
     accumulates there directly, as Megatron's fused linear layers do, and the weight is marked
-    `grad_added_to_main_grad`.
+    `grad_added_to_main_grad`. `lse_gemm` takes the log-sum-exp and the label's logit from the GEMM's epilogue
+    (`logprob_gemm.py`, CUDA; every pass whose logprobs are compared must take it alike).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
@@ -149,7 +153,7 @@ def vocab_parallel_logprobs(
     if kept_logits_bytes and torch.is_grad_enabled() and (flat_hidden.requires_grad or weight.requires_grad):
         keep_tokens = kept_logits_tokens(flat_hidden.shape[0], chunk_tokens, weight.shape[0],
                                          torch.promote_types(hidden.dtype, weight.dtype).itemsize, kept_logits_bytes)
-    options = _HeadOptions(temperature, with_entropy, chunk_tokens, tp_group, _chunk_kernels(fused, hidden.device),
+    options = _HeadOptions(temperature, with_entropy, chunk_tokens, tp_group, _chunk_kernels(fused, hidden.device, lse_gemm),
                            keep_tokens, into_main_grad)
     logprobs, entropy = _ChunkedVocabParallelLogprobs.apply(flat_hidden, weight, flat_labels, options)
     if mask is not None:
@@ -174,6 +178,7 @@ class LogprobOutputProcessor:
     with_entropy: bool = False
     logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
     fused: bool = False  # Triton kernels for each chunk (GPU; `fused_kernels: [logprobs]`)
+    lse_gemm: bool = False  # the statistics in the GEMM's epilogue (GPU; `fused_kernels: [lse_gemm]`)
     logits_kept_bytes: int = 0  # logits a training forward keeps for its backward (`logits_kept_mib`)
 
     def __call__(
@@ -206,6 +211,7 @@ class LogprobOutputProcessor:
             fused=self.fused,
             kept_logits_bytes=self.logits_kept_bytes,
             into_main_grad=bool(config.gradient_accumulation_fusion),
+            lse_gemm=self.lse_gemm,
         )
         return TokenLogprobs(
             logprobs=result.logprobs.t(),
@@ -381,29 +387,53 @@ def _forward_chunk(
     max M makes them global: sum exp(z - M) = e s_r and sum exp(z - M)(z - M) = e (t_r + (m_r - M) s_r).
     So the statistics kernel holds no collective, and all per-token sums (the partition sum, the
     label's logit, where non-owners add 0, and the entropy's) travel in one SUM all-reduce.
+
+    With the epilogue GEMM (`kernels.lse_gemm`, `logprob_gemm.py`) the logprob is the label's logit less the
+    log-sum-exp, both from the GEMM's fp32 accumulator: a shard's log-sum-exp l_r is the pair (m_r, s_r) = (l_r, 1).
+    Without entropy or kept logits no logits are written; with them, the statistics kernel still reads the stored
+    logits for the entropy and for the log-partition the backward uses.
     """
     target, owned = _local_targets(labels, vocab_start, weight.shape[0])
-    logits = torch.mm(hidden, weight.t(), out=logits_out) if logits_out is not None else hidden @ weight.t()
-    if logits_out is not None and kernels.statistics_overwrite_fp32 and logits.dtype == torch.float32:
-        logits = logits.clone()
-    shard_max, shard_sum, target_logit, shard_weighted = kernels.statistics(
-        logits, target, owned, temperature, entropy is not None
-    )
-    row_max = shard_max.clone()
+    epilogue = kernels.lse_gemm is not None and kernels.lse_gemm_takes(hidden, weight, temperature)
+    pairs, label_logit, weighted = [], None, None  # (max, sum) pairs: the first gives the log-partition
+    if epilogue:
+        if entropy is not None and logits_out is None:
+            logits_out = hidden.new_empty(hidden.shape[0], weight.shape[0])
+        accumulator_lse, label_logit = kernels.lse_gemm(hidden, weight, target, owned, logits_out)
+    if not epilogue or logits_out is not None:
+        if epilogue:
+            logits = logits_out  # written by the epilogue GEMM
+        else:
+            logits = torch.mm(hidden, weight.t(), out=logits_out) if logits_out is not None else hidden @ weight.t()
+            if logits_out is not None and kernels.statistics_overwrite_fp32 and logits.dtype == torch.float32:
+                logits = logits.clone()
+        shard_max, shard_sum, target_logit, weighted = kernels.statistics(
+            logits, target, owned, temperature, entropy is not None
+        )
+        pairs.append((shard_max, shard_sum))
+        label_logit = target_logit if label_logit is None else label_logit
+    if epilogue:
+        pairs.append((accumulator_lse, torch.ones_like(accumulator_lse)))
+
+    shard_maxima = torch.stack([pair_max for pair_max, _ in pairs], dim=1)
+    row_max = shard_maxima.clone()
     _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
-    rescale = (shard_max - row_max).exp()
-    stats = [shard_sum * rescale, target_logit]
+    rescale = (shard_maxima - row_max).exp()
+    stats = [pair_sum * rescale[:, i] for i, (_, pair_sum) in enumerate(pairs)] + [label_logit]
     if entropy is not None:
-        stats.append((shard_weighted + (shard_max - row_max) * shard_sum) * rescale)
+        shift = shard_maxima[:, 0] - row_max[:, 0]
+        stats.append((weighted + shift * pairs[0][1]) * rescale[:, 0])
     stats = torch.stack(stats, dim=1)
     _all_reduce(stats, dist.ReduceOp.SUM, tp_group)
 
     log_sum_exp_shifted = stats[:, 0].log()
-    log_partition.copy_(row_max + log_sum_exp_shifted)
-    logprobs.copy_(stats[:, 1] - log_partition)
+    log_partition.copy_(row_max[:, 0] + log_sum_exp_shifted)
+    # the logprob's partition: the last pair's (the accumulator's, with the epilogue GEMM)
+    last = len(pairs) - 1
+    logprobs.copy_(stats[:, len(pairs)] - (row_max[:, last] + stats[:, last].log()))
     if entropy is not None:
         # H = lse - E_p[z] = log sum exp(z - max) - E_p[z - max]
-        entropy.copy_(log_sum_exp_shifted - stats[:, 2] / stats[:, 0])
+        entropy.copy_(log_sum_exp_shifted - stats[:, len(pairs) + 1] / stats[:, 0])
 
 
 def _backward_chunk(
@@ -514,6 +544,10 @@ class _ChunkKernels:
     statistics: Callable
     logit_grads: Callable
     statistics_overwrite_fp32: bool = False  # the statistics reuse fp32 logits as their working buffer
+    # the GEMM with the log-sum-exp and the label's logit in its epilogue (`logprob_gemm.statistics`), or None, and
+    # which operands it takes (`logprob_gemm.takes`; the two-kernel path runs the others)
+    lse_gemm: Callable | None = None
+    lse_gemm_takes: Callable = logprob_gemm.takes
 
 
 _EAGER_KERNELS = _ChunkKernels(_shard_statistics_eager, _logit_grads_eager, statistics_overwrite_fp32=True)
@@ -524,12 +558,17 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _chunk_kernels(fused: bool, device: torch.device) -> _ChunkKernels:
-    """Eager chains unless `fused`; fused: the Triton kernels where Triton runs (CUDA), else the generated ones."""
+def _chunk_kernels(fused: bool, device: torch.device, lse_gemm: bool = False) -> _ChunkKernels:
+    """Eager chains unless `fused`; fused: the Triton kernels where Triton runs (CUDA), else the generated ones.
+    `lse_gemm` adds the epilogue GEMM (`logprob_gemm.py`) on CUDA."""
     if not fused:
-        return _EAGER_KERNELS
-    if _triton_runs_on(device):
+        kernels = _EAGER_KERNELS
+    elif _triton_runs_on(device):
         from skyrl_megatron.compute import logprob_kernels
 
-        return _ChunkKernels(logprob_kernels.shard_statistics, logprob_kernels.logit_grads_)
-    return _GENERATED_KERNELS
+        kernels = _ChunkKernels(logprob_kernels.shard_statistics, logprob_kernels.logit_grads_)
+    else:
+        kernels = _GENERATED_KERNELS
+    if lse_gemm and device.type == "cuda":
+        kernels = dataclasses.replace(kernels, lse_gemm=logprob_gemm.statistics)
+    return kernels

@@ -75,6 +75,7 @@ class ModelRunner:
         logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES,
         logits_kept_bytes: int = 0,
         fused_logprobs: bool = False,
+        logprobs_in_gemm: bool = False,
     ):
         self.chunks = chunks
         self.parallel = parallel
@@ -82,6 +83,7 @@ class ModelRunner:
         self.logits_chunk_bytes = logits_chunk_bytes
         self.logits_kept_bytes = logits_kept_bytes
         self.fused_logprobs = fused_logprobs  # the head's Triton kernels (`BuiltModel.fused_logprobs`)
+        self.logprobs_in_gemm = logprobs_in_gemm  # its statistics in the GEMM's epilogue (`BuiltModel.logprobs_in_gemm`)
         self.optimizer = None
         self.router_metrics: RouterMetrics | None = None
         self.route_replay: RouteReplay | None = None
@@ -161,6 +163,7 @@ class ModelRunner:
             logits_chunk_bytes=self.logits_chunk_bytes,
             logits_kept_bytes=self.logits_kept_bytes,
             fused=self.fused_logprobs,
+            lse_gemm=self.logprobs_in_gemm,
         )
 
         def per_token(out) -> torch.Tensor:

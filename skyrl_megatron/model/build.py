@@ -95,6 +95,8 @@ class BuiltModel:
     lora: LoraSpec | None = None  # the adapters the chunks carry, if any
     # the logprob head's fused kernels (compute/logprobs.py), for the runner that scores with it
     fused_logprobs: bool = False
+    # the head's log-sum-exp and label logit in its GEMM's epilogue (compute/logprob_gemm.py): every pass of a run
+    logprobs_in_gemm: bool = False
     value_head: bool = False  # the last stage ends in a ValueHead (a critic), not the LM head
 
     @property
@@ -114,6 +116,7 @@ class BuiltModel:
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
             "logprobs": self.fused_logprobs,
+            "lse_gemm": self.logprobs_in_gemm,
         }
         return tuple(name for name, used in present.items() if used)
 
@@ -263,6 +266,14 @@ def _instantiate(
 
 def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
     """Kernels asked for by name that need a library or a GPU generation fail here, before any weights move."""
+    if spec.fused("lse_gemm", runtime):
+        from skyrl_megatron.model.moe import quack_support
+
+        reason = quack_support.missing_reason(torch.cuda.current_device())
+        if reason is not None:
+            raise ValueError(
+                f"megatron_config.fused_kernels: lse_gemm cannot run here: {reason}; remove it from the list"
+            )
     if spec.moe.expert_gemms == "quack" and not runtime.is_cpu:
         from skyrl_megatron.model.moe import quack_support
 
@@ -344,6 +355,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
         load_report=report,
         lora=spec.lora,
         fused_logprobs=spec.fused("logprobs", runtime) and spec.value_head is None,
+        logprobs_in_gemm=spec.fused("lse_gemm", runtime) and spec.value_head is None,
         value_head=spec.value_head is not None,
     )
     if torch.distributed.get_rank() == 0:

@@ -130,6 +130,7 @@ class MegatronWorkerMixin:
             self.parallel_config,
             pad_token_id=getattr(self, "_pad_token_id", 0) or 0,
             fused_logprobs=self.built.fused_logprobs,
+            logprobs_in_gemm=self.built.logprobs_in_gemm,
             logits_chunk_bytes=self.megatron_cfg.logits_chunk_mib * 2**20,
             logits_kept_bytes=self.megatron_cfg.logits_kept_mib * 2**20,
         )

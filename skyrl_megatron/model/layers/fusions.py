@@ -21,7 +21,9 @@ torch.compile unless Inductor's was slow (then hand-written), or a maintained li
   Megatron's torch.compile'd functions;
 - `logprobs`: the logprob/entropy head's softmax statistics and logit gradient, one pass over each
   chunk's bf16 logits (hand-written in `compute/logprob_kernels.py`; the runner takes it from
-  `BuiltModel.fused_logprobs`).
+  `BuiltModel.fused_logprobs`);
+- `lse_gemm`: the logprob head's log-sum-exp and label logit in quack-kernels' GEMM epilogue, from its fp32
+  accumulator (`compute/logprob_gemm.py`, opt-in; a scoring pass writes no logits).
 
 The MoE experts' GEMMs (quack-kernels or `torch._grouped_mm`) are `moe_config.expert_gemms`, not a fused kernel.
 
