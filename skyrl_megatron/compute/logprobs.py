@@ -394,25 +394,25 @@ def _forward_chunk(
     logits for the entropy and for the log-partition the backward uses.
     """
     target, owned = _local_targets(labels, vocab_start, weight.shape[0])
-    epilogue = kernels.lse_gemm is not None and kernels.lse_gemm_takes(hidden, weight, temperature)
-    pairs, label_logit, weighted = [], None, None  # (max, sum) pairs: the first gives the log-partition
-    if epilogue:
+    accumulator_lse, label_logit, weighted = None, None, None
+    if kernels.lse_gemm is not None and kernels.lse_gemm_takes(hidden, weight, temperature):
         if entropy is not None and logits_out is None:
             logits_out = hidden.new_empty(hidden.shape[0], weight.shape[0])
         accumulator_lse, label_logit = kernels.lse_gemm(hidden, weight, target, owned, logits_out)
-    if not epilogue or logits_out is not None:
-        if epilogue:
-            logits = logits_out  # written by the epilogue GEMM
-        else:
-            logits = torch.mm(hidden, weight.t(), out=logits_out) if logits_out is not None else hidden @ weight.t()
-            if logits_out is not None and kernels.statistics_overwrite_fp32 and logits.dtype == torch.float32:
-                logits = logits.clone()
+        logits = logits_out  # None in a scoring pass: no logits written
+    else:
+        logits = torch.mm(hidden, weight.t(), out=logits_out) if logits_out is not None else hidden @ weight.t()
+        if logits_out is not None and kernels.statistics_overwrite_fp32 and logits.dtype == torch.float32:
+            logits = logits.clone()
+    pairs = []  # (max, sum) pairs: the first gives the log-partition, the last the logprob's
+    if logits is not None:
         shard_max, shard_sum, target_logit, weighted = kernels.statistics(
             logits, target, owned, temperature, entropy is not None
         )
         pairs.append((shard_max, shard_sum))
-        label_logit = target_logit if label_logit is None else label_logit
-    if epilogue:
+        if label_logit is None:
+            label_logit = target_logit
+    if accumulator_lse is not None:
         pairs.append((accumulator_lse, torch.ones_like(accumulator_lse)))
 
     shard_maxima = torch.stack([pair_max for pair_max, _ in pairs], dim=1)

@@ -266,23 +266,20 @@ def _instantiate(
 
 def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
     """Kernels asked for by name that need a library or a GPU generation fail here, before any weights move."""
+    needs_quack = []  # (what asked for quack, the fix)
     if spec.fused("lse_gemm", runtime):
-        from skyrl_megatron.model.moe import quack_support
-
-        reason = quack_support.missing_reason(torch.cuda.current_device())
-        if reason is not None:
-            raise ValueError(
-                f"megatron_config.fused_kernels: lse_gemm cannot run here: {reason}; remove it from the list"
-            )
+        needs_quack.append(("megatron_config.fused_kernels: lse_gemm", "remove it from the list"))
     if spec.moe.expert_gemms == "quack" and not runtime.is_cpu:
-        from skyrl_megatron.model.moe import quack_support
+        needs_quack.append(("megatron_config.moe_config.expert_gemms: quack",
+                            "set auto (quack where it runs, else torch._grouped_mm) or torch"))
+    if not needs_quack:
+        return
+    from skyrl_megatron.model.moe import quack_support
 
-        reason = quack_support.missing_reason(torch.cuda.current_device())
-        if reason is not None:
-            raise ValueError(
-                f"megatron_config.moe_config.expert_gemms: quack cannot run here: {reason}; set auto (quack where it "
-                "runs, else torch._grouped_mm) or torch"
-            )
+    reason = quack_support.missing_reason(torch.cuda.current_device())
+    if reason is not None:
+        asked, fix = needs_quack[0]
+        raise ValueError(f"{asked} cannot run here: {reason}; {fix}")
 
 
 def _choose_expert_gemms(spec: ModelSpec, runtime: Runtime, chunks: list) -> None:
