@@ -980,6 +980,30 @@ def check_inference_engine(cfg) -> list[Problem]:
     ]
 
 
+def check_logprob_heads(cfg) -> list[Problem]:
+    """The policy's and the reference's logprob heads agree on `lse_gemm`: the KL term compares their logprobs, and
+    the epilogue GEMM's (from the fp32 accumulator) differ from the two-kernel head's (from bf16 logits) by the
+    logits' rounding, which would show as a KL between identical weights."""
+    if cfg.trainer.get("strategy") != "megatron" or "ref" not in active_roles(cfg):
+        return []
+    kernels = {}
+    for role in ("policy", "ref"):
+        names = (cfg.trainer[role].get("megatron_config") or {}).get("fused_kernels")
+        if names is None or isinstance(names, str):
+            return []  # a missing group or a malformed list is reported by check_megatron_role
+        kernels[role] = "lse_gemm" in list(names)
+    if kernels["policy"] == kernels["ref"]:
+        return []
+    key = "trainer.ref.megatron_config.fused_kernels"
+    if kernels["policy"]:
+        return [Problem(key, "the policy takes its logprobs from the head's epilogue GEMM (lse_gemm) but the reference "
+                             "does not: their logprobs would differ by the logits' rounding, a KL between equal weights",
+                        f"add lse_gemm to {key}, or remove it from trainer.policy.megatron_config.fused_kernels")]
+    return [Problem(key, "the reference takes its logprobs from the head's epilogue GEMM (lse_gemm) but the policy does "
+                         "not: their logprobs would differ by the logits' rounding, a KL between equal weights",
+                    "add lse_gemm to trainer.policy.megatron_config.fused_kernels, or remove it here")]
+
+
 def check_config(cfg) -> None:
     """Check the whole composed config against our rules; raise one ConfigError listing every problem.
 
@@ -996,5 +1020,6 @@ def check_config(cfg) -> None:
             path = _model_path(cfg, role)
             shape = read_model_shape(path) if path else None
             problems += check_megatron_role(cfg, role, shape)
+        problems += check_logprob_heads(cfg)
     if problems:
         raise ConfigError(problems)

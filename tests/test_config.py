@@ -350,3 +350,19 @@ def test_recompute_companions_count_only_with_their_granularity():
 
     for granularity in ("full", "selective", None):  # each is a TransformerConfig Megatron accepts
         TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **overrides(recompute_granularity=granularity))
+
+
+def test_the_reference_must_take_its_logprobs_from_the_same_head_as_the_policy(compose, hf_config_dir):
+    path = f"trainer.policy.model.path={hf_config_dir()}"
+    ref = "trainer.ref.megatron_config.fused_kernels"
+    epilogue = "[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]"
+    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={epilogue}"))
+    assert (f"{ref}: the policy takes its logprobs from the head's epilogue GEMM (lse_gemm) but the reference does not: "
+            "their logprobs would differ by the logits' rounding, a KL between equal weights. Fix: add lse_gemm to "
+            f"{ref}, or remove it from {MC}.fused_kernels") in msg
+    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{ref}={epilogue}"))
+    assert f"{ref}: the reference takes its logprobs from the head's epilogue GEMM (lse_gemm) but the policy does not" in msg
+    # both heads alike, or no reference model at all: nothing to compare
+    validate_config(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={epilogue}", f"{ref}={epilogue}"))
+    validate_config(compose(path, "trainer.algorithm.use_kl_loss=false", "trainer.algorithm.use_kl_in_reward=false",
+                            f"{MC}.fused_kernels={epilogue}"))

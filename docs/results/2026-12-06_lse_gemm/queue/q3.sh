@@ -1,0 +1,8 @@
+# the MoE three sides (Qwen3-30B-A3B widths, EP1; 8 layers on a 141 GB card, 4 on 80 GB) with the head's epilogue
+# GEMM first, the defaults, the host's FSDP2 at its best, the plain loop
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+LAYERS=8; [ "$MEM" -gt 100000 ] || LAYERS=4
+L='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]'
+python bench/policy_bench.py --model Qwen3-30B-A3B --layers $LAYERS --token-budget 16384 --fsdp-packed-rows 8 --fsdp-forward-rows 32 \
+  --steps 4 --cases megatron:world1@lse,megatron:world1,fsdp2:world1,fsdp2_loop:world1 \
+  --variant lse="$L" --out $JOBS/out/moe${LAYERS}_three.json --markdown $JOBS/out/moe${LAYERS}_three.md
