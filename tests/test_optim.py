@@ -120,14 +120,15 @@ def test_bad_overrides_and_dtype_are_rejected():
 # ----------------------------------------------------------------------------------------------
 
 
-def _build_bf16_ddp_model(hf_dir):
+def _build_bf16_ddp_model(hf_dir, grad_reduce_in_fp32: bool = False):
     from skyrl_megatron.model.build import ModelSpec, build_model
 
     # Megatron's unfused cross-entropy: its fused one is torch.compile'd, and on CPU a fresh process
     # spends ~20 s probing the compiler before the first step (the loss is only a source of gradients)
     return build_model(
         ModelSpec(hf_dir, dtype="bf16", transformer_overrides={"cross_entropy_loss_fusion": False},
-                  wrap_with_ddp=True, ddp_config={"use_distributed_optimizer": True})
+                  wrap_with_ddp=True,
+                  ddp_config={"use_distributed_optimizer": True, "grad_reduce_in_fp32": grad_reduce_in_fp32})
     )
 
 
@@ -229,10 +230,11 @@ def test_adam_betas_bf16_main_params_and_skipped_steps_on_a_model(tmp_path):
     assert report["params_finite"] and report["steps_at_end"] == 2
 
 
-def _one_norm_pass_against_megatrons_step(rank, world, hf_dir, max_grad_norm):
+def _one_norm_pass_against_megatrons_step(rank, world, hf_dir, max_grad_norm, grad_reduce_in_fp32):
     """Two builds of one MoE model, EP2 (a chain of a dense and an expert optimizer, the dense one distributed
-    over DP2): ours steps one (with our prebuilt-view shard copies, `optimizer_prebuilt.py`), Megatron's own `step()`
-    the other (with Megatron's per-parameter copies), on the same batches."""
+    over DP2): ours steps one (with our prebuilt-view shard copies, `optimizer_prebuilt.py`; with an fp32 gradient
+    buffer the norm reads runs of it), Megatron's own `step()` the other (with Megatron's per-parameter copies and
+    norms), on the same batches."""
     from unittest import mock
 
     from megatron.core.distributed import finalize_model_grads
@@ -246,7 +248,7 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir, max_grad_norm):
     host = {**HOST, "num_warmup_steps": 0, "max_grad_norm": max_grad_norm, "scheduler": "constant"}
     sides = []
     for side in ("ours", "megatron"):
-        built = _build_bf16_ddp_model(hf_dir)
+        built = _build_bf16_ddp_model(hf_dir, grad_reduce_in_fp32)
         settings = OptimizerSettings.from_host_config(host, {}, num_training_steps=4, dtype="bf16")
         with mock.patch("skyrl_megatron.optimizer_prebuilt.install", return_value="Megatron's") if side == "megatron" \
                 else contextlib.nullcontext():
@@ -280,6 +282,9 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir, max_grad_norm):
                 report["norm_reductions"].append(len(norms_reduced))
                 report["steps_on_the_device"] = report.get("steps_on_the_device", 0) + on_the_device.call_count
                 report["ours"].append((result.grad_norm, result.skipped))
+                parts = [part for part in optimizer.chained_optimizers if not getattr(part, "is_stub_optimizer", False)]
+                report["norm_tensors"] = [len(part.get_grads_for_grad_norm()) for part in parts]
+                report["norm_grads"] = [sum(p.grad is not None for p in part.get_parameters()) for part in parts]
             else:
                 success, grad_norm, _ = optimizer.step()
                 scheduler.step(increment=1)
@@ -303,13 +308,14 @@ def _one_norm_pass_against_megatrons_step(rank, world, hf_dir, max_grad_norm):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("grad_reduce_in_fp32", [False, True], ids=["bf16_grads", "fp32_grads"])
 @pytest.mark.parametrize("clipped", [True, False], ids=["clipped", "unclipped"])
-def test_our_step_reduces_the_norm_once_and_updates_as_megatrons_step_does(tmp_path, clipped):
+def test_our_step_reduces_the_norm_once_and_updates_as_megatrons_step_does(tmp_path, clipped, grad_reduce_in_fp32):
     from skyrl_megatron.testing import make_tiny_hf_model
 
     hf_dir = str(make_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=3))
     max_norm = 0.05 if clipped else 1e3
-    reports = run_on_ranks(_one_norm_pass_against_megatrons_step, 2, hf_dir, max_norm, timeout=300)
+    reports = run_on_ranks(_one_norm_pass_against_megatrons_step, 2, hf_dir, max_norm, grad_reduce_in_fp32, timeout=300)
     for report in reports:
         assert report["chained"] == 2  # dense and expert optimizers
         assert report["views"] == [True, True, False, False]  # ours prebuilt both parts' copies; Megatron's side not
@@ -317,8 +323,32 @@ def test_our_step_reduces_the_norm_once_and_updates_as_megatrons_step_does(tmp_p
         assert ours_groups and all(ours_groups) and not any(megatrons_groups)
         assert report["norm_reductions"] == [1, 1]  # Megatron's step() alone reduces it once more
         assert report["steps_on_the_device"] == 2  # the norm stayed on the device until the update was queued
-        assert report["ours"] == report["megatron"] and not any(skipped for _, skipped in report["ours"])
+        assert not any(skipped for _, skipped in report["ours"] + report["megatron"])
+        if grad_reduce_in_fp32:
+            # the norm summed over a few runs of DDP's fp32 buffer instead of per-parameter norms: the same sum of
+            # squares in another order
+            assert all(tensors < grads / 2 for tensors, grads in zip(report["norm_tensors"], report["norm_grads"]))
+            assert [norm for norm, _ in report["ours"]] == pytest.approx([float(norm) for norm, _ in report["megatron"]], rel=1e-6)
+        else:
+            assert report["norm_tensors"] == report["norm_grads"]  # fp32 copies of bf16 gradients stay apart
+            assert report["ours"] == report["megatron"]
         assert all((norm > max_norm) == clipped for norm, _ in report["ours"])  # clipping was active, or not
         assert report["params_moved"]
         # unclipped: bitwise Megatron's step; clipped: Adam's division by the inverse coefficient, within an ulp
         assert report["params_equal"] if not clipped else report["params_within_a_bf16_ulp"]
+
+
+def test_contiguous_runs_join_only_views_that_meet_in_memory():
+    from skyrl_megatron.optimizer_prebuilt import contiguous_runs
+
+    buffer = torch.randn(100)
+    # DDP's order: the last parameter first in memory; a gap of padding after the third; one view not contiguous
+    views = [buffer[30:40], buffer[10:30], buffer[0:10], buffer[44:60], buffer[60:80].view(4, 5).t()]
+    other = torch.randn(7)  # its own storage, right after nothing
+    runs = contiguous_runs([*views, other])
+    shapes = sorted(tuple(run.shape) for run in runs)
+    assert shapes == [(5, 4), (7,), (16,), (40,)]
+    assert any(run.data_ptr() == buffer.data_ptr() and run.numel() == 40 for run in runs)
+    squares = sum(float(v.double().square().sum()) for v in [*views, other])
+    assert sum(float(r.double().square().sum()) for r in runs) == pytest.approx(squares, rel=1e-12)
+    assert contiguous_runs([]) == []
