@@ -51,16 +51,20 @@
 #   a later call on the same warm machine: source bench/device_setup.sh env04
 # .whls1-3 (`bash bench/fetch_wheels.sh skyrl04`, versions of the skyrl 0.4 environment .venv): 43, 45 and 44 MiB.
 set -e
+# flash-attn-4, quack and the CuTe DSL (parts 3 and 4). The folder's path names site-packages: quack fingerprints the
+# functions an epilogue calls, and takes those under site-packages as the installed library's (by name); elsewhere it
+# reads into the DSL's own globals and refuses their context variables (`quack.epilogue.library` fails to import).
+FA4SITE=/tmp/fa4/site-packages
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade --target /tmp/site"
 _device_env() {  # SITE: /tmp/site (skyrl-train 0.3.1, parts 1-5) or /tmp/site04 (skyrl 0.4, parts s1-s3), read alone
     local site=${1:-/tmp/site}
     # run from the source tree: the wheel would install config/ as the package skyrl_megatron.conf
     ln -sfn ../config skyrl_megatron/conf
     export PYTHONPATH=$site:$PWD:$PWD/bench PATH=$site/bin:$PATH PYTHONUNBUFFERED=1
-    if [ "$site" = /tmp/site ] && [ -d /tmp/fa4site ]; then
+    if [ "$site" = /tmp/site ] && [ -d $FA4SITE ]; then
         # flash-attn-4 (part 4): its distribution metadata and the CuTe DSL (whose .pth a --target directory does not
         # read). Without them on the path, `attention_kernel: auto` sees no flash-attn-4 and takes varlen_attn.
-        export PYTHONPATH=$site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/bench
+        export PYTHONPATH=$site:$FA4SITE:$FA4SITE/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/bench
     fi
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     if [ -d "$site/vllm" ]; then
@@ -162,10 +166,10 @@ case "$1" in
     test -f /tmp/stage/fa4/cutlasspart_aa || { echo "device_setup: run part 3 first, within 30 s" >&2; return 1 2>/dev/null || exit 1; }
     cat /tmp/stage/fa4/cutlasspart_aa .whl8/cutlasspart_ab > /tmp/stage/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
     cp .whl8/*.whl /tmp/stage/fa4/  # the wheels that ride with the second half
-    ${PIP/\/tmp\/site//tmp/fa4site} /tmp/stage/fa4/*.whl >/dev/null 2>&1
+    ${PIP/\/tmp\/site/$FA4SITE} /tmp/stage/fa4/*.whl >/dev/null 2>&1
     # flash-attn-4 is the namespace flash_attn.cute: put it inside the flash_attn package already there
-    cp -r /tmp/fa4site/flash_attn/cute /tmp/site/flash_attn/
-    _device_env /tmp/site  # with /tmp/fa4site on the path (as `env` in later calls and device_jobs.sh's jobs)
+    cp -r $FA4SITE/flash_attn/cute /tmp/site/flash_attn/
+    _device_env /tmp/site  # with $FA4SITE on the path (as `env` in later calls and device_jobs.sh's jobs)
     echo "device_setup: part 4 done"
     ;;
   *)
