@@ -355,14 +355,15 @@ def test_recompute_companions_count_only_with_their_granularity():
 def test_the_reference_must_take_its_logprobs_from_the_same_head_as_the_policy(compose, hf_config_dir):
     path = f"trainer.policy.model.path={hf_config_dir()}"
     ref = "trainer.ref.megatron_config.fused_kernels"
-    epilogue = "[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]"
-    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={epilogue}"))
+    two_kernels = "[rope,qk_norm_rope,swiglu,logprobs]"
+    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{ref}={two_kernels}"))  # the policy's default
     assert (f"{ref}: the policy takes its logprobs from the head's epilogue GEMM (lse_gemm) but the reference does not: "
             "their logprobs would differ by the logits' rounding, a KL between equal weights. Fix: add lse_gemm to "
             f"{ref}, or remove it from {MC}.fused_kernels") in msg
-    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{ref}={epilogue}"))
+    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={two_kernels}"))
     assert f"{ref}: the reference takes its logprobs from the head's epilogue GEMM (lse_gemm) but the policy does not" in msg
-    # both heads alike, or no reference model at all: nothing to compare
-    validate_config(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={epilogue}", f"{ref}={epilogue}"))
+    # both heads alike (the defaults, or both without it), or no reference model at all: nothing to compare
+    validate_config(compose(path, "trainer.algorithm.use_kl_loss=true"))
+    validate_config(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={two_kernels}", f"{ref}={two_kernels}"))
     validate_config(compose(path, "trainer.algorithm.use_kl_loss=false", "trainer.algorithm.use_kl_in_reward=false",
-                            f"{MC}.fused_kernels={epilogue}"))
+                            f"{ref}={two_kernels}"))

@@ -184,16 +184,23 @@ def test_the_kernel_takes_only_aligned_half_precision_cuda_operands_at_temperatu
     assert not logprob_gemm.takes(*on_gpu, 1.0)  # a meta tensor is not a CUDA one either
 
 
-def test_lse_gemm_that_cannot_run_fails_the_build_naming_the_key(monkeypatch, tmp_path):
+def test_lse_gemm_runs_where_quack_runs_and_the_two_kernel_head_elsewhere(monkeypatch, tmp_path, caplog):
     from skyrl_megatron.model import build
     from skyrl_megatron.model.moe import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
     spec = build.ModelSpec(str(tmp_path), fused_kernels=("logprobs", "lse_gemm"))
-    build._check_kernels_can_run(spec, Runtime(Device.CPU))  # the CPU runtime runs no GPU kernel
+    assert "lse_gemm" in build.DEFAULT_FUSED_KERNELS
+    probed = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(quack_support, "missing_reason", lambda device: probed.append(device) or None)
+    assert not build._logprobs_in_gemm(spec, Runtime(Device.CPU)) and probed == []  # the CPU runtime: no GPU kernel
+    assert build._logprobs_in_gemm(spec, Runtime(Device.CUDA)) and probed == [0]
+    assert not build._logprobs_in_gemm(dataclasses.replace(spec, fused_kernels=("logprobs",)), Runtime(Device.CUDA))
+    critic = dataclasses.replace(spec, value_head=build.ValueHeadInit(hidden_size=16))
+    assert not build._logprobs_in_gemm(critic, Runtime(Device.CUDA))  # a critic's value head has no logprob head
     monkeypatch.setattr(quack_support, "missing_reason", lambda device: "it needs quack-kernels")
-    with pytest.raises(ValueError) as error:
-        build._check_kernels_can_run(spec, Runtime(Device.CUDA))
-    assert str(error.value) == (
-        "megatron_config.fused_kernels: lse_gemm cannot run here: it needs quack-kernels; remove it from the list")
+    with caplog.at_level("INFO", logger=build.logger.name):
+        assert not build._logprobs_in_gemm(spec, Runtime(Device.CUDA))
+    assert "logprob head: GEMM, then the statistics kernel (lse_gemm: it needs quack-kernels)" in caplog.text
+    build._check_kernels_can_run(spec, Runtime(Device.CUDA))  # nothing refused: the head falls back

@@ -265,21 +265,30 @@ def _instantiate(
 
 
 def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
-    """Kernels asked for by name that need a library or a GPU generation fail here, before any weights move."""
-    needs_quack = []  # (what asked for quack, the fix)
-    if spec.fused("lse_gemm", runtime):
-        needs_quack.append(("megatron_config.fused_kernels: lse_gemm", "remove it from the list"))
-    if spec.moe.expert_gemms == "quack" and not runtime.is_cpu:
-        needs_quack.append(("megatron_config.moe_config.expert_gemms: quack",
-                            "set auto (quack where it runs, else torch._grouped_mm) or torch"))
-    if not needs_quack:
+    """`moe_config.expert_gemms: quack` where quack cannot run fails here, before any weights move."""
+    if spec.moe.expert_gemms != "quack" or runtime.is_cpu:
         return
     from skyrl_megatron.model.moe import quack_support
 
     reason = quack_support.missing_reason(torch.cuda.current_device())
     if reason is not None:
-        asked, fix = needs_quack[0]
-        raise ValueError(f"{asked} cannot run here: {reason}; {fix}")
+        raise ValueError(f"megatron_config.moe_config.expert_gemms: quack cannot run here: {reason}; set auto (quack "
+                         "where it runs, else torch._grouped_mm) or torch")
+
+
+def _logprobs_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
+    """`fused_kernels: [lse_gemm]`: the logprob head's statistics in quack's GEMM epilogue where quack runs on this GPU,
+    else the two-kernel head (logged). Every role on the machine decides alike (the config check makes the policy and
+    the reference ask alike), so the logprobs the KL term compares come from the same head."""
+    if not spec.fused("lse_gemm", runtime) or spec.value_head is not None:
+        return False
+    from skyrl_megatron.model.moe import quack_support
+
+    reason = quack_support.missing_reason(torch.cuda.current_device())
+    if reason is not None:
+        logger.info("logprob head: GEMM, then the statistics kernel (lse_gemm: %s)", reason)
+        return False
+    return True
 
 
 def _choose_expert_gemms(spec: ModelSpec, runtime: Runtime, chunks: list) -> None:
@@ -352,7 +361,7 @@ def build_model(spec: ModelSpec, runtime: Runtime | None = None) -> BuiltModel:
         load_report=report,
         lora=spec.lora,
         fused_logprobs=spec.fused("logprobs", runtime) and spec.value_head is None,
-        logprobs_in_gemm=spec.fused("lse_gemm", runtime) and spec.value_head is None,
+        logprobs_in_gemm=_logprobs_in_gemm(spec, runtime),
         value_head=spec.value_head is not None,
     )
     if torch.distributed.get_rank() == 0:
