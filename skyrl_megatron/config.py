@@ -989,8 +989,10 @@ def check_logprob_heads(cfg) -> list[Problem]:
     kernels = {}
     for role in ("policy", "ref"):
         names = (cfg.trainer[role].get("megatron_config") or {}).get("fused_kernels")
-        if names is None or isinstance(names, str):
-            return []  # a missing group or a malformed list is reported by check_megatron_role
+        if names is not None and not isinstance(names, str):
+            names = list(names)  # (an OmegaConf ListConfig on skyrl-train 0.3.1)
+        if names is None or _fused_kernel_problems("", names):
+            return []  # a missing group or a bad list is reported by check_megatron_role, alone
         kernels[role] = "lse_gemm" in list(names)
     if kernels["policy"] == kernels["ref"]:
         return []

@@ -362,6 +362,9 @@ def test_the_reference_must_take_its_logprobs_from_the_same_head_as_the_policy(c
             f"{ref}, or remove it from {MC}.fused_kernels") in msg
     msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={two_kernels}"))
     assert f"{ref}: the reference takes its logprobs from the head's epilogue GEMM (lse_gemm) but the policy does not" in msg
+    # a bad list is named alone (the heads are compared once both lists are valid)
+    msg = problems_of(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels=[rope,swigl]"))
+    assert "unknown kernel 'swigl'" in msg and "epilogue GEMM" not in msg
     # both heads alike (the defaults, or both without it), or no reference model at all: nothing to compare
     validate_config(compose(path, "trainer.algorithm.use_kl_loss=true"))
     validate_config(compose(path, "trainer.algorithm.use_kl_loss=true", f"{MC}.fused_kernels={two_kernels}", f"{ref}={two_kernels}"))
