@@ -993,7 +993,7 @@ def check_logprob_heads(cfg) -> list[Problem]:
             names = list(names)  # (an OmegaConf ListConfig on skyrl-train 0.3.1)
         if names is None or _fused_kernel_problems("", names):
             return []  # a missing group or a bad list is reported by check_megatron_role, alone
-        kernels[role] = "lse_gemm" in list(names)
+        kernels[role] = "lse_gemm" in names
     if kernels["policy"] == kernels["ref"]:
         return []
     key = "trainer.ref.megatron_config.fused_kernels"

@@ -135,11 +135,11 @@ def contiguous_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     contiguous): one flat view per run, covering exactly the elements of the tensors it joins, in memory order
     (DDP lays its buffers out in the reverse of the parameters' order). Views of a buffer with gaps between them
     (padding, a parameter left out) stay apart."""
-    runs: list[torch.Tensor] = []
-    first = length = end = None
     def address(t: torch.Tensor) -> tuple:
         return t.device.type, t.device.index or 0, t.untyped_storage().data_ptr(), t.data_ptr()
 
+    runs: list[torch.Tensor] = []
+    first = length = end = None
     for tensor in sorted(tensors, key=address):
         joins = (first is not None and tensor.is_contiguous() and tensor.dtype == first.dtype
                  and tensor.device == first.device and tensor.data_ptr() == end
