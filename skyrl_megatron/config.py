@@ -243,8 +243,9 @@ class MegatronWorkerConfig:
     forward_max_tokens_per_microbatch: int | None = None
     checkpoint_cache_dir: str | None = None
     force_reconvert: bool = False
-    # give the CUDA allocator's free blocks back when the host asks between phases and when offloading
-    # (colocated engines or models need them); false: keep the pool (GPUs the worker has to itself).
+    # give the CUDA allocator's free blocks back after offloading, and between passes where the placement
+    # shares the worker's GPUs with another model or the engines (the host asks after every pass; on GPUs of
+    # its own the pool is kept: nothing else could take it); false: keep it always (refused where shared).
     # The host's own key (its default, true, wins the merge): so no "auto" here.
     empty_cuda_cache: bool = True
     # Python's long-lived objects frozen out of the cyclic collector, which waits for each pass to end
@@ -563,7 +564,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
     problems += _fault_handling_problems(role, prefix, mc)
     if problems:
         return problems
-    sharing = _gpu_sharing(cfg, role)
+    sharing = gpu_sharing(cfg, role)
     if mc.empty_cuda_cache is False and sharing:
         problems.append(Problem(f"{prefix}.empty_cuda_cache",
                                 f"false keeps this worker's CUDA cache while {sharing} shares its GPUs",
@@ -929,8 +930,8 @@ ENGINES = ("auto", "cpu", "gpu")
 HF_ENGINES = ("cpu", "gpu")
 
 
-def _gpu_sharing(cfg, role: str) -> str | None:
-    """The placement key under which another model or the engines use this role's GPUs, or None."""
+def gpu_sharing(cfg, role: str) -> str | None:
+    """The placement key under which another model or the engines use this role's GPUs, or None (GPUs of its own)."""
     placement = cfg.trainer.placement
     if placement.get("colocate_all"):
         return "trainer.placement.colocate_all"

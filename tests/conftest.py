@@ -159,7 +159,7 @@ def bench_smoke(tmp_path: Path):
 
 @pytest.fixture
 def stand_in_worker():
-    """`make(megatron_config={...}, use_sample_packing=False)`: our worker mixin with a real
+    """`make(megatron_config={...}, use_sample_packing=False, placement={...})`: our worker mixin with a real
     `MegatronWorkerConfig` (defaults plus the given keys) and no model, for the parts of a worker that
     read only its config (micro-batching, the pass guard)."""
     import types
@@ -169,12 +169,13 @@ def stand_in_worker():
     from skyrl_megatron.workers.memory_peaks import PhasePeaks
     from skyrl_megatron.workers.python_gc import ManualGc
 
-    def make(megatron_config: dict | None = None, use_sample_packing: bool = False) -> MegatronWorkerMixin:
+    def make(megatron_config: dict | None = None, use_sample_packing: bool = False,
+             placement: dict | None = None) -> MegatronWorkerMixin:
         worker = MegatronWorkerMixin()
         worker.role, worker.worker_name = "policy", "policy worker rank 0/1"
         worker.megatron_cfg = MegatronWorkerConfig.from_mapping(megatron_config or {})
         trainer = types.SimpleNamespace(micro_forward_batch_size_per_gpu=2, micro_train_batch_size_per_gpu=1,
-                                        use_sample_packing=use_sample_packing)
+                                        use_sample_packing=use_sample_packing, placement=placement or {})
         worker.__dict__["_host_cfg"] = types.SimpleNamespace(trainer=trainer)
         worker.phase_peaks = PhasePeaks()
         worker.manual_gc = ManualGc() if worker.megatron_cfg.manual_gc else None

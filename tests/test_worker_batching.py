@@ -1,7 +1,7 @@
 """Which token budget a worker's pass takes: scoring may have its own (`forward_max_tokens_per_microbatch`,
 no activations kept for backward), training takes `max_tokens_per_microbatch`; an out-of-memory names
-the budget of the pass that failed; the host's request to empty the CUDA cache between passes follows
-`empty_cuda_cache`."""
+the budget of the pass that failed; the host's request to empty the CUDA cache between passes is kept where
+the placement shares the worker's GPUs, and follows `empty_cuda_cache`."""
 
 from __future__ import annotations
 
@@ -38,17 +38,28 @@ def test_an_out_of_memory_names_the_budget_of_its_pass(stand_in_worker, phase, n
 
 
 @pytest.mark.parametrize("empty", [True, False])
-def test_the_hosts_empty_cache_request_follows_empty_cuda_cache(stand_in_worker, monkeypatch, empty):
-    """The host asks after every scoring and training call; a worker on GPUs of its own may keep its pool
-    (a GPU runtime stood in by its flag: torch.cuda.empty_cache is counted, not run)."""
+@pytest.mark.parametrize("placement", [{}, {"colocate_all": True}, {"colocate_policy_ref": True}])
+def test_the_cuda_cache_goes_back_where_another_process_can_take_it(stand_in_worker, monkeypatch, empty, placement):
+    """The host asks after every scoring and training call: the pool goes back where the placement shares the
+    worker's GPUs, and after every offload, unless `empty_cuda_cache` is false; on GPUs of its own it is kept
+    between passes (a GPU runtime stood in by its flag: torch.cuda.empty_cache is counted, not run)."""
     import types
 
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
-    worker = stand_in_worker({"empty_cuda_cache": empty})
+    worker = stand_in_worker({"empty_cuda_cache": empty}, placement=placement)
     worker.runtime = types.SimpleNamespace(is_cpu=False)
     worker.empty_cache()
-    assert len(calls) == (1 if empty else 0)
+    assert len(calls) == (1 if empty and placement else 0)
+
+    calls.clear()
+    worker.offloader = types.SimpleNamespace(offload=lambda **kwargs: types.SimpleNamespace(as_dict=dict))
+    worker.transfer_log = types.SimpleNamespace(add=lambda report: None)
+    worker.offload_to_cpu()
+    assert len(calls) == (1 if empty else 0)  # what an offload is for, shared GPUs or not
+
+    calls.clear()
     worker.runtime = types.SimpleNamespace(is_cpu=True)
     worker.empty_cache()  # no CUDA cache on the CPU runtime
-    assert len(calls) == (1 if empty else 0)
+    worker.offload_to_cpu()
+    assert calls == []
