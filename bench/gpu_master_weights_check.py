@@ -11,6 +11,9 @@ views of one contiguous buffer ("ddp" layout), so after the first (untimed) roun
 rebuild take one kernel call per run of back-to-back shards; on GPU the kernels are also timed with
 each shard its own tensor ("separate": one run, so one call, per tensor). MoE shapes hold each expert's
 two weights as tensors of their own, as our grouped experts do (thousands of tensors at 128 experts).
+The optimizer step's copy back into the model weights is timed with the release both ways: torch's
+`_foreach_copy_` then the split ("copy"), and the split that writes the weights itself ("write", the product's
+path inside a step), the weights checked bit for bit against torch's rounding of the masters.
 `--profile FILE` profiles one more release and rebuild of the "ddp" layout and writes where the device
 waited (`gpu_idle.write_profile_report`; the two are marked `skyrl_megatron.masters_release` and
 `skyrl_megatron.masters_rebuild`).
@@ -86,17 +89,26 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_kernels(name: str, kernels, pairs, device: torch.device, repeats: int) -> dict:
-    """Release and rebuild `repeats` times with `kernels`; seconds per call and whether every rebuild is exact."""
+def time_kernels(name: str, kernels, pairs, device: torch.device, repeats: int, copy_back: str | None = None) -> dict:
+    """Release and rebuild `repeats` times with `kernels`; seconds per call and whether every rebuild is exact.
+    `copy_back`: the optimizer step's copy of the masters into the model weights made first, timed with the
+    release: "copy" (torch's `_foreach_copy_`, then the split) or "write" (the release's split writes them,
+    `round_into_models`); the weights are then checked bit for bit against torch's rounding of the masters."""
     real_kernels = master_weights._kernels
     master_weights._kernels = lambda _device: kernels
     try:
         expected = [master.detach().view(torch.int32).clone() for master, _ in pairs]
+        rounded = [master.detach().to(torch.bfloat16).view(torch.int16) for master, _ in pairs]
         compact = master_weights.CompactMasterWeights(pairs)
-        release, rebuild, exact = [], [], True
+        release, rebuild, exact, models_exact = [], [], True, True
         for _ in range(repeats + 1):  # the first round compiles the kernels: not timed
             _synchronize(device)
             start = time.perf_counter()
+            if copy_back == "copy":
+                torch._foreach_copy_([model for _, model in pairs], [master.detach() for master, _ in pairs])
+            elif copy_back == "write":
+                with compact.writing_models():
+                    compact.round_into_models(0)
             freed = compact.release()
             _synchronize(device)
             middle = time.perf_counter()
@@ -105,9 +117,12 @@ def time_kernels(name: str, kernels, pairs, device: torch.device, repeats: int) 
             release.append(middle - start)
             rebuild.append(time.perf_counter() - middle)
             exact = exact and all(torch.equal(m.view(torch.int32), want) for (m, _), want in zip(pairs, expected))
-        return {"kernels": name, "runs_of_masters": compact.runs, "release_s": sorted(release[1:])[len(release[1:]) // 2],
+            models_exact = models_exact and all(torch.equal(model.view(torch.int16), want)
+                                                for (_, model), want in zip(pairs, rounded))
+        return {"kernels": name, "copy_back": copy_back, "runs_of_masters": compact.runs,
+                "release_s": sorted(release[1:])[len(release[1:]) // 2],
                 "rebuild_s": sorted(rebuild[1:])[len(rebuild[1:]) // 2], "first_round_s": release[0] + rebuild[0],
-                "freed_gib": freed / 2**30, "exact": exact}
+                "freed_gib": freed / 2**30, "exact": exact and models_exact}
     finally:
         master_weights._kernels = real_kernels
 
@@ -149,21 +164,24 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
         config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "vocab_size": 1000}
-        runs = [("eager", master_weights._EAGER, "ddp")]
+        runs = [("eager", master_weights._EAGER, "ddp", None), ("eager", master_weights._EAGER, "ddp", "copy"),
+                ("eager", master_weights._EAGER, "ddp", "write")]
     else:
         device = torch.device("cuda")
         config = json.loads((SHAPES_DIR / f"{args.model}.json").read_text())
         if args.layers:
             config["num_hidden_layers"] = args.layers
         gpu = master_weights._kernels(device)
-        runs = [("gpu", gpu, "ddp"), ("gpu", gpu, "separate")]
+        # the step's copy back and the release: torch's copy then the split, against the split writing the weights
+        runs = [("gpu", gpu, "ddp", None), ("gpu", gpu, "separate", None), ("gpu", gpu, "ddp", "copy"),
+                ("gpu", gpu, "ddp", "write")]
         if args.eager:
-            runs.insert(0, ("eager", master_weights._EAGER, "ddp"))
+            runs.insert(0, ("eager", master_weights._EAGER, "ddp", None))
     sizes = parameter_sizes(config)
     results = []
-    for name, kernels, layout in runs:
+    for name, kernels, layout, copy_back in runs:
         pairs = make_pairs(sizes, device, layout)
-        results.append({**time_kernels(name, kernels, pairs, device, args.repeats), "layout": layout})
+        results.append({**time_kernels(name, kernels, pairs, device, args.repeats, copy_back), "layout": layout})
         del pairs
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU", "torch": torch.__version__,
               "model": "tiny" if args.smoke else args.model, "layers": config["num_hidden_layers"],
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         report["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     args.out.write_text(json.dumps(report, indent=2))
     for run in report["runs"]:
-        print(f"{run['kernels']:>9} {run['layout']:>8} ({run['runs_of_masters']:4d} runs):"
+        print(f"{run['kernels']:>9} {run['layout']:>8} {run['copy_back'] or '':>5} ({run['runs_of_masters']:4d} runs):"
               f" release {run['release_s'] * 1e3:8.1f} ms, rebuild {run['rebuild_s'] * 1e3:8.1f} ms, "
               f"freed {run['freed_gib']:.2f} GiB, exact {run['exact']}")
     return 0 if all(run["exact"] for run in report["runs"]) else 1

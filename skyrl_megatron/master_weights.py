@@ -110,6 +110,8 @@ class _Kernels:
     split_with_stats: Callable | None = None
     tie_indices: Callable | None = None
     join_with_ties: Callable | None = None
+    # `split_with_stats` writing the model weight as the master rounded (the optimizer's copy back, in the same pass)
+    round_and_split_with_stats: Callable | None = None
 
 
 _EAGER = _Kernels(_split_chunk, _tie_mask, _join_chunk, _CHUNK)
@@ -122,9 +124,10 @@ def _on_gpu() -> _Kernels:
     They replace torch.compile-generated kernels: those took the eager chain's 0.4 s per Qwen3-4B optimizer step
     on an H200 to 62 ms (2026-11-27), but left the status reductions to torch (an int64 copy of the statuses)
     and a generated call goes through dynamo's guards each time."""
-    from skyrl_megatron.master_weights_kernels import join, split_with_stats, tie_indices
+    from skyrl_megatron.master_weights_kernels import join, round_and_split_with_stats, split_with_stats, tie_indices
 
-    return dataclasses.replace(_EAGER, split_with_stats=split_with_stats, tie_indices=tie_indices, join_with_ties=join)
+    return dataclasses.replace(_EAGER, split_with_stats=split_with_stats, tie_indices=tie_indices, join_with_ties=join,
+                               round_and_split_with_stats=round_and_split_with_stats)
 
 
 def _kernels(device: torch.device) -> _Kernels:
@@ -137,16 +140,21 @@ def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk, numel)
 
 
-def _split_on_device(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _split_on_device(master: torch.Tensor, model: torch.Tensor,
+                     write_model: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(remainder int16, stats int64 [worst status, ties in chunk 0, ties in chunk 1, ...], the split's per-block
     checks where its kernels keep them for the tie search, else None) on the device, no host read: the caller
-    reads the stats of many tensors at once (`_settle`)."""
+    reads the stats of many tensors at once (`_settle`). `write_model`: the model weight is first made the master
+    rounded to nearest even, as the optimizer's copy back makes it (on GPUs in the split's own pass)."""
     kernels = _kernels(master.device)
+    if write_model and kernels.round_and_split_with_stats is None:
+        model.copy_(master)
     bits, upper = master.view(torch.int32), model.view(torch.int16)
     if master.numel() == 0:  # nothing to check
         return upper.clone(), torch.zeros(2, dtype=torch.int64, device=master.device), None
     if kernels.split_with_stats is not None:  # one chunk
-        return kernels.split_with_stats(bits, upper)
+        split = kernels.round_and_split_with_stats if write_model else kernels.split_with_stats
+        return split(bits, upper)
     pieces, stats = [], []
     for start, stop in _chunks(master.numel(), kernels.chunk):
         remainder, status = kernels.split(bits[start:stop], upper[start:stop])
@@ -218,6 +226,7 @@ def join_master(model: torch.Tensor, remainder: torch.Tensor, tie_indices: torch
 class _Master:
     master: torch.Tensor  # the optimizer's fp32 parameter (kept as an object; its .data comes and goes)
     model: torch.Tensor  # the bf16 model shard the master was last copied into (a view of the DDP buffer)
+    part: int = 0  # which optimizer of a Megatron chain steps it
     offset: int = 0  # where `model` starts in its run's span (elements)
     released: bool = False
     shape: torch.Size = field(init=False)  # a released master's .data is empty: its shape is kept here
@@ -264,6 +273,10 @@ class _Run:
     @property
     def span(self) -> int:
         return self.model.numel()
+
+    @property
+    def part(self) -> int:
+        return self.members[0].part
 
     def whole(self) -> bool:
         """Whether the masters are present as the rebuild left them: views of `buffer` (anything that gave a
@@ -327,6 +340,7 @@ def _follows(run: list[_Master], m: _Master, limit: int) -> bool:
     gap = m.model.storage_offset() - (last.storage_offset() + last.numel())
     return (
         m.model.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+        and m.part == run[-1].part
         and m.model.is_contiguous() and last.is_contiguous() and m.model.dtype == last.dtype
         and 0 <= gap <= _MAX_GAP
         and m.model.storage_offset() + m.model.numel() - first.storage_offset() <= limit
@@ -349,39 +363,45 @@ class _Split:
     checks: torch.Tensor | None  # the split's per-block checks, for its tie search (GPU), or None
 
 
-def _splits(run: _Run) -> Iterator[_Split]:
+def _splits(run: _Run, write_models: bool = False) -> Iterator[_Split]:
     """The run's present masters split on the device: at once when they are views of the run's buffer,
     else one by one (the first release after `attach`, or masters given other storage since); none where
-    the run is released whole already."""
+    the run is released whole already. `write_models`: each model weight rounded from its master first (the
+    padding between shards too, to the weight it was widened from)."""
     if run.parked:
         return
     if run.whole():
         yield _Split(run, run.members, 0, run.span, True, run.buffer, run.model,
-                     *_split_on_device(run.buffer, run.model))
+                     *_split_on_device(run.buffer, run.model, write_models))
         return
     for m in run.members:
         if m.released or m.numel == 0:
             continue
         master, model = m.master.data.view(-1), m.model.view(-1)
-        yield _Split(run, [m], m.offset, m.offset + m.numel, False, master, model, *_split_on_device(master, model))
+        yield _Split(run, [m], m.offset, m.offset + m.numel, False, master, model,
+                     *_split_on_device(master, model, write_models))
 
 
 class CompactMasterWeights:
     """The fp32 masters of a Megatron optimizer, released to bf16 + int16 between steps."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        masters = [_Master(master, model) for master, model in pairs]
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], parts: list[int] | None = None):
+        """`pairs`: (fp32 master, bf16 model shard); `parts`: which optimizer of a chain steps each (default 0)."""
+        masters = [_Master(master, model, part) for (master, model), part in zip(pairs, parts or [0] * len(pairs))]
         # empty shards (a parameter wholly on other data-parallel ranks) have nothing to release
         self._runs = _runs([m for m in masters if m.numel], _GROUP_ELEMENTS)
         self._logged = self._warned_kept = False
+        self._writing = False  # inside `writing_models`: the optimizer's copy back is the release's split
+        self._pending: tuple[list[_Split], _HostChecks] | None = None  # a group split, its checks not read yet
 
     @classmethod
     def of_optimizer(cls, optimizer) -> "CompactMasterWeights":
-        pairs = []
-        for part in chained_parts(optimizer):
+        pairs, parts = [], []
+        for index, part in enumerate(chained_parts(optimizer)):
             for models, masters in zip(part.shard_float16_groups, part.shard_fp32_from_float16_groups):
                 pairs.extend(zip(masters, models))
-        return cls(pairs)
+                parts.extend([index] * len(masters))
+        return cls(pairs, parts)
 
     @property
     def released(self) -> bool:
@@ -392,25 +412,32 @@ class CompactMasterWeights:
         """How many runs the masters form (each one kernel call per release and rebuild once gathered)."""
         return len(self._runs)
 
-    def release(self) -> int:
+    def release(self, *, part: int | None = None, write_models: bool = False) -> int:
         """Free every master that its model weight and a remainder can rebuild; returns the bytes freed
-        (net of the remainders). Call right after the step copied the masters into the model.
+        (net of the remainders). Call right after the step copied the masters into the model; `part`: only
+        the masters that optimizer of the chain steps; `write_models`: make that copy here (`round_into_models`).
 
         The remainders are computed a group at a time (about `_GROUP_ELEMENTS` elements, so the extra
         memory stays small) and each group's checks are read on the host at once: one wait per group,
         not one per run or tensor and chunk (Megatron has a master per parameter: thousands at MoE
         widths). A group's checks are read once the next group's split is queued, so the device splits
-        that one while the host settles this one (two groups' remainders beside the masters at most)."""
+        that one while the host settles this one (two groups' remainders beside the masters at most).
+        Writing the models, the last group's checks are left to the next call: the step queues the next
+        optimizer's update (or the schedule's next work) before the host waits for them."""
         freed = kept = 0
         with torch.profiler.record_function("skyrl_megatron.masters_release"), torch.no_grad():
-            pending = None
-            for group in self._groups():
+            pending, self._pending = self._pending, None
+            # a group left by the last call is split already: settled below, not split again
+            in_flight = {id(split.run) for split in pending[0]} if pending is not None else set()
+            for group in self._groups(part, write_models, in_flight):
                 checks = _HostChecks([split.stats for split in group])
                 if pending is not None:
                     group_freed, group_kept = _settle(*pending)
                     freed, kept = freed + group_freed, kept + group_kept
                 pending = group, checks
-            if pending is not None:
+            if pending is not None and write_models:
+                self._pending = pending
+            elif pending is not None:
                 group_freed, group_kept = _settle(*pending)
                 freed, kept = freed + group_freed, kept + group_kept
         if not self._logged:
@@ -423,12 +450,15 @@ class CompactMasterWeights:
                            "are not the masters rounded)", kept)
         return freed
 
-    def _groups(self) -> Iterator[list[_Split]]:
-        """The present masters split on the device, in groups of about `_GROUP_ELEMENTS` elements (each group's
-        kernels are queued as it is taken)."""
+    def _groups(self, part: int | None = None, write_models: bool = False,
+                skipped: set[int] = frozenset()) -> Iterator[list[_Split]]:
+        """The present masters (of `part` where given, not of the runs in `skipped`) split on the device, in groups of
+        about `_GROUP_ELEMENTS` elements (each group's kernels are queued as it is taken)."""
         group, elements = [], 0
         for run in self._runs:
-            for split in _splits(run):
+            if (part is not None and run.part != part) or id(run) in skipped:
+                continue
+            for split in _splits(run, write_models):
                 group.append(split)
                 elements += split.stop - split.start
                 if elements >= _GROUP_ELEMENTS:
@@ -437,9 +467,37 @@ class CompactMasterWeights:
         if group:
             yield group
 
+    @contextlib.contextmanager
+    def writing_models(self) -> Iterator[None]:
+        """Inside (the optimizer step, which reads no master after copying it into the model): the copy back is
+        the release's split, `round_into_models`."""
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+
+    def round_into_models(self, part: int) -> bool:
+        """The optimizer's copy of chain part `part`'s masters into their model weights, made by releasing them:
+        on GPUs the split's own pass rounds each master into its weight (the master read once, where the copy
+        and the split read it twice: 6 of 14 bytes a parameter less). Only inside `writing_models`; False
+        elsewhere (a checkpoint load's copy, say), where the caller copies."""
+        if not self._writing:
+            return False
+        self.release(part=part, write_models=True)
+        return True
+
+    def _settle_pending(self) -> None:
+        """Read the checks `round_into_models` left for later and release their masters."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            with torch.no_grad():
+                _settle(*pending)
+
     def rebuild(self) -> None:
         """Give every released master its exact fp32 value back (before the optimizer step), as a view
         of one fp32 buffer per run."""
+        self._settle_pending()
         with torch.profiler.record_function("skyrl_megatron.masters_rebuild"), torch.no_grad():
             for run in self._runs:
                 if not run.pieces:
@@ -450,6 +508,7 @@ class CompactMasterWeights:
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """What stands for the released masters (remainders, tie indices): optimizer state to offload."""
+        self._settle_pending()
         return [t for run in self._runs for p in run.pieces for t in (p.remainder, p.tie_indices)]
 
     @contextlib.contextmanager
@@ -461,6 +520,7 @@ class CompactMasterWeights:
         remainders then still hold, and the masters go back to them as they were, without the release's
         kernel pass and its wait for the device: where every run was released whole, as from the second
         release on."""
+        self._settle_pending()
         was_released = self.released
         kept = self._released_runs() if was_released and read_only else None
         if was_released:

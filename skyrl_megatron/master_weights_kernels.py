@@ -16,6 +16,10 @@ indexed add (three more kernels): a generated call goes through dynamo's guards 
 step around these calls idled about 67 ms in 63 gaps with no host operation recorded at that shape (profiled
 2026-12-04); with the split and join both here the step makes no generated call.
 
+Where the split follows the optimizer's step, the model weights are the masters rounded: the round-and-split pass
+writes them itself (the master read once, where the optimizer's copy back and the split read it twice; 6 of 14
+bytes an element less).
+
 Statuses as in `master_weights._split_chunk`: 0 in range, 1 a tie rounded down (stored as -2**15), 2 a
 difference int16 cannot hold.
 """
@@ -42,16 +46,39 @@ def _differences(bits_ptr, upper_ptr, offsets, numel):
 
 
 @triton.jit
-def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
-    block = tl.program_id(0).to(tl.int64)
-    offsets = block * BLOCK + tl.arange(0, BLOCK)
-    diff, inside = _differences(bits_ptr, upper_ptr, offsets, numel)
+def _store_split(diff, inside, offsets, block, remainder_ptr, partial_ptr):
+    """The remainders of one block's differences, and the block's [worst status, ties]."""
     tie = diff == 32768
     tl.store(remainder_ptr + offsets, tl.where(tie, -32768, diff).to(tl.int16), mask=inside)
     outside = (diff < -32768) | (diff > 32768)
     status = tl.where(outside, 2, tie.to(tl.int32))
     tl.store(partial_ptr + block * 2, tl.max(status, axis=0))
     tl.store(partial_ptr + block * 2 + 1, tl.sum(tie.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    diff, inside = _differences(bits_ptr, upper_ptr, offsets, numel)
+    _store_split(diff, inside, offsets, block, remainder_ptr, partial_ptr)
+
+
+@triton.jit
+def _round_split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
+    """The split of masters whose model weights it writes: each master rounded to bf16 to nearest even, as
+    PyTorch's copy rounds it on the GPU (a NaN to 0x7FFF), stored as the weight, and split against it. The rounding
+    is integer arithmetic on the bit pattern: exact under Triton's interpreter too, whose float conversion
+    truncates."""
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    bits = tl.load(bits_ptr + offsets, mask=inside, other=0).to(tl.int64)
+    pattern = bits & 0xFFFFFFFF  # the unsigned bit pattern: sign and magnitude round alike
+    rounded = (pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16  # the largest finite magnitudes carry into inf
+    upper = tl.where((pattern & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, rounded).to(tl.int16)
+    tl.store(upper_ptr + offsets, upper, mask=inside)
+    _store_split(bits - upper.to(tl.int64) * 65536, inside, offsets, block, remainder_ptr, partial_ptr)
 
 
 @triton.jit
@@ -90,11 +117,21 @@ def split_with_stats(bits: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tenso
     """(remainder int16, stats int64 [worst status, ties], the per-block checks for `tie_indices`) of a master's
     int32 bits and its model weight's int16 bits, both contiguous and one-dimensional, of the same length (at
     least one element)."""
+    return _split_pass(_split_kernel, bits, upper)
+
+
+def round_and_split_with_stats(bits: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`split_with_stats` of a master whose model weight `upper` (int16 bits of bf16, written here) is the master
+    rounded: one pass reading the master once, where a copy into the model and a split read it twice."""
+    return _split_pass(_round_split_kernel, bits, upper)
+
+
+def _split_pass(kernel, bits: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     numel = bits.numel()
     remainder = torch.empty(numel, dtype=torch.int16, device=bits.device)
     blocks = triton.cdiv(numel, _BLOCK)
     partials = torch.empty(blocks, 2, dtype=torch.int32, device=bits.device)
-    _split_kernel[(blocks,)](bits, upper, remainder, partials, numel, BLOCK=_BLOCK, num_warps=8)
+    kernel[(blocks,)](bits, upper, remainder, partials, numel, BLOCK=_BLOCK, num_warps=8)
     stats = torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)])
     return remainder, stats, partials
 

@@ -15,6 +15,7 @@ update is queued.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -155,7 +156,10 @@ class OptimizerSettings:
         if compact_master_weights:
             reason = refusal(optimizer)
             if reason is None:
-                attach(optimizer)
+                masters = attach(optimizer)
+                for index, part in enumerate(chained_parts(optimizer)):
+                    # where ours copies the masters back, the compact masters' release makes that copy
+                    optimizer_prebuilt.write_models_with(part, functools.partial(masters.round_into_models, index))
             elif compact_master_weights is True:
                 raise OptimizerSettingsError(f"megatron_config.compact_master_weights cannot be used: {reason}")
             else:
@@ -245,7 +249,8 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     (`finalize_model_grads`).
 
     Compact master weights are rebuilt first (the main grads are attached to the masters, so their
-    shapes must be back) and released again once the step has copied them into the model, or was skipped.
+    shapes must be back) and released again as the step copies them into the model (one pass rounds each into
+    its weight and splits it), or after a skipped step.
     State brought back from host memory may still be arriving (`arrivals`): the step waits for it first.
     """
     arrivals.settle(optimizer)
@@ -255,7 +260,8 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
         return _step(optimizer, scheduler)
     masters.rebuild()
     try:
-        return _step(optimizer, scheduler)
+        with masters.writing_models():
+            return _step(optimizer, scheduler)
     finally:
         masters.release()
 

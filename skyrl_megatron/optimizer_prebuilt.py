@@ -58,6 +58,7 @@ class _ShardViews:
     def __init__(self, optimizer):
         self.grads: list[list[torch.Tensor]] = []
         self.params: list[torch.Tensor] = []
+        self.float16_count = sum(len(group) for group in optimizer.model_float16_groups)  # those first in `params`
         for model_group in (*optimizer.model_float16_groups, *optimizer.model_fp32_groups):
             group_grads = []
             for model_param in model_group:
@@ -89,9 +90,22 @@ def _copy_model_grads_to_main_grads(optimizer) -> None:
 
 @torch.no_grad()
 def _copy_main_params_to_model_params(optimizer) -> None:
-    mains = _main_shards(optimizer)
+    views, mains = optimizer._skyrl_shard_views.params, _main_shards(optimizer)
+    writer = getattr(optimizer, "_skyrl_write_models", None)
+    if writer is not None and writer():  # the float16 parameters' shards are written (`write_models_with`)
+        first_fp32 = optimizer._skyrl_shard_views.float16_count
+        views, mains = views[first_fp32:], mains[first_fp32:]
     if mains:
-        torch._foreach_copy_(optimizer._skyrl_shard_views.params, mains)
+        torch._foreach_copy_(views, mains)
+
+
+def write_models_with(optimizer, writer) -> None:
+    """Let `writer()` copy the float16 parameters' main shards into their model shards at the step's copy back;
+    it returns False where it did not (the copy is then made here). Compact master weights make that copy as
+    they release the masters (`master_weights.CompactMasterWeights.round_into_models`). A no-op on an optimizer
+    that keeps Megatron's methods."""
+    if hasattr(optimizer, "_skyrl_shard_views"):
+        optimizer._skyrl_write_models = writer
 
 
 def _in_main_norm(param) -> bool:

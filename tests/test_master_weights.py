@@ -144,6 +144,58 @@ def test_each_groups_checks_are_read_after_the_next_groups_split_is_queued(monke
     _assert_exact(pairs, expected)
 
 
+def test_the_steps_copy_back_is_the_release_part_by_part_each_last_group_read_once_more_is_queued(monkeypatch):
+    """Inside `writing_models` (the optimizer step) each part's copy back is its release: every model weight
+    written as its master rounded (torch's rounding), the part's last group left unread until the next part's
+    call (or the step's closing release), never split twice; the other part's weights untouched until its call.
+    Outside (a checkpoint load's copy, say) nothing happens and the caller copies."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    events = []
+    eager = master_weights._EAGER
+
+    def split(bits, upper):
+        events.append("split")
+        return eager.split(bits, upper)
+
+    monkeypatch.setattr(master_weights, "_kernels", lambda device: dataclasses.replace(eager, split=split))
+    monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 1000)
+    real_read = master_weights._HostChecks.read
+    monkeypatch.setattr(master_weights._HostChecks, "read", lambda self: events.append("read") or real_read(self))
+    values = _adversarial_masters()[:4000]
+    values = values[values.abs() < 1e30]  # room for a step
+    pairs = [(torch.nn.Parameter(piece.clone(), requires_grad=False), piece.to(torch.bfloat16))
+             for piece in torch.split(values, 1000)]  # four storages: four runs, four groups
+    masters = CompactMasterWeights(pairs, parts=[0, 0, 1, 1])
+    masters.release()
+    masters.rebuild()
+    generator = torch.Generator().manual_seed(3)
+    for master, _ in pairs:  # the step's update
+        master.data.add_(torch.randn(master.shape, generator=generator))
+    expected, before = _bits(pairs), [model.clone() for _, model in pairs]
+
+    assert not masters.round_into_models(0)  # outside the step
+    assert all(torch.equal(model, old) for (_, model), old in zip(pairs, before))
+    events.clear()
+    with masters.writing_models():
+        assert masters.round_into_models(0)
+        assert events == ["split", "split", "read"]  # the part's last group not read yet
+        assert all(torch.equal(model, want.view(torch.float32).to(torch.bfloat16))
+                   for (_, model), want in zip(pairs[:2], expected[:2]))
+        assert all(torch.equal(model, old) for (_, model), old in zip(pairs[2:], before[2:]))
+        assert _holds_nothing(pairs[0][0]) and not _holds_nothing(pairs[1][0])
+        assert masters.round_into_models(1)
+        assert events == ["split", "split", "read", "split", "read", "split", "read"]
+        assert all(_holds_nothing(master) for master, _ in pairs[:3]) and not _holds_nothing(pairs[3][0])
+    masters.release()  # the step's closing release: the last group read, nothing split again
+    assert events == ["split", "split", "read", "split", "read", "split", "read", "read"]
+    assert all(_holds_nothing(master) for master, _ in pairs)
+    assert all(torch.equal(model.view(torch.int16), want.view(torch.float32).to(torch.bfloat16).view(torch.int16))
+               for (_, model), want in zip(pairs, expected))
+    masters.rebuild()
+    _assert_exact(pairs, expected)
+
+
 def test_a_model_weight_that_is_not_its_master_rounded_is_refused():
     masters = torch.tensor([1.0, 2.0, 3.0])
     assert split_master(masters, torch.tensor([1.0, 2.5, 3.0], dtype=torch.bfloat16)) is None
@@ -514,13 +566,23 @@ def _compact_against_plain(rank, world, hf_dir, layout=None):
     plain = _train(*_build(hf_dir, compact=False, parallel=parallel), rank)
     built, optimizer, scheduler = _build(hf_dir, compact=True, parallel=parallel)
     initial = _held_bytes(optimizer)  # released as soon as the optimizer is built
+    releases_written = []  # each step's copy back made by the release (`round_into_models`), part by part
+    masters_object = compact_masters_of(optimizer)
+    real_round = masters_object.round_into_models
+    masters_object.round_into_models = lambda part: releases_written.append(part) or real_round(part)
+    from skyrl_megatron.master_weights import chained_parts
+    assert all(callable(getattr(part, "_skyrl_write_models", None)) for part in chained_parts(optimizer))
+    for index, part in enumerate(chained_parts(optimizer)):  # the hook holds the bound method: set it again
+        part._skyrl_write_models = lambda index=index: masters_object.round_into_models(index)
     compact = _train(built, optimizer, scheduler, rank, offload_after=1)
     numel = sum(p.numel() for p in built.chunks[0].parameters())
     with masters_materialised(optimizer):  # gathered: the masters of a run share one buffer
         masters = [p for p in _optimizer_params(optimizer) if p.numel()]
         runs = {"runs": compact_masters_of(optimizer).runs, "masters": len(masters),
                 "buffers": len({p.untyped_storage().data_ptr() for p in masters})}
-    return {"plain": plain, "compact": compact, "initial": initial, "numel": numel, "runs": runs}
+    parts = len(chained_parts(optimizer))
+    return {"plain": plain, "compact": compact, "initial": initial, "numel": numel, "runs": runs,
+            "releases_written": releases_written, "parts": parts}
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -568,6 +630,10 @@ def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, family, world
         # the model shards lie back to back in DDP's buffer: a few runs, each one buffer of masters
         runs = result["runs"]
         assert runs["buffers"] == runs["runs"] <= 4 < runs["masters"], runs
+        # every step's copy back was the release's (each part once: the chained MoE has two), the poisoned one's
+        # too (its skip decided on the device, the update left out)
+        assert result["releases_written"] == list(range(result["parts"])) * len(STEPS), result["releases_written"]
+        assert result["parts"] == (2 if family == "qwen3_moe" else 1)
         # offloaded, the remainders left with Adam's state (and came back: the later steps match)
         assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
         assert compact["parked"]["adam"] < plain["held"][1]["adam"]
@@ -781,7 +847,8 @@ import dataclasses
 import torch
 from skyrl_megatron import master_weights
 from skyrl_megatron.master_weights import CompactMasterWeights
-from skyrl_megatron.master_weights_kernels import _BLOCK, _TIE_BLOCK, join, split_with_stats, tie_indices
+from skyrl_megatron.master_weights_kernels import (_BLOCK, _TIE_BLOCK, join, round_and_split_with_stats,
+                                                   split_with_stats, tie_indices)
 
 generator = torch.Generator().manual_seed(0)
 tie = lambda upper: (upper << 16) | 0x8000  # the lower half exactly half way: a tie
@@ -810,6 +877,11 @@ for length in (1, 7, _BLOCK - 1, _BLOCK, _BLOCK + 1, values.numel()):
         assert foreign or stats[1] == want[1] == int((status == 1).sum()), (length, stats, want)
         if not foreign:  # the ties' indices, ascending, from the blocks holding one
             assert torch.equal(tie_indices(bits, upper, checks, int(stats[1])), (status == 1).nonzero().view(-1))
+            # the split that writes the model weight itself: the master rounded as torch rounds it, the same split
+            written = torch.full_like(upper, 0x1234)
+            got = round_and_split_with_stats(bits, written)
+            assert torch.equal(written, upper) and torch.equal(got[0], remainder) and torch.equal(got[1], stats), length
+            assert torch.equal(got[2], checks), length
         cases += 1
 # the join: every length above through the split's remainders and ties; the ties of the lowest weight (-0.0's
 # pattern, whose stored value wraps below int32's range until raised) and more ties than one correction program
@@ -858,7 +930,18 @@ for corrupt in (False, False, True):  # tensor by tensor, then whole runs; then 
     compact.rebuild()
     assert all(torch.equal(master.detach().view(torch.int32), want) for (master, _), want in zip(pairs, expected))
     cases += 1
-print(cases + 1)
+# a step's copy back made by the release: the masters moved, each model weight written as the master rounded
+for master, _ in pairs:
+    master.data.add_(torch.randn(master.shape, generator=generator) * 1e-2)
+expected = [master.detach().view(torch.int32).clone() for master, _ in pairs]
+with compact.writing_models():
+    assert compact.round_into_models(0)
+compact.release()
+assert not any(master.untyped_storage().nbytes() for master, _ in pairs)
+assert all(torch.equal(model, want.view(torch.float32).to(torch.bfloat16)) for (_, model), want in zip(pairs, expected))
+compact.rebuild()
+assert all(torch.equal(master.detach().view(torch.int32), want) for (master, _), want in zip(pairs, expected))
+print(cases + 2)
 """
 
 
@@ -866,11 +949,13 @@ def test_the_triton_kernels_split_and_join_as_the_eager_ones_do_bitwise():
     """The GPU's kernels (`master_weights_kernels`) under Triton's interpreter: the split's remainders and
     [worst status, ties] equal to the elementwise split and its torch reductions at lengths around a block's, with
     a foreign weight; the ties' indices from its per-block checks equal to a search of every element; the join
-    (ties raised, the lowest weight's wrap included) gives every master back; then split_master / join_master and
-    a release and rebuild over runs (groups read behind the next one's split, a foreign weight) through them."""
+    (ties raised, the lowest weight's wrap included) gives every master back; the split that writes the model weight
+    writes the master rounded as torch rounds it and splits as the plain one; then split_master / join_master, a
+    release and rebuild over runs (groups read behind the next one's split, a foreign weight) and a step's copy
+    back made by the release through them."""
     from skyrl_megatron.testing import last_word_under_triton_interpreter
 
-    assert last_word_under_triton_interpreter(_TRITON_CHECK, timeout=300) == "19"
+    assert last_word_under_triton_interpreter(_TRITON_CHECK, timeout=300) == "20"
 
 
 def test_the_gpu_kernel_set_splits_and_joins_with_the_triton_passes(monkeypatch):
@@ -878,6 +963,10 @@ def test_the_gpu_kernel_set_splits_and_joins_with_the_triton_passes(monkeypatch)
     chunks."""
     from skyrl_megatron.master_weights_kernels import join, split_with_stats, tie_indices
 
+    from skyrl_megatron.master_weights_kernels import round_and_split_with_stats
+
     on_gpu, on_cpu = master_weights._kernels(torch.device("cuda")), master_weights._kernels(torch.device("cpu"))
     assert (on_gpu.split_with_stats, on_gpu.tie_indices, on_gpu.join_with_ties) == (split_with_stats, tie_indices, join)
+    assert on_gpu.round_and_split_with_stats is round_and_split_with_stats
     assert on_cpu.split_with_stats is None and on_cpu.tie_indices is None and on_cpu.join_with_ties is None
+    assert on_cpu.round_and_split_with_stats is None

@@ -14,8 +14,20 @@ def test_smoke_mode_times_and_checks_the_eager_kernels(tmp_path, bench_smoke):
     run = bench_smoke(SCRIPT, out)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["tensors"] == 19 and [r["kernels"] for r in report["runs"]] == ["eager"]
-    assert report["runs"][0]["exact"] and report["runs"][0]["freed_gib"] > 0
+    assert report["tensors"] == 19 and [r["kernels"] for r in report["runs"]] == ["eager"] * 3
+    assert [r["copy_back"] for r in report["runs"]] == [None, "copy", "write"]  # the step's copy back both ways
+    assert all(r["exact"] and r["freed_gib"] > 0 for r in report["runs"])
+
+
+def test_a_wrong_model_weight_written_by_the_release_fails_the_check(tmp_path, bench_smoke):
+    out = tmp_path / "mw.json"
+    # the release's write of the model weights off by one bit in each tensor's first weight
+    patch = ("real = script.master_weights._split_on_device; script.master_weights._split_on_device = "
+             "lambda master, model, write_model=False: (lambda result: (write_model and "
+             "model.view(script.torch.int16)[:1].__ixor__(1), result)[1])(real(master, model, write_model))")
+    run = bench_smoke(SCRIPT, out, patch)
+    assert run.returncode == 1
+    assert [r["exact"] for r in json.loads(out.read_text())["runs"]] == [True, True, False]
 
 
 def test_a_wrong_rebuild_fails_the_check(tmp_path, bench_smoke):

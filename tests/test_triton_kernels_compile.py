@@ -46,6 +46,9 @@ def _other_cases():
     yield ("compact masters' split", master_weights_kernels._split_kernel,
            {"bits_ptr": "*i32", "upper_ptr": "*i16", "remainder_ptr": "*i16", "partial_ptr": "*i32", "numel": "i64"},
            {"BLOCK": master_weights_kernels._BLOCK})
+    yield ("compact masters' split writing the model weights", master_weights_kernels._round_split_kernel,
+           {"bits_ptr": "*i32", "upper_ptr": "*i16", "remainder_ptr": "*i16", "partial_ptr": "*i32", "numel": "i64"},
+           {"BLOCK": master_weights_kernels._BLOCK})
     yield ("compact masters' tie indices", master_weights_kernels._tie_index_kernel,
            {"bits_ptr": "*i32", "upper_ptr": "*i16", "partial_ptr": "*i32", "first_ptr": "*i64", "out_ptr": "*i64",
             "numel": "i64"}, {"BLOCK": master_weights_kernels._BLOCK})
