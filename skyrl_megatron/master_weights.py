@@ -422,8 +422,8 @@ class CompactMasterWeights:
         not one per run or tensor and chunk (Megatron has a master per parameter: thousands at MoE
         widths). A group's checks are read once the next group's split is queued, so the device splits
         that one while the host settles this one (two groups' remainders beside the masters at most).
-        Writing the models, the last group's checks are left to the next call: the step queues the next
-        optimizer's update (or the schedule's next work) before the host waits for them."""
+        Writing the models, the last group's checks are left to the next call (the step's closing release):
+        the step queues what follows its copy back (the parameter gather) before the host waits for them."""
         freed = kept = 0
         with torch.profiler.record_function("skyrl_megatron.masters_release"), torch.no_grad():
             pending, self._pending = self._pending, None

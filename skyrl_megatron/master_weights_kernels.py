@@ -68,8 +68,9 @@ def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK:
 def _round_split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
     """The split of masters whose model weights it writes: each master rounded to bf16 to nearest even, as
     PyTorch's copy rounds it, stored as the weight, and split against it (a NaN becomes the NaN 0x7FFF; the split
-    against it is exact as against any weight, or keeps the run in fp32 where the difference does not fit). The rounding is integer arithmetic on the bit
-    pattern: exact under Triton's interpreter too, whose float conversion truncates."""
+    against it is exact as against any weight, or keeps the run in fp32 where the difference does not fit). The
+    rounding is integer arithmetic on the bit pattern: exact under Triton's interpreter too, whose float
+    conversion truncates."""
     block = tl.program_id(0).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < numel

@@ -252,8 +252,8 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     (`finalize_model_grads`).
 
     Compact master weights are rebuilt first (the main grads are attached to the masters, so their
-    shapes must be back) and released again as the step copies them into the model (one pass rounds each into
-    its weight and splits it), or after a skipped step.
+    shapes must be back) and released again: those of the chain's last optimizer as the step copies them into
+    the model (one pass rounds each into its weight and splits it), the others after the step.
     State brought back from host memory may still be arriving (`arrivals`): the step waits for it first.
     """
     arrivals.settle(optimizer)

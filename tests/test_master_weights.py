@@ -116,11 +116,9 @@ def test_release_reads_each_groups_checks_at_once_and_rebuilds_exactly(monkeypat
         assert torch.equal(master.view(torch.int32), want.view(torch.int32))
 
 
-def test_each_groups_checks_are_read_after_the_next_groups_split_is_queued(monkeypatch):
-    """The device splits the next group while the host settles this one: with one master a group, the reads
-    come one split behind (on a GPU a read then waits for its own group only: pinned, behind an event)."""
-    from skyrl_megatron.master_weights import CompactMasterWeights
-
+def _record_splits_and_reads(monkeypatch) -> list[str]:
+    """The eager kernels with each split and each host read of a group's checks recorded, in order; a group of
+    1,000 elements."""
     events = []
     eager = master_weights._EAGER
 
@@ -132,6 +130,15 @@ def test_each_groups_checks_are_read_after_the_next_groups_split_is_queued(monke
     monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 1000)
     real_read = master_weights._HostChecks.read
     monkeypatch.setattr(master_weights._HostChecks, "read", lambda self: events.append("read") or real_read(self))
+    return events
+
+
+def test_each_groups_checks_are_read_after_the_next_groups_split_is_queued(monkeypatch):
+    """The device splits the next group while the host settles this one: with one master a group, the reads
+    come one split behind (on a GPU a read then waits for its own group only: pinned, behind an event)."""
+    from skyrl_megatron.master_weights import CompactMasterWeights
+
+    events = _record_splits_and_reads(monkeypatch)
     values = _adversarial_masters()
     pairs = [(torch.nn.Parameter(piece.clone(), requires_grad=False), piece.to(torch.bfloat16))
              for piece in torch.split(values[:4000], 1000)]  # four separate storages: four runs, four groups
@@ -151,17 +158,7 @@ def test_the_steps_copy_back_is_the_release_part_by_part_each_last_group_read_on
     Outside (a checkpoint load's copy, say) nothing happens and the caller copies."""
     from skyrl_megatron.master_weights import CompactMasterWeights
 
-    events = []
-    eager = master_weights._EAGER
-
-    def split(bits, upper):
-        events.append("split")
-        return eager.split(bits, upper)
-
-    monkeypatch.setattr(master_weights, "_kernels", lambda device: dataclasses.replace(eager, split=split))
-    monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 1000)
-    real_read = master_weights._HostChecks.read
-    monkeypatch.setattr(master_weights._HostChecks, "read", lambda self: events.append("read") or real_read(self))
+    events = _record_splits_and_reads(monkeypatch)
     values = _adversarial_masters()[:4000]
     values = values[values.abs() < 1e30]  # room for a step
     pairs = [(torch.nn.Parameter(piece.clone(), requires_grad=False), piece.to(torch.bfloat16))
