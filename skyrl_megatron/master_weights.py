@@ -60,7 +60,7 @@ from skyrl_megatron import arrivals
 logger = logging.getLogger(__name__)
 
 _TIE = 1 << 15  # the remainder of a tie rounded down; int16 holds -_TIE but not +_TIE
-_OUT_OF_RANGE = 2  # the status of an element whose model weight is not its master rounded
+OUT_OF_RANGE = 2  # the status of an element whose model weight is not its master rounded
 # elements per eager pass: bounds the int64 temporaries (a few times 32 MiB) whatever the tensor's size
 _CHUNK = 1 << 22
 # elements whose remainders are computed before their checks are read at once (2 bytes each)
@@ -69,7 +69,7 @@ _GROUP_ELEMENTS = 1 << 27
 
 def _split_chunk(bits: torch.Tensor, upper: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(remainder int16 with +_TIE stored as -_TIE, status int8 per element: 0 in range, 1 a tie rounded
-    down, _OUT_OF_RANGE where int16 cannot hold the difference) from a master's int32 bits and its model
+    down, OUT_OF_RANGE where int16 cannot hold the difference) from a master's int32 bits and its model
     weight's int16 bits. The difference is taken in int64: an unrelated pair must not wrap into range.
 
     The eager (CPU) path, a chunk at a time; `_chunk_stats` reduces the statuses. On GPUs one Triton pass
@@ -78,7 +78,7 @@ def _split_chunk(bits: torch.Tensor, upper: torch.Tensor) -> tuple[torch.Tensor,
     tie = diff == _TIE
     remainder = torch.where(tie, -_TIE, diff).to(torch.int16)
     outside = (diff < -_TIE) | (diff > _TIE)
-    status = torch.where(outside, _OUT_OF_RANGE, tie.to(torch.int8)).to(torch.int8)
+    status = torch.where(outside, OUT_OF_RANGE, tie.to(torch.int8)).to(torch.int8)
     return remainder, status
 
 
@@ -186,19 +186,21 @@ def _tie_indices(master: torch.Tensor, model: torch.Tensor, tie_counts: list[int
 
 
 def _in_range(stats: list[int]) -> bool:
-    return stats[0] < _OUT_OF_RANGE
+    return stats[0] < OUT_OF_RANGE
 
 
 def _tie_counts(stats: list[int]) -> list[int]:
     return stats[1:]
 
 
-def split_master(master: torch.Tensor, model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def split_master(master: torch.Tensor, model: torch.Tensor,
+                 write_model: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(remainder int16, indices of rounded-down ties int64) such that `join_master` gives `master`
     back bit for bit from `model`; None when `model` is not `master` rounded (nothing can be saved).
+    `write_model`: make `model` the master rounded first.
 
     `master` fp32 and `model` bf16, both contiguous and one-dimensional, of the same length."""
-    remainder, stats, checks = _split_on_device(master, model)
+    remainder, stats, checks = _split_on_device(master, model, write_model)
     stats = stats.tolist()  # a host read
     if not _in_range(stats):
         return None

@@ -46,7 +46,7 @@ def _differences(bits_ptr, upper_ptr, offsets, numel):
 
 
 @triton.jit
-def _store_split(diff, inside, offsets, block, remainder_ptr, partial_ptr):
+def store_split(diff, inside, offsets, block, remainder_ptr, partial_ptr):
     """The remainders of one block's differences, and the block's [worst status, ties]."""
     tie = diff == 32768
     tl.store(remainder_ptr + offsets, tl.where(tie, -32768, diff).to(tl.int16), mask=inside)
@@ -61,25 +61,31 @@ def _split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK:
     block = tl.program_id(0).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     diff, inside = _differences(bits_ptr, upper_ptr, offsets, numel)
-    _store_split(diff, inside, offsets, block, remainder_ptr, partial_ptr)
+    store_split(diff, inside, offsets, block, remainder_ptr, partial_ptr)
 
 
 @triton.jit
 def _round_split_kernel(bits_ptr, upper_ptr, remainder_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
     """The split of masters whose model weights it writes: each master rounded to bf16 to nearest even, as
-    PyTorch's copy rounds it, stored as the weight, and split against it (a NaN becomes the NaN 0x7FFF; the split
-    against it is exact as against any weight, or keeps the run in fp32 where the difference does not fit). The
-    rounding is integer arithmetic on the bit pattern: exact under Triton's interpreter too, whose float
-    conversion truncates."""
+    PyTorch's copy rounds it (`rounded_upper`), stored as the weight, and split against it (a NaN's split against
+    0x7FFF is exact as against any weight, or keeps the run in fp32 where the difference does not fit)."""
     block = tl.program_id(0).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < numel
     bits = tl.load(bits_ptr + offsets, mask=inside, other=0).to(tl.int64)
+    upper = rounded_upper(bits)
+    tl.store(upper_ptr + offsets, upper, mask=inside)
+    store_split(bits - upper.to(tl.int64) * 65536, inside, offsets, block, remainder_ptr, partial_ptr)
+
+
+@triton.jit
+def rounded_upper(bits):
+    """The bf16 bits (int16) of fp32 values given as their int32 bits widened to int64, rounded to nearest even as
+    PyTorch's copy rounds them (a NaN becomes the NaN 0x7FFF). Integer arithmetic on the bit pattern: exact under
+    Triton's interpreter too, whose float conversion truncates."""
     pattern = bits & 0xFFFFFFFF  # the unsigned bit pattern: sign and magnitude round alike
     rounded = (pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16  # the largest finite magnitudes carry into inf
-    upper = tl.where((pattern & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, rounded).to(tl.int16)
-    tl.store(upper_ptr + offsets, upper, mask=inside)
-    _store_split(bits - upper.to(tl.int64) * 65536, inside, offsets, block, remainder_ptr, partial_ptr)
+    return tl.where((pattern & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, rounded).to(tl.int16)
 
 
 @triton.jit

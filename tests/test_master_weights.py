@@ -75,7 +75,7 @@ def test_split_and_join_are_bitwise_exact_on_adversarial_values(monkeypatch, ker
 
 
 def test_the_eager_split_marks_ties_and_foreign_weights_per_element(monkeypatch):
-    """Its per-element statuses: 0 in range, 1 a tie rounded down, _OUT_OF_RANGE a weight not its master rounded
+    """Its per-element statuses: 0 in range, 1 a tie rounded down, OUT_OF_RANGE a weight not its master rounded
     (the Triton split keeps the same statuses per block: `_TRITON_CHECK`)."""
     _use_kernels(monkeypatch, "eager")
     split = master_weights._kernels(torch.device("cpu")).split
@@ -84,7 +84,7 @@ def test_the_eager_split_marks_ties_and_foreign_weights_per_element(monkeypatch)
     model = masters.to(torch.bfloat16)
     model[3] = 2.0
     remainder, status = split(masters.view(torch.int32), model.view(torch.int16))
-    assert status.dtype == torch.int8 and status.tolist() == [0, 1, 0, master_weights._OUT_OF_RANGE]
+    assert status.dtype == torch.int8 and status.tolist() == [0, 1, 0, master_weights.OUT_OF_RANGE]
     assert remainder.tolist()[:3] == [1, -(1 << 15), -(1 << 15)]
     for length in (1, 7, 4099):  # every output as long as its input
         values = torch.randn(length)
