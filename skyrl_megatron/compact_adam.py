@@ -14,7 +14,9 @@ divisor are read on the device, as torch's fused Adam reads `found_inf` and `gra
 
 from __future__ import annotations
 
+import logging
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ import torch
 from torch import Tensor
 
 from skyrl_megatron import master_weights
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -131,13 +135,17 @@ def queue_run_step(model: Tensor, remainder: Tensor, ties: Tensor, grad: Tensor,
     return QueuedStep(split[0], torch.tensor([0, split[1].numel()]), split[1])
 
 
-def settle(queued: Sequence[QueuedStep]) -> list[tuple[Tensor, Tensor]]:
-    """(remainder, tie indices) of each queued step, after one host read of all their checks."""
+def settle(queued: Sequence[QueuedStep], checks: "master_weights.HostChecks | None" = None
+           ) -> list[tuple[Tensor, Tensor]]:
+    """(remainder, tie indices) of each queued step, after one host read of all their checks (`checks`: their
+    stats already on their way to the host, in order)."""
     if not queued:
         return []
-    checks = torch.cat([step.stats for step in queued]).tolist()
+    if checks is None:
+        checks = master_weights.HostChecks([step.stats for step in queued])
+    values = checks.read()
     results = []
-    for step, worst, count in zip(queued, checks[0::2], checks[1::2]):
+    for step, worst, count in zip(queued, values[0::2], values[1::2]):
         if worst >= master_weights.OUT_OF_RANGE:
             raise CompactAdamError(_NAN_MESSAGE)
         if isinstance(step.found, Tensor):  # found on CPU already
@@ -159,3 +167,236 @@ def step_compact_run(model: Tensor, remainder: Tensor, ties: Tensor, grad: Tenso
 
 _NAN_MESSAGE = ("compact master weights: the optimizer step produced a master that is NaN (finite gradients, "
                 "moments and settings do not): check optimizer_config.lr and the betas")
+
+
+# ----------------------------------------------------------------------------------------------
+# In a Megatron optimizer: the released runs stepped in place of torch's Adam
+# ----------------------------------------------------------------------------------------------
+
+
+def _group_refusal(adam, group: dict) -> str | None:
+    """Why this torch param group's update is not `adam_step_reference`'s, or None."""
+    if type(adam) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(adam).__name__} is not torch's Adam/AdamW"
+    if group.get("amsgrad") or group.get("maximize") or group.get("capturable") or group.get("differentiable"):
+        return "amsgrad, maximize, capturable or differentiable is set"
+    decoupled = type(adam) is torch.optim.AdamW or group.get("decoupled_weight_decay")
+    if group.get("weight_decay", 0.0) and not decoupled:
+        return "Adam's L2 weight decay (not AdamW's decoupled one)"
+    if any(isinstance(group[key], Tensor) for key in ("lr", "eps", "weight_decay")) or \
+            any(isinstance(beta, Tensor) for beta in group["betas"]):
+        return "a tensor learning rate or beta"
+    return None
+
+
+@dataclass
+class _Adopted:
+    """A released run whose Adam state lives in run-wide buffers, the members' state entries views of them."""
+
+    run: object  # master_weights._Run
+    layout: RunLayout
+    grad: Tensor  # flat fp32 over the run's span in DDP's gradient buffer
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    steps: list[Tensor]  # the members' step counters (torch's state), advanced after each applied step
+    step: int  # the steps applied so far, on the host
+    marks: tuple  # the first member's state entries as adopted: another object there means the state was replaced
+
+
+class CompactAdam:
+    """AdamW on a Megatron optimizer's released runs of compact masters, each stepped in one pass
+    (`queue_run_step`) where torch's Adam would step its rebuilt fp32 masters.
+
+    `optim.optimizer_step` asks `begin()` which runs to leave released (`CompactMasterWeights.rebuild(leave=)`);
+    inside each chain part's torch step those runs' masters are left out of the param groups and queued here with
+    the step's skip flag and clip divisor (`found_inf`, `grad_scale`, as torch's fused Adam reads them; without
+    them, no skip and gradients already clipped in place); `finish()` reads the runs' checks once and advances the
+    step counters. A run is adopted at its first step parked: its members' moments are copied into one buffer
+    per moment over the run's span and the state entries become views of it (checkpoints and offloads read and
+    park them as before). A run whose members' state was replaced since (a checkpoint load) is adopted again."""
+
+    def __init__(self, masters, parts: Sequence, grads_of: dict[int, Tensor]):
+        """`parts`: the Megatron optimizers of the chain, by index as the masters know them; `grads_of`: id of
+        each main shard -> its fp32 gradient view in DDP's buffer (`optimizer_prebuilt`)."""
+        self._masters, self._grads_of = masters, grads_of
+        # each part's torch optimizer (None for a stub): not the Megatron parts, which own this object's lifetime
+        self._adams = [None if getattr(part, "is_stub_optimizer", False) else getattr(part, "optimizer", None)
+                       for part in parts]
+        self._adopted: dict[int, _Adopted] = {}
+        self._refused: dict[int, str] = {}  # run id -> why torch steps it, for good
+        self._stepping: dict[int, list[_Adopted]] = {}  # part index -> its runs stepped here this step
+        # per part: (the runs and the groups' param lists it was built for, each group's params without the runs')
+        self._kept_params: dict[int, tuple[tuple, tuple, list[list]]] = {}
+        # per chain part stepped: its runs' queued steps and their checks on the way to the host
+        self._queued: list[tuple[list[_Adopted], list[QueuedStep], master_weights.HostChecks]] = []
+        self._logged: set[str] = set()
+        for index, adam in enumerate(self._adams):
+            if adam is not None:
+                real_step = adam.step
+                adam.step = lambda closure=None, _index=index, _real=real_step: self._torch_step(_index, _real, closure)
+
+    @property
+    def adopted_runs(self) -> int:
+        return len(self._adopted)
+
+    def begin(self) -> set[int]:
+        """The ids of the runs this step updates here (left released by the rebuild)."""
+        self._stepping = {}
+        with torch.no_grad():
+            for index, adam in enumerate(self._adams):
+                if adam is None:
+                    continue
+                for run in self._masters.parked_runs(index):
+                    adopted = self._current(run, index)
+                    if adopted is not None:
+                        self._stepping.setdefault(index, []).append(adopted)
+        return {id(adopted.run) for runs in self._stepping.values() for adopted in runs}
+
+    def finish(self, applied: bool) -> None:
+        """After the step: the queued runs' new remainders and ties (one host read), and their step counters
+        advanced where the update was applied."""
+        queued, self._queued, self._stepping = self._queued, [], {}
+        with torch.no_grad():
+            for runs, steps, checks in queued:
+                for adopted, (remainder, ties) in zip(runs, settle(steps, checks)):
+                    (piece,) = adopted.run.pieces
+                    piece.remainder, piece.tie_indices = remainder, ties
+            if applied and queued:
+                stepped = [adopted for runs, _, _ in queued for adopted in runs]
+                for adopted in stepped:
+                    adopted.step += 1
+                torch._foreach_add_([step for adopted in stepped for step in adopted.steps], 1.0)
+
+    def _current(self, run, index: int) -> _Adopted | None:
+        adopted = self._adopted.get(id(run))
+        if adopted is not None and adopted.run is run and self._marks(run, index) == adopted.marks:
+            return adopted
+        if id(run) in self._refused:
+            return None
+        reason, for_good = self._adopt(run, index)
+        if reason is None:
+            return self._adopted[id(run)]
+        if for_good:  # (a run without Adam state yet is looked at again: torch's step makes its state)
+            self._refused[id(run)] = reason
+            self._log_once(f"compact adam: a run of {len(run.members)} masters stays with torch's Adam: {reason}")
+        return None
+
+    def _marks(self, run, index: int) -> tuple:
+        state = self._adams[index].state.get(run.members[0].master, {})
+        return tuple(id(state.get(key)) for key in ("exp_avg", "exp_avg_sq", "step"))
+
+    def _adopt(self, run, index: int) -> tuple[str | None, bool]:
+        """Adopt `run`; (None, _) where it was, else (why not, whether for good)."""
+        adam = self._adams[index]
+        group_of = {id(p): g for g, group in enumerate(adam.param_groups) for p in group["params"]}
+        members = run.members
+        if any(id(m.master) not in group_of for m in members):
+            return "a master outside its optimizer's param groups", True
+        groups = [group_of[id(m.master)] for m in members]
+        for g in set(groups):
+            reason = _group_refusal(adam, adam.param_groups[g])
+            if reason is not None:
+                return reason, True
+        states = [adam.state.get(m.master, {}) for m in members]
+        if any(not {"exp_avg", "exp_avg_sq", "step"} <= state.keys() for state in states):
+            return "no Adam state yet", False
+        grads = [self._grads_of.get(id(m.master)) for m in members]
+        first = grads[0]
+        if any(g is None or g.dtype != torch.float32 or not g.is_contiguous() for g in grads) or any(
+                g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or g.storage_offset() - first.storage_offset() != m.offset for g, m in zip(grads, members)):
+            return "its gradients are not an fp32 stretch of DDP's buffer laid out as the weights", True
+        steps = [state["step"] for state in states]
+        device = run.model.device
+        counts = torch.stack([step.reshape(()).to(device, torch.float64) for step in steps]).unique()  # one read
+        if counts.numel() != 1:
+            return "its masters have taken different numbers of steps", False
+        buffers = []
+        for key in ("exp_avg", "exp_avg_sq"):
+            previous = self._adopted.get(id(run))
+            buffer = getattr(previous, key) if previous is not None and previous.run is run else \
+                torch.zeros(run.span, dtype=torch.float32, device=device)
+            for m, state in zip(members, states):
+                view = buffer[m.offset : m.offset + m.numel]
+                view.copy_(state[key].reshape(-1))
+                state[key] = view.view(m.shape)
+            buffers.append(buffer)
+        spans = [(m.offset, m.offset + m.numel, g) for m, g in zip(members, groups)]
+        grad = first.as_strided((run.span,), (1,), first.storage_offset())
+        self._adopted[id(run)] = _Adopted(run, run_layout(spans, device), grad, *buffers, steps, int(counts.item()),
+                                          self._marks(run, index))
+        return None, False
+
+    def _torch_step(self, index: int, real_step, closure=None):
+        """Torch's step of chain part `index` without the masters of the runs stepped here, which are queued."""
+        runs = self._stepping.get(index)
+        if not runs:
+            return real_step(closure)
+        adam = self._adams[index]
+        saved = [group["params"] for group in adam.param_groups]
+        for group, kept in zip(adam.param_groups, self._params_kept(index, runs, saved)):
+            group["params"] = kept
+        try:
+            loss = real_step(closure)
+        finally:
+            for group, params in zip(adam.param_groups, saved):
+                group["params"] = params
+        with torch.no_grad():
+            device = runs[0].run.model.device
+            skip = getattr(adam, "found_inf", None)
+            skip = torch.zeros((), device=device) if skip is None else skip.reshape(())
+            scale = getattr(adam, "grad_scale", None)
+            tables: dict[int, Tensor] = {}
+            steps = []
+            for adopted in runs:
+                step = adopted.step + 1
+                if step not in tables:
+                    tables[step] = _hyper_table(adam.param_groups, step, device)
+                (piece,) = adopted.run.pieces
+                steps.append(queue_run_step(adopted.run.model, piece.remainder, piece.tie_indices, adopted.grad,
+                                            adopted.exp_avg, adopted.exp_avg_sq, adopted.layout, tables[step], skip,
+                                            None if scale is None else scale.reshape(())))
+            # the checks start for the host now, behind this part's passes only (read in `finish`)
+            self._queued.append((runs, steps, master_weights.HostChecks([step.stats for step in steps])))
+        return loss
+
+    def _params_kept(self, index: int, runs: list[_Adopted], params: list[list]) -> list[list]:
+        """Each param group's parameters without the masters of `runs` (built again only when the runs or the
+        groups' lists change: the same every step in between)."""
+        run_ids = tuple(id(adopted.run) for adopted in runs)
+        cached = self._kept_params.get(index)
+        if cached is None or cached[0] != run_ids or len(cached[1]) != len(params) or \
+                any(a is not b for a, b in zip(cached[1], params)):
+            left_out = {id(m.master) for adopted in runs for m in adopted.run.members}
+            cached = run_ids, tuple(params), [[p for p in group if id(p) not in left_out] for group in params]
+            self._kept_params[index] = cached
+        return cached[2]
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.info(message)
+
+
+def _hyper_table(param_groups: Sequence[dict], step: int, device: torch.device) -> Tensor:
+    """Every torch param group's `AdamScalars` row at `step`, on the device without waiting for it (pinned)."""
+    rows = torch.tensor([AdamScalars(g["lr"], *g["betas"], g["eps"], g.get("weight_decay", 0.0), step).row()
+                         for g in param_groups], dtype=torch.float32)
+    if device.type != "cuda":
+        return rows
+    return rows.pin_memory().to(device, non_blocking=True)
+
+
+# the CompactAdam of each optimizer that has one (weak: the optimizer owns its lifetime)
+_ATTACHED: "weakref.WeakKeyDictionary[object, CompactAdam]" = weakref.WeakKeyDictionary()
+
+
+def attach_compact_adam(optimizer, masters, grads_of: dict[int, Tensor]) -> CompactAdam:
+    """Step this optimizer's released runs of compact masters (`masters`) here from now on."""
+    stepper = CompactAdam(masters, master_weights.chained_parts(optimizer), grads_of)
+    _ATTACHED[optimizer] = stepper
+    return stepper
+
+
+def compact_adam_of(optimizer) -> CompactAdam | None:
+    return None if optimizer is None else _ATTACHED.get(optimizer)

@@ -263,6 +263,10 @@ class MegatronWorkerConfig:
     # fp32 master weights kept as bf16 weight + int16 remainder between optimizer steps (master_weights.py);
     # auto: wherever the optimizer allows it (optim.OptimizerSettings.build_optimizer), true: there or an error
     compact_master_weights: bool | str = AUTO
+    # AdamW straight on the compact masters (compact_adam.py): each run of released masters stepped by one Triton
+    # pass (28 bytes a parameter) in place of their rebuild, torch's fused AdamW and their release (44-48); needs
+    # compact_master_weights and ddp_config.grad_reduce_in_fp32
+    compact_adam: bool = False
     ddp_config: dict[str, Any] = field(default_factory=dict)
     optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -622,6 +626,7 @@ def check_megatron_role(cfg, role: str, shape: ModelShape | None) -> list[Proble
         problems.append(Problem(f"{prefix}.moe_config.routing_replay", f"r3 replays MoE routes, but {shape.model_type} "
                                 "at the model path has no experts", "set routing_replay=null for a dense model"))
     problems += _compact_master_weight_problems(cfg, role, prefix, mc)
+    problems += _compact_adam_problems(role, prefix, mc)
     problems += _fused_kernel_problems(f"{prefix}.fused_kernels", mc.fused_kernels)
     problems += _attention_kernel_problems(f"{prefix}.attention_kernel", mc.attention_kernel, mc.runtime)
     if mc.max_tokens_per_microbatch is not None and mc.max_tokens_per_microbatch < 1:
@@ -688,6 +693,26 @@ def _compact_master_weight_problems(cfg, role: str, prefix: str, mc: MegatronWor
     for name in ("use_megatron_fsdp", "fp8_param_gather", "fp4_param_gather"):
         if ddp.get(name):
             problems.append(Problem(key, f"not supported with ddp_config.{name}", f"set {name}=false, or {off}"))
+    return problems
+
+
+def _compact_adam_problems(role: str, prefix: str, mc: MegatronWorkerConfig) -> list[Problem]:
+    """Where `compact_adam` can step the masters: compact ones, fed fp32 gradients, of a role with an optimizer
+    (the rest of what it needs is what `compact_master_weights` needs, checked there)."""
+    key, value = f"{prefix}.compact_adam", mc.compact_adam
+    if not isinstance(value, bool):
+        return [Problem(key, f"must be true or false, got {value!r}", "set true or false")]
+    if not value:
+        return []
+    off = "set compact_adam=false"
+    if role == "ref":
+        return [Problem(key, "the reference model has no optimizer", off)]
+    problems = []
+    if mc.compact_master_weights is False:
+        problems.append(Problem(key, "steps compact master weights, which are off",
+                                f"set {prefix}.compact_master_weights=auto (or true), or {off}"))
+    if not (mc.ddp_config or {}).get("grad_reduce_in_fp32", False):
+        problems.append(Problem(key, "reads fp32 gradients", f"set {prefix}.ddp_config.grad_reduce_in_fp32=true, or {off}"))
     return problems
 
 

@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -394,7 +394,7 @@ class CompactMasterWeights:
         self._runs = _runs([m for m in masters if m.numel], _GROUP_ELEMENTS)
         self._logged = self._warned_kept = False
         self._writing = False  # inside `writing_models`: the optimizer's copy back is the release's split
-        self._pending: tuple[list[_Split], _HostChecks] | None = None  # a group split, its checks not read yet
+        self._pending: tuple[list[_Split], HostChecks] | None = None  # a group split, its checks not read yet
 
     @classmethod
     def of_optimizer(cls, optimizer) -> "CompactMasterWeights":
@@ -432,7 +432,7 @@ class CompactMasterWeights:
             # a group left by the last call is split already: settled below, not split again
             in_flight = {id(split.run) for split in pending[0]} if pending is not None else set()
             for group in self._groups(part, write_models, in_flight):
-                checks = _HostChecks([split.stats for split in group])
+                checks = HostChecks([split.stats for split in group])
                 if pending is not None:
                     group_freed, group_kept = _settle(*pending)
                     freed, kept = freed + group_freed, kept + group_kept
@@ -496,17 +496,23 @@ class CompactMasterWeights:
             with torch.no_grad():
                 _settle(*pending)
 
-    def rebuild(self) -> None:
+    def rebuild(self, *, leave: Collection[int] = ()) -> None:
         """Give every released master its exact fp32 value back (before the optimizer step), as a view
-        of one fp32 buffer per run."""
+        of one fp32 buffer per run; the runs whose ids are in `leave` stay released (`compact_adam` steps them
+        as they are)."""
         self._settle_pending()
         with torch.profiler.record_function("skyrl_megatron.masters_rebuild"), torch.no_grad():
             for run in self._runs:
-                if not run.pieces:
+                if not run.pieces or id(run) in leave:
                     continue
                 if any(p.remainder.untyped_storage().nbytes() < p.remainder.nbytes for p in run.pieces):
                     raise RuntimeError("compact master weights: the optimizer state is offloaded; backload it first")
                 _gather(run)
+
+    def parked_runs(self, part: int) -> list["_Run"]:
+        """The runs of chain part `part` released whole (one remainder over the span, the masters views of a
+        freed buffer): what `compact_adam` can step without rebuilding them."""
+        return [run for run in self._runs if run.part == part and run.parked and len(run.pieces) == 1]
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """What stands for the released masters (remainders, tie indices): optimizer state to offload."""
@@ -573,7 +579,7 @@ def _release_as_before(runs: list[tuple[_Run, list[_Piece]]]) -> None:
         run.pieces = pieces
 
 
-class _HostChecks:
+class HostChecks:
     """A group's stats (`_Split.stats`, concatenated) on their way to the host: on a GPU copied into pinned
     memory behind the group's kernels, so that reading them waits for this group only, not for work queued
     after it (a plain `.tolist()` waits for the whole stream)."""
@@ -595,7 +601,7 @@ class _HostChecks:
         return self._host.tolist()
 
 
-def _settle(group: list[_Split], checks: _HostChecks) -> tuple[int, int]:
+def _settle(group: list[_Split], checks: HostChecks) -> tuple[int, int]:
     """Release the group's masters whose checks hold (one host read for the whole group); returns
     (bytes freed, elements kept in fp32).
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from skyrl_megatron import arrivals, multi_tensor, optimizer_prebuilt, state_changes
+from skyrl_megatron.compact_adam import attach_compact_adam, compact_adam_of
 from skyrl_megatron.master_weights import attach, chained_parts, compact_masters_of, refusal
 
 logger = logging.getLogger(__name__)
@@ -120,12 +121,14 @@ class OptimizerSettings:
         )
         return cls(config=config, schedule=schedule)
 
-    def build_optimizer(self, chunks: Sequence[torch.nn.Module], *, compact_master_weights: bool | str = False):
+    def build_optimizer(self, chunks: Sequence[torch.nn.Module], *, compact_master_weights: bool | str = False,
+                        compact_adam: bool = False):
         """Megatron's optimizer over the DDP-wrapped model chunks (one per virtual pipeline stage).
 
         `compact_master_weights` keeps the fp32 masters as bf16 weight + int16 remainder between
         steps (`master_weights.py`; `optimizer_step` rebuilds them for the step): True there or an
-        error, "auto" wherever this optimizer allows it.
+        error, "auto" wherever this optimizer allows it. `compact_adam` steps them without rebuilding them
+        (`compact_adam.py`); it needs the compact masters.
 
         Whether the optimizer is distributed must agree with how the DDP grad buffers were laid
         out, so it follows `ddp_config.use_distributed_optimizer`; asking for a distributed
@@ -153,20 +156,33 @@ class OptimizerSettings:
         kept = {reason for part in chained_parts(optimizer) if (reason := optimizer_prebuilt.install(part))}
         if kept:
             logger.info("optimizer: Megatron's per-tensor methods kept (%s)", ", ".join(sorted(kept)))
-        if compact_master_weights:
-            reason = refusal(optimizer)
-            if reason is None:
-                masters = attach(optimizer)
-                # the chain's last optimizer copies its masters back through their release (where ours copies): an
-                # earlier part's release would read its checks before the next part's update is queued, and the
-                # device would wait for that launch (4 ms under the experts' AdamW at 4 MoE layers on an H100)
-                parts = chained_parts(optimizer)
-                last = len(parts) - 1
-                optimizer_prebuilt.write_models_with(parts[last], functools.partial(masters.round_into_models, last))
-            elif compact_master_weights is True:
-                raise OptimizerSettingsError(f"megatron_config.compact_master_weights cannot be used: {reason}")
-            else:
-                logger.info("compact master weights (auto): off, %s", reason)
+        reason = refusal(optimizer) if compact_master_weights else "compact_master_weights is false"
+        if compact_adam and reason is None:
+            reason = _compact_adam_refusal(optimizer)
+            if reason is not None:
+                raise OptimizerSettingsError(f"megatron_config.compact_adam cannot be used: {reason}")
+        if reason is None:
+            masters = attach(optimizer)
+            parts = chained_parts(optimizer)
+            # the chain's last optimizer copies its masters back through their release (where ours copies): an
+            # earlier part's release would read its checks before the next part's update is queued, and the
+            # device would wait for that launch (4 ms under the experts' AdamW at 4 MoE layers on an H100). With
+            # compact adam every part does: their released runs hold no fp32 masters to copy, and in steady state
+            # no run is left for an earlier part's release to split
+            for index in range(len(parts)) if compact_adam else [len(parts) - 1]:
+                optimizer_prebuilt.write_models_with(parts[index], functools.partial(masters.round_into_models, index))
+            if compact_adam:
+                grads_of = {}
+                for part in parts:
+                    grads_of.update(optimizer_prebuilt.main_grad_views(part) or {})
+                attach_compact_adam(optimizer, masters, grads_of)
+        elif compact_adam:
+            raise OptimizerSettingsError(f"megatron_config.compact_adam needs compact master weights, which cannot "
+                                         f"be used here: {reason}")
+        elif compact_master_weights is True:
+            raise OptimizerSettingsError(f"megatron_config.compact_master_weights cannot be used: {reason}")
+        elif compact_master_weights:
+            logger.info("compact master weights (auto): off, %s", reason)
         return optimizer
 
     def build_scheduler(self, optimizer):
@@ -189,6 +205,19 @@ class OptimizerSettings:
             # a resumed run continues the schedule it was saved with
             use_checkpoint_opt_param_scheduler=True,
         )
+
+
+def _compact_adam_refusal(optimizer) -> str | None:
+    """Why `compact_adam` cannot step this optimizer's compact masters, or None (each run's param groups and
+    gradients are checked again when it is first stepped, and a run that does not fit stays with torch's Adam)."""
+    for part in chained_parts(optimizer):
+        if getattr(part, "is_stub_optimizer", False):
+            continue
+        if optimizer_prebuilt.main_grad_views(part) is None:
+            return "Megatron's per-tensor optimizer methods are kept on this optimizer (optimizer_prebuilt)"
+        if not part.ddp_config.grad_reduce_in_fp32:
+            return "it reads fp32 gradients: set ddp_config.grad_reduce_in_fp32=true"
+    return None
 
 
 def torch_optimizers(optimizer) -> list:
@@ -253,7 +282,8 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
 
     Compact master weights are rebuilt first (the main grads are attached to the masters, so their
     shapes must be back) and released again: those of the chain's last optimizer as the step copies them into
-    the model (one pass rounds each into its weight and splits it), the others after the step.
+    the model (one pass rounds each into its weight and splits it), the others after the step. With compact adam
+    (`compact_adam.py`) the runs it steps stay released throughout: their update is one pass each.
     State brought back from host memory may still be arriving (`arrivals`): the step waits for it first.
     """
     arrivals.settle(optimizer)
@@ -261,11 +291,16 @@ def optimizer_step(optimizer, scheduler) -> StepResult:
     masters = compact_masters_of(optimizer)
     if masters is None:
         return _step(optimizer, scheduler)
-    masters.rebuild()
+    stepper = compact_adam_of(optimizer)
+    masters.rebuild(leave=stepper.begin() if stepper is not None else ())
+    result = None
     try:
         with masters.writing_models():
-            return _step(optimizer, scheduler)
+            result = _step(optimizer, scheduler)
+            return result
     finally:
+        if stepper is not None:
+            stepper.finish(applied=result is not None and not result.skipped)
         masters.release()
 
 

@@ -108,6 +108,16 @@ def write_models_with(optimizer, writer) -> None:
         optimizer._skyrl_write_models = writer
 
 
+def main_grad_views(optimizer) -> dict[int, torch.Tensor] | None:
+    """id of each main shard -> its gradient's view of DDP's buffer (what the step hands it as `.grad` where the
+    buffer is fp32); None on an optimizer that keeps Megatron's methods."""
+    views = getattr(optimizer, "_skyrl_shard_views", None)
+    if views is None:
+        return None
+    grads = [view for group in views.grads for view in group]
+    return {id(main): view for main, view in zip(_main_shards(optimizer), grads, strict=True)}
+
+
 def _in_main_norm(param) -> bool:
     """Megatron's filter for the main norm: not in a separately clipped norm group."""
     from megatron.core.optimizer.optimizer import _get_param_grad_norm_group, _is_separate_grad_norm_group

@@ -128,8 +128,8 @@ def _record_splits_and_reads(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(master_weights, "_kernels", lambda device: dataclasses.replace(eager, split=split))
     monkeypatch.setattr(master_weights, "_GROUP_ELEMENTS", 1000)
-    real_read = master_weights._HostChecks.read
-    monkeypatch.setattr(master_weights._HostChecks, "read", lambda self: events.append("read") or real_read(self))
+    real_read = master_weights.HostChecks.read
+    monkeypatch.setattr(master_weights.HostChecks, "read", lambda self: events.append("read") or real_read(self))
     return events
 
 
@@ -467,7 +467,8 @@ UNFUSED_LOSS = {"cross_entropy_loss_fusion": False}
 STEPS = ("train", "train", "poison", "train", "train")
 
 
-def _build(hf_dir: str, compact: bool, *, dtype: str = "bf16", distributed_optimizer: bool = True, parallel=None):
+def _build(hf_dir: str, compact: bool, *, dtype: str = "bf16", distributed_optimizer: bool = True, parallel=None,
+           compact_adam: bool = False):
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings
     from skyrl_megatron.parallel import ParallelConfig
@@ -477,7 +478,7 @@ def _build(hf_dir: str, compact: bool, *, dtype: str = "bf16", distributed_optim
         ddp_config={"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True},
     ))
     settings = OptimizerSettings.from_host_config(HOST_OPTIMIZER, {}, num_training_steps=8, dtype=dtype)
-    optimizer = settings.build_optimizer(built.chunks, compact_master_weights=compact)
+    optimizer = settings.build_optimizer(built.chunks, compact_master_weights=compact, compact_adam=compact_adam)
     return built, optimizer, settings.build_scheduler(optimizer)
 
 
@@ -521,7 +522,8 @@ def _state(built, optimizer) -> dict:
 
 
 def _held_bytes(optimizer) -> dict[str, int]:
-    """Storage the optimizer holds: its fp32 masters, their remainders and Adam's state."""
+    """Storage the optimizer holds: its fp32 masters, their remainders and Adam's state (each storage once: with
+    compact adam the moments are views of one buffer per run)."""
     from skyrl_megatron.master_weights import compact_masters_of
     from skyrl_megatron.optim import torch_optimizers
 
@@ -531,7 +533,8 @@ def _held_bytes(optimizer) -> dict[str, int]:
     return {
         "masters": sum(p.untyped_storage().nbytes() for p in _optimizer_params(optimizer)),
         "remainders": sum(t.untyped_storage().nbytes() for t in stored),
-        "adam": sum(t.untyped_storage().nbytes() for t in state if isinstance(t, torch.Tensor)),
+        "adam": sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                     for t in state if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}.values()),
     }
 
 
@@ -553,15 +556,53 @@ def _train(built, optimizer, scheduler, rank: int, offload_after: int | None = N
     return {"losses": losses, "results": results, "states": states, "held": held, "parked": parked}
 
 
-def _compact_against_plain(rank, world, hf_dir, layout=None):
+def _reference_adam_after_the_first_step(optimizer) -> None:
+    """From the second call of each torch step on, `compact_adam.adam_step_reference` per parameter in place of
+    torch's Adam, with its skip flag and clip divisor: what compact adam does from the step after the runs are
+    first released whole (the first step is torch's on both sides)."""
+    from skyrl_megatron.compact_adam import AdamScalars, adam_step_reference, scalar_table
+    from skyrl_megatron.optim import torch_optimizers
+
+    for adam in torch_optimizers(optimizer):
+        calls, real_step = [], adam.step
+
+        def step(closure=None, adam=adam, calls=calls, real_step=real_step):
+            calls.append(1)
+            if len(calls) == 1:
+                return real_step(closure)
+            skip = getattr(adam, "found_inf", None)
+            skip = torch.zeros(()) if skip is None else skip.reshape(())
+            scale = getattr(adam, "grad_scale", None)
+            with torch.no_grad():
+                for group in adam.param_groups:
+                    for param in group["params"]:
+                        if param.grad is None:
+                            continue
+                        state = adam.state[param]
+                        scalars = AdamScalars(group["lr"], *group["betas"], group["eps"], group["weight_decay"],
+                                              int(state["step"]) + 1)
+                        adam_step_reference(param.data.view(-1), param.grad.view(-1), state["exp_avg"].view(-1),
+                                            state["exp_avg_sq"].view(-1), [(0, param.numel(), 0)],
+                                            scalar_table([scalars], param.device), skip,
+                                            None if scale is None else scale.reshape(()))
+                        if not skip:
+                            state["step"] += 1
+
+        adam.step = step
+
+
+def _compact_against_plain(rank, world, hf_dir, layout=None, compact_adam=False):
     from skyrl_megatron.master_weights import compact_masters_of, masters_materialised
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
     init_distributed("cpu")
     parallel = ParallelConfig(**(layout or {}))
     initialize_model_parallel(parallel, seed=0)
-    plain = _train(*_build(hf_dir, compact=False, parallel=parallel), rank)
-    built, optimizer, scheduler = _build(hf_dir, compact=True, parallel=parallel)
+    built, optimizer, scheduler = _build(hf_dir, compact=False, parallel=parallel)
+    if compact_adam:
+        _reference_adam_after_the_first_step(optimizer)
+    plain = _train(built, optimizer, scheduler, rank)
+    built, optimizer, scheduler = _build(hf_dir, compact=True, parallel=parallel, compact_adam=compact_adam)
     initial = _held_bytes(optimizer)  # released as soon as the optimizer is built
     from skyrl_megatron.master_weights import chained_parts
 
@@ -578,8 +619,12 @@ def _compact_against_plain(rank, world, hf_dir, layout=None):
         runs = {"runs": compact_masters_of(optimizer).runs, "masters": len(masters),
                 "buffers": len({p.untyped_storage().data_ptr() for p in masters})}
     parts = len(chained_parts(optimizer))
+    from skyrl_megatron.compact_adam import compact_adam_of
+
+    stepper = compact_adam_of(optimizer)
     return {"plain": plain, "compact": compact, "initial": initial, "numel": numel, "runs": runs,
-            "releases_written": releases_written, "parts": parts, "hooked": hooked}
+            "releases_written": releases_written, "parts": parts, "hooked": hooked,
+            "adopted_runs": None if stepper is None else stepper.adopted_runs}
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -608,33 +653,64 @@ def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, family, world
 
     hf_dir = str(make_tiny_hf_model(family, tmp_path, seed=5))
     for result in run_on_ranks(_compact_against_plain, world, hf_dir, layout, timeout=600):
-        plain, compact = result["plain"], result["compact"]
-        assert compact["losses"] == plain["losses"]
-        assert compact["results"] == plain["results"]
-        assert [skipped for skipped, _ in plain["results"]] == [kind == "poison" for kind in STEPS]
-        for a, b in zip(plain["states"], compact["states"], strict=True):
-            _assert_same_state(a, b)
-        # between steps the fp32 masters hold no storage; the remainders take about half of it
-        assert result["initial"]["masters"] == 0 and result["initial"]["remainders"] > 0
-        for held_plain, held_compact in zip(plain["held"], compact["held"], strict=True):
-            assert held_plain["remainders"] == 0 and held_plain["masters"] > 0
-            assert held_compact["masters"] == 0
-            assert held_plain["masters"] // 2 <= held_compact["remainders"] < held_plain["masters"] // 2 * 1.01
-            assert held_compact["adam"] == held_plain["adam"]
-        # each rank's masters are its share of its model part: all of it without data parallelism
-        shared, data_parallel = plain["held"][0]["masters"], world // layout.get("tensor", 1)
-        assert shared == 4 * result["numel"] if data_parallel == 1 else 0 < shared < 4 * result["numel"]
-        # the model shards lie back to back in DDP's buffer: a few runs, each one buffer of masters
-        runs = result["runs"]
-        assert runs["buffers"] == runs["runs"] <= 4 < runs["masters"], runs
-        # the chain's last part (the chained MoE has two) copied back through the release at every step, the
-        # poisoned one's too (its skip decided on the device, the update left out); an earlier part copies
-        last = result["parts"] - 1
-        assert result["parts"] == (2 if family == "qwen3_moe" else 1) and result["hooked"] == [last]
-        assert result["releases_written"] == [last] * len(STEPS), result["releases_written"]
-        # offloaded, the remainders left with Adam's state (and came back: the later steps match)
-        assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
-        assert compact["parked"]["adam"] < plain["held"][1]["adam"]
+        _assert_compact_trained_as_plain(result, family, world, layout, compact_adam=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family,world,layout",
+    [
+        ("qwen3", 1, {}),
+        ("qwen3", 2, {}),  # data parallel: each rank steps its shard of every run
+        ("qwen3_moe", 2, {"expert": 2}),  # a chained optimizer: both parts' runs stepped here
+    ],
+)
+def test_compact_adam_trains_bitwise_like_its_definition_on_fp32_masters(tmp_path, family, world, layout):
+    """Compact adam (the released runs stepped without rebuilding their masters) against fp32 masters stepped by
+    `adam_step_reference` per parameter, torch's Adam taking the first step on both sides: losses, norms, the
+    skipped step, weights, masters and Adam's state bit for bit, through an offload round trip; every run adopted,
+    every part copying back through the release."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model(family, tmp_path, seed=5))
+    for result in run_on_ranks(_compact_against_plain, world, hf_dir, layout, True, timeout=600):
+        _assert_compact_trained_as_plain(result, family, world, layout, compact_adam=True)
+        assert result["adopted_runs"] == result["runs"]["runs"]
+
+
+def _assert_compact_trained_as_plain(result, family, world, layout, compact_adam: bool) -> None:
+    plain, compact = result["plain"], result["compact"]
+    assert compact["losses"] == plain["losses"]
+    assert compact["results"] == plain["results"]
+    assert [skipped for skipped, _ in plain["results"]] == [kind == "poison" for kind in STEPS]
+    for a, b in zip(plain["states"], compact["states"], strict=True):
+        _assert_same_state(a, b)
+    # between steps the fp32 masters hold no storage; the remainders take about half of it
+    assert result["initial"]["masters"] == 0 and result["initial"]["remainders"] > 0
+    for held_plain, held_compact in zip(plain["held"], compact["held"], strict=True):
+        assert held_plain["remainders"] == 0 and held_plain["masters"] > 0
+        assert held_compact["masters"] == 0
+        assert held_plain["masters"] // 2 <= held_compact["remainders"] < held_plain["masters"] // 2 * 1.01
+        # compact adam's moments: one buffer per run, the padding between its tensors included
+        assert held_plain["adam"] <= held_compact["adam"] <= (held_plain["adam"] * 1.01 if compact_adam
+                                                              else held_plain["adam"])
+    # each rank's masters are its share of its model part: all of it without data parallelism
+    shared, data_parallel = plain["held"][0]["masters"], world // layout.get("tensor", 1)
+    assert shared == 4 * result["numel"] if data_parallel == 1 else 0 < shared < 4 * result["numel"]
+    # the model shards lie back to back in DDP's buffer: a few runs, each one buffer of masters
+    runs = result["runs"]
+    assert runs["buffers"] == runs["runs"] <= 4 < runs["masters"], runs
+    # the chain's last part (the chained MoE has two) copied back through the release at every step, the
+    # poisoned one's too (its skip decided on the device, the update left out); an earlier part copies, but with
+    # compact adam, whose released runs hold no masters to copy
+    parts = result["parts"]
+    assert parts == (2 if family == "qwen3_moe" else 1)
+    written = list(range(parts)) if compact_adam else [parts - 1]
+    assert result["hooked"] == written
+    assert result["releases_written"] == written * len(STEPS), result["releases_written"]
+    # offloaded, the remainders left with Adam's state (and came back: the later steps match)
+    assert compact["parked"] == {"masters": 0, "remainders": 0, "adam": compact["parked"]["adam"]}
+    assert compact["parked"]["adam"] < plain["held"][1]["adam"]
 
 
 def _chunk_weights(chunks) -> dict[str, torch.Tensor]:
@@ -747,6 +823,62 @@ def test_checkpoints_are_interchangeable_with_and_without_compact_masters(tmp_pa
         assert torch.equal(weight, report[True]["saved"]["weights"][name]), name
 
 
+def _compact_adam_resumed(rank, world, hf_dir, root):
+    """Two steps with compact adam, a save, two more; the same optimizer loads the save and takes the same two
+    steps (its runs' state replaced under them: adopted again), and so does a fresh one; a fresh one that loads
+    the weights only adopts its runs once torch's first step has made their state."""
+    from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
+    from skyrl_megatron.compact_adam import compact_adam_of
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    built, optimizer, scheduler = _build(hf_dir, compact=True, compact_adam=True)
+    for _ in range(2):
+        _step(built, optimizer, scheduler, rank)
+    saved = _state(built, optimizer)
+    save_checkpoint(root, built.chunks, optimizer, scheduler, step=2)
+    uninterrupted = [_step(built, optimizer, scheduler, rank) for _ in range(2)]
+    adopted = [compact_adam_of(optimizer).adopted_runs]
+    # into the same optimizer (its runs' state replaced under them: adopted again), then into a fresh one
+    load_checkpoint(root, built.chunks, optimizer, scheduler)
+    again = [_step(built, optimizer, scheduler, rank) for _ in range(2)]
+    adopted.append(compact_adam_of(optimizer).adopted_runs)
+    built, optimizer, scheduler = _build(hf_dir, compact=True, compact_adam=True)
+    load_checkpoint(root, built.chunks, optimizer, scheduler)
+    loaded = _state(built, optimizer)
+    resumed = [_step(built, optimizer, scheduler, rank) for _ in range(2)]
+    adopted.append(compact_adam_of(optimizer).adopted_runs)
+    # weights only (a worker's `load_optimizer_states=False`): no Adam state until torch's first step makes it
+    from types import SimpleNamespace
+
+    from skyrl_megatron.workers.training import TrainedRoleMixin
+
+    built, optimizer, scheduler = _build(hf_dir, compact=True, compact_adam=True)
+    worker = SimpleNamespace(built=built, optimizer=optimizer, scheduler=scheduler, manual_gc=None)
+    TrainedRoleMixin._load_checkpoint(worker, root, load_optimizer_states=False, load_lr_scheduler_states=True)
+    weights_only = []
+    for _ in range(2):
+        _step(built, optimizer, scheduler, rank)
+        weights_only.append(compact_adam_of(optimizer).adopted_runs)
+    return {"saved": saved, "loaded": loaded, "adopted": adopted, "weights_only": weights_only,
+            "uninterrupted": [(loss, r.skipped, r.grad_norm) for loss, r in uninterrupted],
+            "again": [(loss, r.skipped, r.grad_norm) for loss, r in again],
+            "resumed": [(loss, r.skipped, r.grad_norm) for loss, r in resumed]}
+
+
+@pytest.mark.slow
+def test_compact_adam_resumes_bitwise_from_its_checkpoint(tmp_path):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=5))
+    (report,) = run_on_ranks(_compact_adam_resumed, 1, hf_dir, str(tmp_path / "ckpt"), timeout=600)
+    _assert_same_state(report["saved"], report["loaded"])  # the moments' run buffers saved and loaded exactly
+    assert report["resumed"] == report["again"] == report["uninterrupted"]
+    assert report["adopted"][0] == report["adopted"][1] == report["adopted"][2] > 0
+    assert report["weights_only"] == [0, report["adopted"][0]]  # torch's step first, then adopted
+
+
 # ----------------------------------------------------------------------------------------------
 # Where compact master weights cannot apply
 # ----------------------------------------------------------------------------------------------
@@ -806,6 +938,27 @@ def test_each_refusal_names_the_key(role, megatron_config, bf16, named):
     assert _compact_master_weight_problems(cfg, role, prefix, mc) == []
 
 
+@pytest.mark.parametrize(
+    ("role", "megatron_config", "named"),
+    [
+        ("ref", {}, "the reference model has no optimizer"),
+        ("policy", {"compact_master_weights": False}, "compact_master_weights=auto"),
+        ("critic", {"ddp_config": {"grad_reduce_in_fp32": False}}, "grad_reduce_in_fp32=true"),
+        ("policy", {"compact_adam": "yes"}, "must be true or false"),
+    ],
+)
+def test_compact_adam_refusals_name_the_key_and_the_fix(role, megatron_config, named):
+    from skyrl_megatron.config import MegatronWorkerConfig, _compact_adam_problems
+
+    mc = MegatronWorkerConfig.from_mapping({"ddp_config": {"grad_reduce_in_fp32": True}, "compact_adam": True,
+                                            **megatron_config})
+    prefix = f"trainer.{role}.megatron_config"
+    problems = _compact_adam_problems(role, prefix, mc)
+    assert len(problems) == 1 and problems[0].key == f"{prefix}.compact_adam" and named in str(problems[0])
+    mc.compact_adam = False
+    assert _compact_adam_problems(role, prefix, mc) == []
+
+
 def _build_refusals(rank, world, hf_dir):
     from skyrl_megatron.optim import OptimizerSettingsError
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -824,20 +977,31 @@ def _build_refusals(rank, world, hf_dir):
     # "auto" (the default) compacts where it can and quietly keeps fp32 masters where it cannot
     auto = [compact_masters_of(_build(hf_dir, compact="auto", **kwargs)[1]) is not None
             for kwargs in ({}, {"distributed_optimizer": False}, {"dtype": "fp32"})]
+    # compact adam: never without the compact masters it steps, "auto" included
+    for compact in (False, "auto"):
+        try:
+            _build(hf_dir, compact=compact, compact_adam=True, distributed_optimizer=compact is False)
+            messages.append(None)
+        except OptimizerSettingsError as error:
+            messages.append(str(error))
     return messages, auto
 
 
 @pytest.mark.slow
 def test_building_the_optimizer_refuses_what_compact_masters_cannot_handle(tmp_path):
-    """The same rules at build time, for callers that skip the config check; `auto` follows them silently."""
+    """The same rules at build time, for callers that skip the config check; `auto` follows them silently, and
+    compact adam is refused without the compact masters."""
     from skyrl_megatron.testing import make_tiny_hf_model
 
     hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
     ((messages, auto),) = run_on_ranks(_build_refusals, 1, hf_dir, timeout=300)
     assert auto == [True, False, False]
-    plain, fp32 = messages
+    plain, fp32, adam_without, adam_auto_refused = messages
     assert "megatron_config.compact_master_weights" in plain and "use_distributed_optimizer: true" in plain
     assert "megatron_config.compact_master_weights" in fp32 and "bf16" in fp32
+    assert "megatron_config.compact_adam needs compact master weights" in adam_without and "is false" in adam_without
+    assert "megatron_config.compact_adam needs compact master weights" in adam_auto_refused
+    assert "use_distributed_optimizer: true" in adam_auto_refused
 
 
 _TRITON_CHECK = """

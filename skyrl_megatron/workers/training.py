@@ -29,7 +29,8 @@ class TrainedRoleMixin(MegatronWorkerMixin):
             "bf16" if self.host_cfg.trainer.bf16 else "fp32",
         )
         self.optimizer = settings.build_optimizer(
-            self.built.chunks, compact_master_weights=self.megatron_cfg.compact_master_weights
+            self.built.chunks, compact_master_weights=self.megatron_cfg.compact_master_weights,
+            compact_adam=self.megatron_cfg.compact_adam,
         )
         self.scheduler = settings.build_scheduler(self.optimizer)
         self.runner.attach_optimizer(self.optimizer)
