@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_master_weights_check import SHAPES_DIR, make_pairs, parameter_sizes  # noqa: E402
+from gpu_master_weights_check import SMOKE_CONFIG, make_pairs, parameter_sizes, shape_config  # noqa: E402
 
 from skyrl_megatron import compact_adam, master_weights  # noqa: E402
 
@@ -167,15 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("compact_adam.json"))
     args = parser.parse_args(argv)
 
-    if args.smoke:
-        device = torch.device("cpu")
-        config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "vocab_size": 1000}
-    else:
-        device = torch.device("cuda")
-        config = json.loads((SHAPES_DIR / f"{args.model}.json").read_text())
-        if args.layers:
-            config["num_hidden_layers"] = args.layers
+    device = torch.device("cpu" if args.smoke else "cuda")
+    config = SMOKE_CONFIG if args.smoke else shape_config(args.model, args.layers)
     sizes = parameter_sizes(config)
     _VECTOR_SIZES.update({config["hidden_size"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]})
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU", "torch": torch.__version__,

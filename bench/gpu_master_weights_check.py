@@ -42,6 +42,19 @@ from skyrl_megatron import master_weights  # noqa: E402
 SHAPES_DIR = ROOT / "examples" / "megatron" / "model_configs"
 
 
+# the smoke runs' model: a tiny dense Qwen3 shape
+SMOKE_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 1000}
+
+
+def shape_config(model: str, layers: int | None) -> dict:
+    """A shape of examples/megatron/model_configs, with `layers` layers where given."""
+    config = json.loads((SHAPES_DIR / f"{model}.json").read_text())
+    if layers:
+        config["num_hidden_layers"] = layers
+    return config
+
+
 def parameter_sizes(config: dict) -> list[int]:
     """Element counts of a Qwen3's (dense or MoE) parameters, one entry per tensor (as Megatron holds them)."""
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
@@ -162,15 +175,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.smoke:
         device = torch.device("cpu")
-        config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 2, "vocab_size": 1000}
+        config = SMOKE_CONFIG
         runs = [("eager", master_weights._EAGER, "ddp", None), ("eager", master_weights._EAGER, "ddp", "copy"),
                 ("eager", master_weights._EAGER, "ddp", "write")]
     else:
         device = torch.device("cuda")
-        config = json.loads((SHAPES_DIR / f"{args.model}.json").read_text())
-        if args.layers:
-            config["num_hidden_layers"] = args.layers
+        config = shape_config(args.model, args.layers)
         gpu = master_weights._kernels(device)
         # the step's copy back and the release: torch's copy then the split, against the split writing the weights
         runs = [("gpu", gpu, "ddp", None), ("gpu", gpu, "separate", None), ("gpu", gpu, "ddp", "copy"),

@@ -2,9 +2,10 @@
 
 A run of compact masters (`master_weights`: back-to-back bf16 model shards of Megatron's parameter buffer, each
 master stored as its weight and an int16 remainder) is stepped today by joining the masters into fp32, running
-torch's fused AdamW over them and splitting them again. `step_compact_run` does the same update without the fp32
+torch's fused AdamW over them and splitting them again. `queue_run_step` does the same update without the fp32
 masters: on GPUs one Triton pass per run (`compact_adam_kernels`, 28 bytes a parameter against 44-48), on CPU the
 eager chain of join, `adam_step_reference` and split, which is also the pass's definition: the two agree bit for bit.
+`CompactAdam` puts it into a Megatron optimizer's step (`megatron_config.compact_adam`).
 
 The update is AdamW's, in the order PyTorch's fused kernel takes it (decay, moments, bias-corrected step), in fp32
 with the per-group scalars rounded to fp32 once (`AdamScalars`); each tensor of a run has its parameter group's
