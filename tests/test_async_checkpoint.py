@@ -276,10 +276,11 @@ def _state_tensors(owners) -> list[torch.Tensor]:
     return [t.detach().clone() for t in owners]
 
 
-def _lent_to_a_colocated_offload(rank, world, hf_dir, root):
+def _lent_to_a_colocated_offload(rank, world, hf_dir, root, training=None):
     """A colocated trainer's order on one rank (Megatron's distributed optimizer): step 1; a background save
     lending its host copies; the offload right after it; backload; step 2. Then a second save whose copies
-    go stale: a step runs before the offload. A reference run without saves or offloads takes the same steps."""
+    go stale: a step runs before the offload. A reference run without saves or offloads takes the same steps.
+    `training`: `setup_training`'s keywords (bf16 with compact masters and compact adam, say)."""
     import gc
 
     from skyrl_megatron.checkpoint import AsyncCheckpointSaver, save_checkpoint
@@ -287,9 +288,12 @@ def _lent_to_a_colocated_offload(rank, world, hf_dir, root):
     from skyrl_megatron.workers.offload import ModelOffloader
 
     root = Path(root)
-    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True)
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True,
+                                                          **(training or {}))
     chunks = built.chunks
     train_step(chunks, optimizer, scheduler, batches)
+    if training and training.get("compact_adam"):  # a second step: the runs are adopted from there on
+        train_step(chunks, optimizer, scheduler, batches)
     save_checkpoint(root / "sync1", chunks, optimizer, scheduler, step=1)
     offloader, saver = ModelOffloader(chunks), AsyncCheckpointSaver()
     owners = offloader.storage_owners(optimizer)
@@ -333,27 +337,37 @@ def _lent_to_a_colocated_offload(rank, world, hf_dir, root):
     }
 
 
-def _steps_without_saves(rank, world, hf_dir):
-    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True)
-    losses = [train_step(built.chunks, optimizer, scheduler, batches)[0] for _ in range(4)][1:]
+def _steps_without_saves(rank, world, hf_dir, training=None):
+    built, optimizer, scheduler, batches = setup_training(hf_dir, WORLD1, distributed_optimizer=True,
+                                                          **(training or {}))
+    first = 2 if training and training.get("compact_adam") else 1
+    losses = [train_step(built.chunks, optimizer, scheduler, batches)[0] for _ in range(first + 3)][first:]
     return {"losses": losses, "params": local_params(built.chunks)}
 
 
-def test_a_colocated_offload_parks_the_state_in_the_saves_host_copies(hf_dir, tmp_path):
+@pytest.mark.parametrize("training", [None, {"dtype": "bf16"}, {"dtype": "bf16", "compact_adam": True}], ids=["fp32", "bf16", "compact_adam"])
+def test_a_colocated_offload_parks_the_state_in_the_saves_host_copies(hf_dir, tmp_path, training):
     """The save's host copies of whole storages serve the offload that follows it (nothing copied again), the
     state comes back bitwise, training matches a run without saves or offloads bitwise, the checkpoint equals a
     synchronous save of the same step; copies made stale by a step are not used. Megatron's writer holds only
-    the host copies while it writes."""
+    the host copies while it writes. Also in bf16 with the compact masters, and with compact adam, whose moments
+    are views of one buffer per run of them."""
     root = tmp_path / "saves"
-    (result,) = run_on_ranks(_lent_to_a_colocated_offload, 1, hf_dir, str(root), timeout=300)
-    (reference,) = run_on_ranks(_steps_without_saves, 1, hf_dir, timeout=300)
+    (result,) = run_on_ranks(_lent_to_a_colocated_offload, 1, hf_dir, str(root), training, timeout=300)
+    (reference,) = run_on_ranks(_steps_without_saves, 1, hf_dir, training, timeout=300)
     held, writer_holds_live = result["writer_holds"]
     assert held > 0 and writer_holds_live == 0
     lent, moved, parked_in_copies = result["lent"]
-    # every storage the save copied whole was parked in its copy; what the save does not hold (the gradient
-    # buffer) was copied by the offload
-    assert parked_in_copies == result["copies"] > 0
-    assert lent == result["copies_bytes"] and 0 < lent < moved
+    if training and training.get("compact_adam"):
+        # on the CPU runtime Megatron's writer clones every tensor that is a view of a larger storage, as compact
+        # adam's moments are of their run's buffer: the save holds no copy of a live storage, the offload copies
+        # (on GPUs the save copies whole storages itself, views included)
+        assert result["copies"] == 0 and lent == 0 < moved
+    else:
+        # every storage the save copied whole was parked in its copy; what the save does not hold (the gradient
+        # buffer) was copied by the offload
+        assert parked_in_copies == result["copies"] > 0
+        assert lent == result["copies_bytes"] and 0 < lent < moved
     assert result["stale_lent"] == 0
     assert result["back_equal"] and result["stale_equal"]
     assert result["losses"] == reference["losses"]

@@ -43,7 +43,10 @@ def micro_batches(data_rank: int, data_size: int):
     return [(mb[:, :-1], mb[:, 1:]) for mb in rows.chunk(MICRO_BATCHES)]
 
 
-def setup_training(hf_dir: str, layout: dict, distributed_optimizer: bool):
+def setup_training(hf_dir: str, layout: dict, distributed_optimizer: bool, *, dtype: str = "fp32",
+                   compact_adam: bool = False):
+    """A tiny model and its optimizer in `dtype` (bf16: with compact master weights, and `compact_adam` where
+    asked), with this rank's micro-batches."""
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.optim import OptimizerSettings
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -55,16 +58,16 @@ def setup_training(hf_dir: str, layout: dict, distributed_optimizer: bool):
         ModelSpec(
             hf_dir,
             parallel=parallel,
-            dtype="fp32",
+            dtype=dtype,
             transformer_overrides=UNFUSED_LOSS,
             wrap_with_ddp=True,
             ddp_config={"use_distributed_optimizer": distributed_optimizer, "grad_reduce_in_fp32": True},
         )
     )
     settings = OptimizerSettings.from_host_config(
-        HOST_OPTIMIZER, OPTIMIZER_KWARGS, num_training_steps=TOTAL_STEPS, dtype="fp32"
+        HOST_OPTIMIZER, OPTIMIZER_KWARGS, num_training_steps=TOTAL_STEPS, dtype=dtype
     )
-    optimizer = settings.build_optimizer(built.chunks)
+    optimizer = settings.build_optimizer(built.chunks, compact_master_weights=dtype == "bf16", compact_adam=compact_adam)
     scheduler = settings.build_scheduler(optimizer)
     return built, optimizer, scheduler, micro_batches(coords.dp, coords.dp_size)
 
