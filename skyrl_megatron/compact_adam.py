@@ -93,7 +93,7 @@ class RunLayout:
     built once per run (`run_layout`), the spans do not change between steps."""
 
     spans: tuple[Span, ...]
-    blocks: tuple[Tensor, Tensor, Tensor] | None
+    blocks: "compact_adam_kernels.Blocks | None"  # noqa: F821 (imported only where Triton runs)
 
 
 def run_layout(spans: Sequence[Span], device: torch.device) -> RunLayout:
@@ -126,7 +126,7 @@ def queue_run_step(model: Tensor, remainder: Tensor, ties: Tensor, grad: Tensor,
         upper = model.view(torch.int16)
         if ties.numel():  # the weight one up over -2**15 is the listed tie's master: the pass needs no list
             upper[ties] += 1
-        return QueuedStep(*kernels.adam_round_split(upper, remainder, grad, exp_avg, exp_avg_sq, *layout.blocks,
+        return QueuedStep(*kernels.adam_round_split(upper, remainder, grad, exp_avg, exp_avg_sq, layout.blocks,
                                                     hyper, skip, scale))
     master = master_weights.join_master(model, remainder, ties)
     adam_step_reference(master, grad, exp_avg, exp_avg_sq, layout.spans, hyper, skip, scale)

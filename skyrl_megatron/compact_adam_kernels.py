@@ -19,6 +19,8 @@ reference on the same device (and under Triton's interpreter on CPU).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +34,22 @@ _WORDS = BLOCK // 16  # one 16-bit word of tie bits per 16 elements, in int32
 HYPER_WIDTH = 8
 
 
-def block_table(spans, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """(starts int64, counts int32, groups int32) of the blocks that cover `spans` ([start, stop, group] of each
-    tensor of a run), in ascending order: each block inside one tensor, at most `BLOCK` elements. Build once per
-    run and keep: the spans do not change between steps."""
+@dataclass(frozen=True)
+class Blocks:
+    """The blocks that cover a run's tensors, in ascending order, each inside one tensor and at most `BLOCK`
+    elements: where each starts (int64), how many elements (int32), its tensor's parameter group (int32)."""
+
+    starts: Tensor
+    counts: Tensor
+    groups: Tensor
+    # every block's start and length a multiple of 8 elements: the pass reads and writes 16 bytes at a time
+    # (Megatron starts each parameter at a multiple of 64 elements; a shard cut by a data-parallel range may not)
+    aligned: bool
+
+
+def block_table(spans, device: torch.device) -> Blocks:
+    """The `Blocks` over `spans` ([start, stop, group] of each tensor of a run). Build once per run and keep: the
+    spans do not change between steps."""
     spans = torch.tensor(sorted(spans), dtype=torch.int64).view(-1, 3)
     lengths = spans[:, 1] - spans[:, 0]
     blocks = (lengths + BLOCK - 1) // BLOCK
@@ -43,17 +57,22 @@ def block_table(spans, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     first = torch.cumsum(blocks, 0) - blocks
     starts = spans[owner, 0] + (torch.arange(owner.numel()) - first[owner]) * BLOCK
     counts = torch.minimum(spans[owner, 1] - starts, torch.tensor(BLOCK))
-    return starts.to(device), counts.to(torch.int32).to(device), spans[owner, 2].to(torch.int32).to(device)
+    aligned = bool(((spans[:, 0] % 8 == 0) & (lengths % 8 == 0)).all())
+    return Blocks(starts.to(device), counts.to(torch.int32).to(device), spans[owner, 2].to(torch.int32).to(device),
+                  aligned)
 
 
 @triton.jit
 def _adam_round_split_kernel(upper_ptr, remainder_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, start_ptr, count_ptr,
                              group_ptr, hyper_ptr, skip_ptr, scale_ptr, partial_ptr, tie_bits_ptr,
-                             HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     block = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
-    inside = lanes < tl.load(count_ptr + block)
-    offsets = tl.load(start_ptr + block) + lanes
+    start, count = tl.load(start_ptr + block), tl.load(count_ptr + block)
+    if ALIGNED:  # every block's start and length a multiple of 8 elements (checked on the host): 16-byte accesses
+        start, count = tl.multiple_of(start, 8), tl.multiple_of(count, 8)
+    inside = lanes < count
+    offsets = start + lanes
     row = hyper_ptr + tl.load(group_ptr + block).to(tl.int64) * 8
     upper = tl.load(upper_ptr + offsets, mask=inside, other=0).to(tl.int64)
     remainder = tl.load(remainder_ptr + offsets, mask=inside, other=0).to(tl.int64)
@@ -95,26 +114,26 @@ def _tie_index_kernel(start_ptr, partial_ptr, tie_bits_ptr, first_ptr, out_ptr, 
 
 
 def adam_round_split(upper: Tensor, remainder: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                     starts: Tensor, counts: Tensor, groups: Tensor, hyper: Tensor, skip: Tensor,
+                     blocks: Blocks, hyper: Tensor, skip: Tensor,
                      scale: Tensor | None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """One AdamW step over the blocks of a run (`starts`/`counts`/`groups`: int64/int32/int32 per block, each block
-    inside one tensor of the run, `hyper` fp32 [groups, HYPER_WIDTH]), in place: `upper` (the weights' int16 bits,
-    ties raised), `remainder` (int16), `exp_avg` and `exp_avg_sq` (fp32) over the run's span, `grad` (fp32) read.
+    """One AdamW step over the `blocks` of a run (`hyper`: fp32 [groups, HYPER_WIDTH]), in place: `upper` (the
+    weights' int16 bits, ties raised), `remainder` (int16), `exp_avg` and `exp_avg_sq` (fp32) over the run's span,
+    `grad` (fp32) read.
     `skip` (a 0-d fp32 tensor, nonzero: leave every value as it was) and `scale` (0-d fp32, the gradient's
     divisor, or None) are read on the device.
 
     Returns (remainder, stats int64 [worst status, ties] as the split's, what `tie_indices` needs)."""
-    blocks = starts.numel()
-    partials = torch.empty(blocks, 2, dtype=torch.int32, device=upper.device)
-    tie_bits = torch.empty(blocks, _WORDS, dtype=torch.int32, device=upper.device)
-    if blocks:
-        _adam_round_split_kernel[(blocks,)](
-            upper, remainder, grad, exp_avg, exp_avg_sq, starts, counts, groups, hyper, skip,
-            skip if scale is None else scale, partials, tie_bits, HAS_SCALE=scale is not None, BLOCK=BLOCK,
-            num_warps=8, enable_fp_fusion=False)
-    stats = torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)]) if blocks \
+    count = blocks.starts.numel()
+    partials = torch.empty(count, 2, dtype=torch.int32, device=upper.device)
+    tie_bits = torch.empty(count, _WORDS, dtype=torch.int32, device=upper.device)
+    if count:
+        _adam_round_split_kernel[(count,)](
+            upper, remainder, grad, exp_avg, exp_avg_sq, blocks.starts, blocks.counts, blocks.groups, hyper, skip,
+            skip if scale is None else scale, partials, tie_bits, HAS_SCALE=scale is not None, ALIGNED=blocks.aligned,
+            BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
+    stats = torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)]) if count \
         else torch.zeros(2, dtype=torch.int64, device=upper.device)
-    return remainder, stats, (starts, partials, tie_bits)
+    return remainder, stats, (blocks.starts, partials, tie_bits)
 
 
 def tie_indices(found: tuple[Tensor, Tensor, Tensor], count: int) -> Tensor:

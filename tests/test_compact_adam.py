@@ -128,46 +128,50 @@ from skyrl_megatron.compact_adam import AdamScalars, scalar_table
 
 B = kernels.BLOCK
 assert B == BLOCK
-spans, masters, grad, exp_avg, exp_avg_sq = _run_of([1, 70, B - 1, B, B + 3, 2 * B + 17, 500])
-# a tensor whose update is nothing (no gradient, no moments, no decay): its ties come back through the kernel's bits
-still = spans[5]  # in group 1, without decay
-grad[still[0]:still[1]] = 0.0
-exp_avg[still[0]:still[1]] = 0.0
-exp_avg_sq[still[0]:still[1]] = 0.0
-model = masters.to(torch.bfloat16)
-remainder, ties = master_weights.split_master(masters, model)
-planted_in_still = int(((ties >= still[0]) & (ties < still[1])).sum())
-assert planted_in_still >= 2, planted_in_still
-table = kernels.block_table(spans, torch.device("cpu"))
-assert torch.equal(table[0], torch.sort(table[0]).values) and int(table[1].max()) <= B
-assert int(table[1].sum()) == sum(b - a for a, b, _ in spans)
-
-def step(on_kernel, skip, scale):
-    state = [model.clone(), remainder.clone(), ties.clone(), exp_avg.clone(), exp_avg_sq.clone()]
-    hyper = scalar_table(_scalars(2), torch.device("cpu"))
-    layout = compact_adam.RunLayout(tuple(spans), table if on_kernel else None)  # with blocks: the GPU's branch
-    queued = compact_adam.queue_run_step(state[0], state[1], state[2], grad, state[3], state[4], layout, hyper,
-                                         skip, scale)
-    (new_remainder, new_ties), = compact_adam.settle([queued])
-    return state[0].view(torch.int16), new_remainder, new_ties, state[3], state[4]
-
 cases = 0
-for skip in (0.0, 1.0):
-    for scale in (None, 1.7):
-        skip_t, scale_t = torch.tensor(skip), None if scale is None else torch.tensor(scale)
-        eager, kernel = step(False, skip_t, scale_t), step(True, skip_t, scale_t)
-        for name, want, got in zip(["weights", "remainders", "ties", "exp_avg", "exp_avg_sq"], eager, kernel):
-            assert torch.equal(want, got), (name, skip, scale)
-        if skip:
-            assert torch.equal(eager[0], model.view(torch.int16)) and torch.equal(eager[2], ties)
-        else:
-            assert not torch.equal(eager[0], model.view(torch.int16))
-            assert int(((eager[2] >= still[0]) & (eager[2] < still[1])).sum()) == planted_in_still
-        cases += 1
+# lengths around a block's, and the same with every start and length a multiple of 8 (16-byte accesses)
+for sizes, aligned in (([1, 70, B - 1, B, B + 3, 2 * B + 17, 500], False),
+                       ([8, 64, B - 8, B, B + 8, 2 * B + 16, 504], True)):
+    spans, masters, grad, exp_avg, exp_avg_sq = _run_of(sizes)
+    # a tensor whose update is nothing (no gradient, no moments, no decay): its ties come back through the kernel's bits
+    still = spans[5]  # in group 1, without decay
+    grad[still[0]:still[1]] = 0.0
+    exp_avg[still[0]:still[1]] = 0.0
+    exp_avg_sq[still[0]:still[1]] = 0.0
+    model = masters.to(torch.bfloat16)
+    remainder, ties = master_weights.split_master(masters, model)
+    planted_in_still = int(((ties >= still[0]) & (ties < still[1])).sum())
+    assert planted_in_still >= 2, planted_in_still
+    table = kernels.block_table(spans, torch.device("cpu"))
+    assert table.aligned == aligned
+    assert torch.equal(table.starts, torch.sort(table.starts).values) and int(table.counts.max()) <= B
+    assert int(table.counts.sum()) == sum(b - a for a, b, _ in spans)
+
+    def step(on_kernel, skip, scale):
+        state = [model.clone(), remainder.clone(), ties.clone(), exp_avg.clone(), exp_avg_sq.clone()]
+        hyper = scalar_table(_scalars(2), torch.device("cpu"))
+        layout = compact_adam.RunLayout(tuple(spans), table if on_kernel else None)  # with blocks: the GPU's branch
+        queued = compact_adam.queue_run_step(state[0], state[1], state[2], grad, state[3], state[4], layout, hyper,
+                                             skip, scale)
+        (new_remainder, new_ties), = compact_adam.settle([queued])
+        return state[0].view(torch.int16), new_remainder, new_ties, state[3], state[4]
+
+    for skip in (0.0, 1.0):
+        for scale in (None, 1.7):
+            skip_t, scale_t = torch.tensor(skip), None if scale is None else torch.tensor(scale)
+            eager, kernel = step(False, skip_t, scale_t), step(True, skip_t, scale_t)
+            for name, want, got in zip(["weights", "remainders", "ties", "exp_avg", "exp_avg_sq"], eager, kernel):
+                assert torch.equal(want, got), (name, skip, scale, aligned)
+            if skip:
+                assert torch.equal(eager[0], model.view(torch.int16)) and torch.equal(eager[2], ties)
+            else:
+                assert not torch.equal(eager[0], model.view(torch.int16))
+                assert int(((eager[2] >= still[0]) & (eager[2] < still[1])).sum()) == planted_in_still
+            cases += 1
 # a NaN master from the update: refused on the kernel's path as on the eager one
 hyper = scalar_table([AdamScalars(float("nan"), 0.9, 0.95, 1e-8, 0.0, 1)] * 2, torch.device("cpu"))
 upper = model.clone().view(torch.int16)
-_, stats, _ = kernels.adam_round_split(upper, remainder.clone(), grad, exp_avg.clone(), exp_avg_sq.clone(), *table,
+_, stats, _ = kernels.adam_round_split(upper, remainder.clone(), grad, exp_avg.clone(), exp_avg_sq.clone(), table,
                                        hyper, torch.tensor(0.0), None)
 assert int(stats[0]) == master_weights.OUT_OF_RANGE
 print(cases + 1)
@@ -176,11 +180,12 @@ print(cases + 1)
 
 def test_the_triton_pass_steps_as_the_eager_chain_does_bitwise():
     """The GPU's one pass (`compact_adam_kernels`) under Triton's interpreter against the eager step at lengths
-    around a block's (padding between the tensors, two parameter groups): weights, remainders, tie indices and
+    around a block's (padding between the tensors, two parameter groups), and at lengths and starts that allow
+    16-byte accesses: weights, remainders, tie indices and
     both moments equal, with and without the clip's divisor, a skipped step leaving everything as it was, the
     ties of a tensor the update leaves alone found again through the pass's tie bits, and a NaN master reported
     out of range."""
     from skyrl_megatron.testing import last_word_under_triton_interpreter
 
     script = f"TESTS = {str(Path(__file__).parent)!r}\nBLOCK = {_BLOCK}\n" + _TRITON_CHECK
-    assert last_word_under_triton_interpreter(script, timeout=300) == "5"
+    assert last_word_under_triton_interpreter(script, timeout=300) == "9"

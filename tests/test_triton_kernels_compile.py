@@ -58,11 +58,14 @@ def _other_cases():
     yield ("compact masters' ties raised", master_weights_kernels._raise_ties_kernel,
            {"bits_ptr": "*i32", "index_ptr": "*i64", "count": "i64"}, {"BLOCK": master_weights_kernels._TIE_BLOCK})
     for scaled in (False, True):
-        yield (f"AdamW over compact masters, scaled {scaled}", compact_adam_kernels._adam_round_split_kernel,
-               {"upper_ptr": "*i16", "remainder_ptr": "*i16", "grad_ptr": "*fp32", "exp_avg_ptr": "*fp32",
-                "exp_avg_sq_ptr": "*fp32", "start_ptr": "*i64", "count_ptr": "*i32", "group_ptr": "*i32",
-                "hyper_ptr": "*fp32", "skip_ptr": "*fp32", "scale_ptr": "*fp32", "partial_ptr": "*i32",
-                "tie_bits_ptr": "*i32"}, {"HAS_SCALE": scaled, "BLOCK": compact_adam_kernels.BLOCK})
+        for aligned in (False, True):
+            yield (f"AdamW over compact masters, scaled {scaled}, aligned {aligned}",
+                   compact_adam_kernels._adam_round_split_kernel,
+                   {"upper_ptr": "*i16", "remainder_ptr": "*i16", "grad_ptr": "*fp32", "exp_avg_ptr": "*fp32",
+                    "exp_avg_sq_ptr": "*fp32", "start_ptr": "*i64", "count_ptr": "*i32", "group_ptr": "*i32",
+                    "hyper_ptr": "*fp32", "skip_ptr": "*fp32", "scale_ptr": "*fp32", "partial_ptr": "*i32",
+                    "tie_bits_ptr": "*i32"},
+                   {"HAS_SCALE": scaled, "ALIGNED": aligned, "BLOCK": compact_adam_kernels.BLOCK})
     yield ("AdamW over compact masters' tie indices", compact_adam_kernels._tie_index_kernel,
            {"start_ptr": "*i64", "partial_ptr": "*i32", "tie_bits_ptr": "*i32", "first_ptr": "*i64", "out_ptr": "*i64"},
            {"BLOCK": compact_adam_kernels.BLOCK})
