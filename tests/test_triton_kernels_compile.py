@@ -103,3 +103,28 @@ def test_the_kernel_compiles_for_sm90(name, kernel, signature, constexprs):
                        constexprs=constexprs)
     compiled = triton.compile(source, target=H200)
     assert compiled.asm["cubin"], name
+
+
+def test_compact_adams_pass_reads_and_writes_16_bytes_at_a_time_where_its_blocks_are_aligned():
+    """With its pointers 16-byte aligned (as Triton specializes them at launch) and `ALIGNED` set, the pass's loads
+    and stores are 16-byte vector accesses; without it, one element at a time (the hint is what makes the
+    difference: the blocks' starts and lengths are read from memory)."""
+    import re
+
+    from skyrl_megatron import compact_adam_kernels
+
+    signature = {"upper_ptr": "*i16", "remainder_ptr": "*i16", "grad_ptr": "*fp32", "exp_avg_ptr": "*fp32",
+                 "exp_avg_sq_ptr": "*fp32", "start_ptr": "*i64", "count_ptr": "*i32", "group_ptr": "*i32",
+                 "hyper_ptr": "*fp32", "skip_ptr": "*fp32", "scale_ptr": "*fp32", "partial_ptr": "*i32",
+                 "tie_bits_ptr": "*i32", "HAS_SCALE": "constexpr", "ALIGNED": "constexpr", "BLOCK": "constexpr"}
+    aligned_pointers = {(index,): [["tt.divisibility", 16]] for index, kind in enumerate(signature.values())
+                        if kind.startswith("*")}
+    vector_accesses = {}
+    for aligned in (False, True):
+        source = ASTSource(fn=compact_adam_kernels._adam_round_split_kernel, signature=signature,
+                           constexprs={"HAS_SCALE": True, "ALIGNED": aligned, "BLOCK": compact_adam_kernels.BLOCK},
+                           attrs=aligned_pointers)
+        ptx = triton.compile(source, target=H200, options={"enable_fp_fusion": False, "num_warps": 8}).asm["ptx"]
+        vector_accesses[aligned] = len(re.findall(r"(?:ld|st)\.global\.v4\.b32", ptx))
+        assert "fma.rn.f32" not in ptx  # no contracted multiply-adds: bitwise the eager definition
+    assert vector_accesses[False] == 0 and vector_accesses[True] >= 20, vector_accesses
