@@ -5,11 +5,13 @@ Qwen3-30B-A3B's 8-layer bench model) is built with DDP and the distributed optim
 `optim.optimizer_step` is timed over `--steps` steps (the first left out). The kernels are tiny, so the time is
 the step's host work: what the MoE's optimizer step pays per parameter tensor. `--megatron-per-tensor` keeps
 Megatron's per-parameter shard copies and norm filter instead of ours (`optimizer_prebuilt.py`), for the
-comparison; `--profile` prints a cProfile of one more step.
+comparison; `--masters` picks fp32 masters (the default here), compact ones (`compact_master_weights`) or compact
+ones stepped by compact adam (`compact_adam`); `--profile` prints a cProfile of one more step.
 
     python bench/optimizer_step_host.py                      # CPU runtime (gloo)
     python bench/optimizer_step_host.py --megatron-per-tensor
     python bench/optimizer_step_host.py --gpu                # one GPU: the host time as a GPU run has it
+    python bench/optimizer_step_host.py --gpu --masters compact_adam
 
 On CPU every torch call also passes through the CPU runtime's device mode, which a GPU run does not have.
 """
@@ -35,6 +37,8 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--megatron-per-tensor", action="store_true",
                         help="Megatron's per-parameter shard copies and norm filter (not optimizer_prebuilt.py's)")
+    parser.add_argument("--masters", choices=("fp32", "compact", "compact_adam"), default="fp32",
+                        help="fp32 masters, compact ones, or compact ones stepped by compact adam")
     parser.add_argument("--profile", action="store_true", help="a cProfile of one more step")
     parser.add_argument("--callers", metavar="REGEX", help="with --profile: who calls the functions matching REGEX")
     args = parser.parse_args()
@@ -59,7 +63,8 @@ def main() -> None:
     copies = mock.patch("skyrl_megatron.optimizer_prebuilt.install", return_value="--megatron-per-tensor") \
         if args.megatron_per_tensor else contextlib.nullcontext()
     with copies:
-        optimizer = settings.build_optimizer(built.chunks)
+        optimizer = settings.build_optimizer(built.chunks, compact_master_weights=args.masters != "fp32",
+                                             compact_adam=args.masters == "compact_adam")
     scheduler = settings.build_scheduler(optimizer)
     device = torch.device("cuda") if args.gpu else torch.device("cpu")
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
@@ -85,7 +90,7 @@ def main() -> None:
     seconds = [timed_step() for _ in range(args.steps)][1:]
     tensors = sum(1 for _ in model.parameters())
     print(f"{tensors} parameter tensors, {'GPU' if args.gpu else 'CPU runtime'}, "
-          f"{'Megatron' if args.megatron_per_tensor else 'our'} per-tensor work: optimizer step median "
+          f"{'Megatron' if args.megatron_per_tensor else 'our'} per-tensor work, {args.masters} masters: optimizer step median "
           f"{statistics.median(seconds) * 1e3:.1f} ms over {len(seconds)} steps ({', '.join(f'{s * 1e3:.1f}' for s in seconds)})")
     if args.profile:
         backward()
