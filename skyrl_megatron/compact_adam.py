@@ -64,17 +64,44 @@ def adam_step_reference(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     multiply-adds). `skip`: a 0-d tensor, nonzero leaves every value as it was; `scale`: the gradient's divisor."""
     keep = skip != 0
     for start, stop, group in spans:
-        row = hyper[group]
         param, avg, avg_sq = master[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop]
-        g = grad[start:stop] if scale is None else grad[start:stop] / scale
-        decayed = param - row[0] * param
-        new_avg = row[1] * avg + row[2] * g
-        new_avg_sq = row[3] * avg_sq + row[4] * g * g
-        denom = _sqrt_rn(new_avg_sq) / row[6] + row[7]
-        updated = decayed - row[5] * new_avg / denom
+        updated, new_avg, new_avg_sq = _adamw(param, avg, avg_sq, grad[start:stop], hyper[group], scale)
         param.copy_(torch.where(keep, param, updated))
         avg.copy_(torch.where(keep, avg, new_avg))
         avg_sq.copy_(torch.where(keep, avg_sq, new_avg_sq))
+
+
+def _adamw(param: Tensor, avg: Tensor, avg_sq: Tensor, grad: Tensor, row: Tensor,
+           scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """One element-wise AdamW update with a group's scalars `row`: (param, exp_avg, exp_avg_sq) after it."""
+    g = grad if scale is None else grad / scale
+    decayed = param - row[0] * param
+    new_avg = row[1] * avg + row[2] * g
+    new_avg_sq = row[3] * avg_sq + row[4] * g * g
+    denom = _sqrt_rn(new_avg_sq) / row[6] + row[7]
+    return decayed - row[5] * new_avg / denom, new_avg, new_avg_sq
+
+
+_CHUNK = 1 << 22  # elements per eager pass over a run (bounds its temporaries)
+
+
+def _adam_step_by_group(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                        members: Sequence[tuple[int, Tensor]], hyper: Tensor, skip: Tensor,
+                        scale: Tensor | None) -> None:
+    """`adam_step_reference` over a whole run at once per parameter group (`members`: each group's row and a mask of
+    its elements over the span), chunk by chunk: the same element-wise operations, without a dozen torch calls per
+    tensor of the run (a MoE's run holds hundreds)."""
+    keep = skip != 0
+    covered = members[0][1].numel()  # up to the last tensor's end (what lies beyond is padding)
+    for start in range(0, covered, _CHUNK):
+        stop = min(start + _CHUNK, covered)
+        param, avg, avg_sq = master[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop]
+        for group, mask in members:
+            take = mask[start:stop] & ~keep
+            updated, new_avg, new_avg_sq = _adamw(param, avg, avg_sq, grad[start:stop], hyper[group], scale)
+            param.copy_(torch.where(take, updated, param))
+            avg.copy_(torch.where(take, new_avg, avg))
+            avg_sq.copy_(torch.where(take, new_avg_sq, avg_sq))
 
 
 def _sqrt_rn(values: Tensor) -> Tensor:
@@ -89,16 +116,22 @@ class CompactAdamError(RuntimeError):
 
 @dataclass(frozen=True)
 class RunLayout:
-    """A run's tensors ([start, stop) and parameter group each) and, on GPUs, the pass's block table over them:
-    built once per run (`run_layout`), the spans do not change between steps."""
+    """A run's tensors ([start, stop) and parameter group each) and, on GPUs, the pass's block table over them
+    (elsewhere each group's mask over the span, for the eager step): built once per run (`run_layout`), the spans
+    do not change between steps."""
 
     spans: tuple[Span, ...]
     blocks: "compact_adam_kernels.Blocks | None"  # noqa: F821 (imported only where Triton runs)
+    members: tuple[tuple[int, Tensor], ...] = ()  # (group, bool mask over the span) of each group present
 
 
 def run_layout(spans: Sequence[Span], device: torch.device) -> RunLayout:
     if device.type != "cuda":
-        return RunLayout(tuple(spans), None)
+        span = max((stop for _, stop, _ in spans), default=0)
+        masks: dict[int, Tensor] = {}
+        for start, stop, group in spans:
+            masks.setdefault(group, torch.zeros(span, dtype=torch.bool, device=device))[start:stop] = True
+        return RunLayout(tuple(spans), None, tuple(sorted(masks.items(), key=lambda item: item[0])))
     from skyrl_megatron import compact_adam_kernels as kernels
 
     return RunLayout(tuple(spans), kernels.block_table(spans, device))
@@ -129,7 +162,10 @@ def queue_run_step(model: Tensor, remainder: Tensor, ties: Tensor, grad: Tensor,
         return QueuedStep(*kernels.adam_round_split(upper, remainder, grad, exp_avg, exp_avg_sq, layout.blocks,
                                                     hyper, skip, scale))
     master = master_weights.join_master(model, remainder, ties)
-    adam_step_reference(master, grad, exp_avg, exp_avg_sq, layout.spans, hyper, skip, scale)
+    if layout.members:
+        _adam_step_by_group(master, grad, exp_avg, exp_avg_sq, layout.members, hyper, skip, scale)
+    else:
+        adam_step_reference(master, grad, exp_avg, exp_avg_sq, layout.spans, hyper, skip, scale)
     split = master_weights.split_master(master, model, write_model=True)
     if split is None:
         return QueuedStep(remainder, torch.tensor([master_weights.OUT_OF_RANGE, 0]), None)
