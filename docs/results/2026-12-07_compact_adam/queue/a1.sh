@@ -4,3 +4,6 @@
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 python bench/gpu_compact_adam_check.py --model Qwen3-30B-A3B --layers 2 --steps 5 --out $JOBS/out/ca_moe2.json
 python bench/gpu_compact_adam_check.py --model Qwen3-1.7B --steps 5 --out $JOBS/out/ca_dense17.json
+# the step's host work at 2,107 tensors (tiny widths: the kernels are short, the host's launches are what is timed)
+python bench/optimizer_step_host.py --gpu --masters compact --steps 6 > $JOBS/out/host_compact.txt 2>&1
+python bench/optimizer_step_host.py --gpu --masters compact_adam --steps 6 > $JOBS/out/host_compact_adam.txt 2>&1
