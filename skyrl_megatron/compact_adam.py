@@ -62,13 +62,10 @@ def adam_step_reference(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     """AdamW over the `spans` of flat fp32 `master`, `exp_avg` and `exp_avg_sq` (in place), `grad` read; the
     definition the Triton pass follows operation for operation (IEEE division and square root, no fused
     multiply-adds). `skip`: a 0-d tensor, nonzero leaves every value as it was; `scale`: the gradient's divisor."""
-    keep = skip != 0
+    take = skip == 0
     for start, stop, group in spans:
-        param, avg, avg_sq = master[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop]
-        updated, new_avg, new_avg_sq = _adamw(param, avg, avg_sq, grad[start:stop], hyper[group], scale)
-        param.copy_(torch.where(keep, param, updated))
-        avg.copy_(torch.where(keep, avg, new_avg))
-        avg_sq.copy_(torch.where(keep, avg_sq, new_avg_sq))
+        state = master[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop]
+        _store_where(take, state, _adamw(*state, grad[start:stop], hyper[group], scale))
 
 
 def _adamw(param: Tensor, avg: Tensor, avg_sq: Tensor, grad: Tensor, row: Tensor,
@@ -82,6 +79,12 @@ def _adamw(param: Tensor, avg: Tensor, avg_sq: Tensor, grad: Tensor, row: Tensor
     return decayed - row[5] * new_avg / denom, new_avg, new_avg_sq
 
 
+def _store_where(take: Tensor, state: Sequence[Tensor], updated: Sequence[Tensor]) -> None:
+    """Each of `state` (param, exp_avg, exp_avg_sq) its updated value where `take`, as it was elsewhere."""
+    for old, new in zip(state, updated, strict=True):
+        old.copy_(torch.where(take, new, old))
+
+
 _CHUNK = 1 << 22  # elements per eager pass over a run (bounds its temporaries)
 
 
@@ -91,17 +94,13 @@ def _adam_step_by_group(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_s
     """`adam_step_reference` over a whole run at once per parameter group (`members`: each group's row and a mask of
     its elements over the span), chunk by chunk: the same element-wise operations, without a dozen torch calls per
     tensor of the run (a MoE's run holds hundreds)."""
-    keep = skip != 0
+    applied = skip == 0
     covered = members[0][1].numel()  # up to the last tensor's end (what lies beyond is padding)
     for start in range(0, covered, _CHUNK):
         stop = min(start + _CHUNK, covered)
-        param, avg, avg_sq = master[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop]
+        state = master[start:stop], exp_avg[start:stop], exp_avg_sq[start:stop]
         for group, mask in members:
-            take = mask[start:stop] & ~keep
-            updated, new_avg, new_avg_sq = _adamw(param, avg, avg_sq, grad[start:stop], hyper[group], scale)
-            param.copy_(torch.where(take, updated, param))
-            avg.copy_(torch.where(take, new_avg, avg))
-            avg_sq.copy_(torch.where(take, new_avg_sq, avg_sq))
+            _store_where(mask[start:stop] & applied, state, _adamw(*state, grad[start:stop], hyper[group], scale))
 
 
 def _sqrt_rn(values: Tensor) -> Tensor:
@@ -348,9 +347,9 @@ class CompactAdam:
         counts = torch.stack([step.reshape(()).to(device, torch.float64) for step in steps]).unique()  # one read
         if counts.numel() != 1:
             return "its masters have taken different numbers of steps", False
+        previous = self._adopted.get(id(run))
         buffers = []
         for key in ("exp_avg", "exp_avg_sq"):
-            previous = self._adopted.get(id(run))
             buffer = getattr(previous, key) if previous is not None and previous.run is run else \
                 torch.zeros(run.span, dtype=torch.float32, device=device)
             for m, state in zip(members, states):

@@ -8,9 +8,9 @@ reads the master again and writes the weight and remainder (8): 44-48 bytes a pa
 weight, the remainder, the gradient and both moments and writes the weight, the remainder and both moments: 28.
 
 The ties rounded down (a remainder of -2**15 that stands for +2**15, listed by index) are raised into the weight
-before the pass (`raise_ties`: the weight plus one over a remainder of -2**15 is the same master, and the pass
-rewrites the weight anyway); the pass lists its own new ties as one bit per element in the blocks that hold one,
-and `tie_indices` reads only those blocks.
+before the pass (`compact_adam.queue_run_step`: the weight plus one over a remainder of -2**15 is the same master,
+and the pass rewrites the weight anyway); the pass lists its own new ties as one bit per element in the blocks
+that hold one, and `tie_indices` reads only those blocks.
 
 The arithmetic is the AdamW of `compact_adam.adam_step_reference`, operation for operation in fp32 with IEEE
 division and square root, compiled without contracting multiplies and adds into FMAs: bitwise equal to that eager
@@ -26,12 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from skyrl_megatron.master_weights_kernels import rounded_upper, store_split
+from skyrl_megatron.master_weights_kernels import block_stats, first_tie_slots, rounded_upper, store_split
 
-BLOCK = 4096  # elements per program (a block never straddles two tensors: `compact_adam.BlockTable`)
+BLOCK = 4096  # elements per program (a block never straddles two tensors: `Blocks`)
 _WORDS = BLOCK // 16  # one 16-bit word of tie bits per 16 elements, in int32
-# the per-group scalars, in this order (`compact_adam.AdamScalars.row`)
-HYPER_WIDTH = 8
 
 
 @dataclass(frozen=True)
@@ -116,9 +114,9 @@ def _tie_index_kernel(start_ptr, partial_ptr, tie_bits_ptr, first_ptr, out_ptr, 
 def adam_round_split(upper: Tensor, remainder: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                      blocks: Blocks, hyper: Tensor, skip: Tensor,
                      scale: Tensor | None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """One AdamW step over the `blocks` of a run (`hyper`: fp32 [groups, HYPER_WIDTH]), in place: `upper` (the
-    weights' int16 bits, ties raised), `remainder` (int16), `exp_avg` and `exp_avg_sq` (fp32) over the run's span,
-    `grad` (fp32) read.
+    """One AdamW step over the `blocks` of a run (`hyper`: fp32 [groups, 8], a `compact_adam.AdamScalars.row`
+    each), in place: `upper` (the weights' int16 bits, ties raised), `remainder` (int16), `exp_avg` and
+    `exp_avg_sq` (fp32) over the run's span, `grad` (fp32) read.
     `skip` (a 0-d fp32 tensor, nonzero: leave every value as it was) and `scale` (0-d fp32, the gradient's
     divisor, or None) are read on the device.
 
@@ -131,8 +129,7 @@ def adam_round_split(upper: Tensor, remainder: Tensor, grad: Tensor, exp_avg: Te
             upper, remainder, grad, exp_avg, exp_avg_sq, blocks.starts, blocks.counts, blocks.groups, hyper, skip,
             skip if scale is None else scale, partials, tie_bits, HAS_SCALE=scale is not None, ALIGNED=blocks.aligned,
             BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
-    stats = torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)]) if count \
-        else torch.zeros(2, dtype=torch.int64, device=upper.device)
+    stats = block_stats(partials) if count else torch.zeros(2, dtype=torch.int64, device=upper.device)
     return remainder, stats, (blocks.starts, partials, tie_bits)
 
 
@@ -142,7 +139,6 @@ def tie_indices(found: tuple[Tensor, Tensor, Tensor], count: int) -> Tensor:
     starts, partials, tie_bits = found
     out = torch.empty(count, dtype=torch.int64, device=starts.device)
     if count:
-        ties = partials[:, 1].to(torch.int64)
-        first = torch.cumsum(ties, 0) - ties
-        _tie_index_kernel[(starts.numel(),)](starts, partials, tie_bits, first, out, BLOCK=BLOCK, num_warps=8)
+        _tie_index_kernel[(starts.numel(),)](starts, partials, tie_bits, first_tie_slots(partials), out, BLOCK=BLOCK,
+                                             num_warps=8)
     return out

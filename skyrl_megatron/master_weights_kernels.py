@@ -139,8 +139,20 @@ def _split_pass(kernel, bits: Tensor, upper: Tensor) -> tuple[Tensor, Tensor, Te
     blocks = triton.cdiv(numel, _BLOCK)
     partials = torch.empty(blocks, 2, dtype=torch.int32, device=bits.device)
     kernel[(blocks,)](bits, upper, remainder, partials, numel, BLOCK=_BLOCK, num_warps=8)
-    stats = torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)])
-    return remainder, stats, partials
+    return remainder, block_stats(partials), partials
+
+
+def block_stats(partials: Tensor) -> Tensor:
+    """int64 [worst status, ties] over the per-block [worst status, ties] that `store_split` wrote (at least one
+    block)."""
+    return torch.stack([partials[:, 0].amax().to(torch.int64), partials[:, 1].sum(dtype=torch.int64)])
+
+
+def first_tie_slots(partials: Tensor) -> Tensor:
+    """Where each block's ties start in the list of all ties (int64, one per block): the blocks' tie counts summed
+    before it."""
+    ties = partials[:, 1].to(torch.int64)
+    return torch.cumsum(ties, 0) - ties
 
 
 def tie_indices(bits: Tensor, upper: Tensor, partials: Tensor, count: int) -> Tensor:
@@ -148,10 +160,8 @@ def tie_indices(bits: Tensor, upper: Tensor, partials: Tensor, count: int) -> Te
     `partials`: only the blocks holding one are read again (about one element in 2**17 is such a tie)."""
     out = torch.empty(count, dtype=torch.int64, device=bits.device)
     if count:
-        ties = partials[:, 1].to(torch.int64)
-        first = torch.cumsum(ties, 0) - ties
-        _tie_index_kernel[(partials.shape[0],)](bits, upper, partials, first, out, bits.numel(), BLOCK=_BLOCK,
-                                                num_warps=8)
+        _tie_index_kernel[(partials.shape[0],)](bits, upper, partials, first_tie_slots(partials), out, bits.numel(),
+                                                BLOCK=_BLOCK, num_warps=8)
     return out
 
 
