@@ -75,9 +75,7 @@ class Chain:
     def __init__(self, pairs, grads):
         self.pairs, self.grads = pairs, grads
         self.compact = master_weights.CompactMasterWeights(pairs)
-        self.compact.release()
-        self.compact.rebuild()
-        self.compact.release()  # the runs gathered and parked: a steady-state step follows
+        self.compact.release()  # each run gathered into its buffer and released whole: a steady-state step follows
         masters = [master for master, _ in pairs]
         groups = [{"params": [m for m in masters if _group(m) == g], "weight_decay": wd}
                   for g, wd in ((0, WEIGHT_DECAY), (1, 0.0))]
@@ -112,7 +110,7 @@ class OnePass:
         device = pairs[0][1].device
         self.runs = []
         for run in self.compact._runs:
-            (piece,) = run.pieces
+            piece = run.piece
             spans = [(m.offset, m.offset + m.numel, _group(m.master)) for m in run.members]
             start = run.model.storage_offset()
             grad = grad_buffer[start : start + run.span]

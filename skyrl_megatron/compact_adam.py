@@ -249,7 +249,8 @@ class CompactAdam:
     them, no skip and gradients already clipped in place); `finish()` reads the runs' checks once and advances the
     step counters. A run is adopted at its first step parked: its members' moments are copied into one buffer
     per moment over the run's span and the state entries become views of it (checkpoints and offloads read and
-    park them as before). A run whose members' state was replaced since (a checkpoint load) is adopted again."""
+    park them as before); before any step those buffers start at zero and the step counters are made as torch's
+    first step makes them. A run whose members' state was replaced since (a checkpoint load) is adopted again."""
 
     def __init__(self, masters, parts: Sequence, grads_of: dict[int, Tensor]):
         """`parts`: the Megatron optimizers of the chain, by index as the masters know them; `grads_of`: id of
@@ -282,7 +283,7 @@ class CompactAdam:
             for index, adam in enumerate(self._adams):
                 if adam is None:
                     continue
-                for run in self._masters.parked_runs(index):
+                for run in self._masters.released_runs(index):
                     adopted = self._current(run, index)
                     if adopted is not None:
                         self._stepping.setdefault(index, []).append(adopted)
@@ -295,7 +296,7 @@ class CompactAdam:
         with torch.no_grad():
             for runs, steps, checks in queued:
                 for adopted, (remainder, ties) in zip(runs, settle(steps, checks)):
-                    (piece,) = adopted.run.pieces
+                    piece = adopted.run.piece
                     piece.remainder, piece.tie_indices = remainder, ties
             if applied and queued:
                 stepped = [adopted for runs, _, _ in queued for adopted in runs]
@@ -312,7 +313,7 @@ class CompactAdam:
         reason, for_good = self._adopt(run, index)
         if reason is None:
             return self._adopted[id(run)]
-        if for_good:  # (a run without Adam state yet is looked at again: torch's step makes its state)
+        if for_good:  # (a run with Adam state on some masters only is looked at again: torch's step completes it)
             self._refused[id(run)] = reason
             self._log_once(f"compact adam: a run of {len(run.members)} masters stays with torch's Adam: {reason}")
         return None
@@ -333,9 +334,13 @@ class CompactAdam:
             reason = _group_refusal(adam, adam.param_groups[g])
             if reason is not None:
                 return reason, True
-        states = [adam.state.get(m.master, {}) for m in members]
-        if any(not {"exp_avg", "exp_avg_sq", "step"} <= state.keys() for state in states):
-            return "no Adam state yet", False
+        states = [adam.state.get(m.master) for m in members]
+        if not any(states):  # no step taken yet: the state torch's first step would make, in the run's buffers
+            states = [adam.state[m.master] for m in members]
+            for m, state, g in zip(members, states, groups):
+                state["step"] = _initial_step(m.master, adam.param_groups[g])
+        elif any(not state or not {"exp_avg", "exp_avg_sq", "step"} <= state.keys() for state in states):
+            return "some of its masters have Adam state and some not yet", False
         grads = [self._grads_of.get(id(m.master)) for m in members]
         first = grads[0]
         if any(g is None or g.dtype != torch.float32 or not g.is_contiguous() for g in grads) or any(
@@ -354,7 +359,8 @@ class CompactAdam:
                 torch.zeros(run.span, dtype=torch.float32, device=device)
             for m, state in zip(members, states):
                 view = buffer[m.offset : m.offset + m.numel]
-                view.copy_(state[key].reshape(-1))
+                if key in state:
+                    view.copy_(state[key].reshape(-1))
                 state[key] = view.view(m.shape)
             buffers.append(buffer)
         spans = [(m.offset, m.offset + m.numel, g) for m, g in zip(members, groups)]
@@ -388,7 +394,7 @@ class CompactAdam:
                 step = adopted.step + 1
                 if step not in tables:
                     tables[step] = _hyper_table(adam.param_groups, step, device)
-                (piece,) = adopted.run.pieces
+                piece = adopted.run.piece
                 steps.append(queue_run_step(adopted.run.model, piece.remainder, piece.tie_indices, adopted.grad,
                                             adopted.exp_avg, adopted.exp_avg_sq, adopted.layout, tables[step], skip,
                                             None if scale is None else scale.reshape(())))
@@ -412,6 +418,13 @@ class CompactAdam:
         if message not in self._logged:
             self._logged.add(message)
             logger.info(message)
+
+
+def _initial_step(param: Tensor, group: dict) -> Tensor:
+    """Adam's step counter as torch's first step creates it: on the parameter's device for the fused and
+    capturable implementations, on the host otherwise."""
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=torch.float32, device=param.device if on_device else None)
 
 
 def _hyper_table(param_groups: Sequence[dict], step: int, device: torch.device) -> Tensor:

@@ -21,7 +21,7 @@ allowed) form a run, of at most `_GROUP_ELEMENTS` elements. A rebuild gives each
 over its span and makes every master of it a view of that buffer; the next release splits the whole
 run with one kernel call (one remainder and one list of tie indices per run, indices into the run),
 and the next rebuild joins it with one. The first release after `attach` meets the optimizer's own,
-separately allocated masters and splits them one by one; the rebuild after it gathers them.
+separately allocated masters and gathers each run into its buffer first.
 
 From then on the masters stay views of their run's buffer and a release frees the buffer's storage
 (`resize_(0)`, as FSDP frees unsharded parameters), a rebuild gives it back and joins into it: per
@@ -34,7 +34,7 @@ everything that reads masters outside the optimizer step goes through `materiali
 
 Exact by construction, and checked: an element whose remainder falls outside the range (a model
 weight that is not its master rounded, e.g. NaN, or one written by something else) leaves its
-whole run's masters in fp32 (its tensor's, on the per-tensor path), so a master is never rebuilt
+whole run's masters in fp32, so a master is never rebuilt
 wrong. The masters stay the same tensor objects (Adam's state and Megatron's `main_param` are keyed
 by them); only their `.data` changes. Offloading parks a view's whole storage (`workers/offload.py`),
 so a run kept in fp32 moves as one buffer.
@@ -230,8 +230,7 @@ class _Master:
     model: torch.Tensor  # the bf16 model shard the master was last copied into (a view of the DDP buffer)
     part: int = 0  # which optimizer of a Megatron chain steps it
     offset: int = 0  # where `model` starts in its run's span (elements)
-    released: bool = False
-    shape: torch.Size = field(init=False)  # a released master's .data is empty: its shape is kept here
+    shape: torch.Size = field(init=False)
 
     def __post_init__(self):
         self.shape = self.master.shape
@@ -240,19 +239,10 @@ class _Master:
     def numel(self) -> int:
         return self.model.numel()
 
-    def free(self) -> None:
-        """Release the master's fp32 values (its remainder stands for them now): the per-tensor path (the first
-        release after `attach`, or a run whose masters are no longer all views of its buffer)."""
-        self.master.grad = None  # a view of the gradient buffer; prepare_grads sets it again
-        self.master.data = torch.empty(0, dtype=torch.float32, device=self.master.device)
-        self.released = True
-
 
 @dataclass
 class _Piece:
-    """A released stretch [start, stop) of a run's span: its remainder and tie indices (from `start`)."""
-    start: int
-    stop: int
+    """What stands for a released run's masters: the remainder over its span and the indices of its ties."""
     remainder: torch.Tensor
     tie_indices: torch.Tensor
 
@@ -261,16 +251,15 @@ class _Piece:
 class _Run:
     """Masters whose model shards lie back to back in one storage (padding between them allowed).
 
-    `model` is a flat bf16 view over the whole span. After a rebuild every master's `.data` is a view
-    of `buffer` (one fp32 tensor over the span), so the next release splits the run with one kernel
-    call and frees the buffer's storage, the members staying its views (`parked`); the first release
-    after `attach` finds Megatron's separately allocated masters and splits them one by one (pieces),
-    and the rebuild after it gathers them into a buffer."""
+    `model` is a flat bf16 view over the whole span. Present, every master's `.data` is a view of `buffer` (one
+    fp32 tensor over the span); a release splits the run with one kernel call into its `piece` and frees the
+    buffer's storage, the members staying its views; a rebuild gives the storage back and joins into it. The
+    first release after `attach` finds Megatron's separately allocated masters and gathers them into a buffer
+    first (one run's fp32 beside them at a time), as it does where a master was given storage of its own since."""
     members: list[_Master]
     model: torch.Tensor
     buffer: torch.Tensor | None = None
-    pieces: list[_Piece] = field(default_factory=list)
-    parked: bool = False  # released whole: `buffer`'s storage is empty, the members still its views
+    piece: _Piece | None = None  # while released: what stands for the masters (`buffer`'s storage is empty)
 
     @property
     def span(self) -> int:
@@ -280,25 +269,30 @@ class _Run:
     def part(self) -> int:
         return self.members[0].part
 
+    @property
+    def released(self) -> bool:
+        return self.piece is not None
+
     def whole(self) -> bool:
-        """Whether the masters are present as the rebuild left them: views of `buffer` (anything that gave a
-        master other storage since sends the run down the per-tensor path). Only the storage is compared, the
-        cheapest check per tensor: nothing of ours re-points a master into its own run's buffer elsewhere."""
-        if self.buffer is None or self.parked or any(m.released for m in self.members):
+        """Whether the masters are present as the rebuild left them: views of `buffer` (a master given other
+        storage since has the run gathered again). Only the storage is compared, the cheapest check per tensor:
+        nothing of ours re-points a master into its own run's buffer elsewhere."""
+        if self.buffer is None or self.released:
             return False
         storage = self.buffer.untyped_storage().data_ptr()
         return all(m.master.untyped_storage().data_ptr() == storage for m in self.members)
 
-    def park(self) -> None:
-        """Free the buffer's storage (the run's remainders stand for it); the members stay its views. Their
-        gradients go (the step hands them over again): with a bf16 gradient buffer each is an fp32 copy."""
+    def park(self, piece: _Piece) -> None:
+        """Release the run: `piece` stands for its masters, the buffer's storage is freed and the members stay
+        its views. Their gradients go (the step hands them over again): with a bf16 gradient buffer each is an
+        fp32 copy."""
         for m in self.members:
             m.master.grad = None
         self.buffer.untyped_storage().resize_(0)
-        self.parked = True
+        self.piece = piece
 
     def unparked_buffer(self) -> torch.Tensor:
-        """The buffer with its storage back, values undefined until joined into (still `parked` until then)."""
+        """The buffer with its storage back, values undefined until joined into (still released until then)."""
         self.buffer.untyped_storage().resize_(4 * self.span)
         return self.buffer
 
@@ -351,37 +345,22 @@ def _follows(run: list[_Master], m: _Master, limit: int) -> bool:
 
 @dataclass
 class _Split:
-    """A stretch split on the device whose checks are not read yet: the whole run (one kernel call)
-    or one master of it."""
+    """A run split on the device (one kernel call) whose checks are not read yet."""
     run: _Run
-    members: list[_Master]
-    start: int
-    stop: int
-    whole_run: bool
-    master: torch.Tensor  # flat fp32 over [start, stop) of the run's span
-    model: torch.Tensor  # flat bf16 over the same stretch
     remainder: torch.Tensor
     stats: torch.Tensor
     checks: torch.Tensor | None  # the split's per-block checks, for its tie search (GPU), or None
 
 
-def _splits(run: _Run, write_models: bool = False) -> Iterator[_Split]:
-    """The run's present masters split on the device: at once when they are views of the run's buffer,
-    else one by one (the first release after `attach`, or masters given other storage since); none where
-    the run is released whole already. `write_models`: each model weight rounded from its master first (the
-    padding between shards too, to the weight it was widened from)."""
-    if run.parked:
-        return
-    if run.whole():
-        yield _Split(run, run.members, 0, run.span, True, run.buffer, run.model,
-                     *_split_on_device(run.buffer, run.model, write_models))
-        return
-    for m in run.members:
-        if m.released or m.numel == 0:
-            continue
-        master, model = m.master.data.view(-1), m.model.view(-1)
-        yield _Split(run, [m], m.offset, m.offset + m.numel, False, master, model,
-                     *_split_on_device(master, model, write_models))
+def _split_run(run: _Run, write_models: bool = False) -> _Split | None:
+    """The run's masters split on the device as its buffer (gathered into it first where they are not all its
+    views: Megatron's masters at `attach`); None where the run is released already. `write_models`: each model
+    weight rounded from its master first (the padding between shards too, to the weight it was widened from)."""
+    if run.released:
+        return None
+    if not run.whole():
+        _gather(run)
+    return _Split(run, *_split_on_device(run.buffer, run.model, write_models))
 
 
 class CompactMasterWeights:
@@ -407,7 +386,7 @@ class CompactMasterWeights:
 
     @property
     def released(self) -> bool:
-        return any(run.pieces for run in self._runs)
+        return any(run.released for run in self._runs)
 
     @property
     def runs(self) -> int:
@@ -460,12 +439,14 @@ class CompactMasterWeights:
         for run in self._runs:
             if (part is not None and run.part != part) or id(run) in skipped:
                 continue
-            for split in _splits(run, write_models):
-                group.append(split)
-                elements += split.stop - split.start
-                if elements >= _GROUP_ELEMENTS:
-                    yield group
-                    group, elements = [], 0
+            split = _split_run(run, write_models)
+            if split is None:
+                continue
+            group.append(split)
+            elements += run.span
+            if elements >= _GROUP_ELEMENTS:
+                yield group
+                group, elements = [], 0
         if group:
             yield group
 
@@ -503,21 +484,22 @@ class CompactMasterWeights:
         self._settle_pending()
         with torch.profiler.record_function("skyrl_megatron.masters_rebuild"), torch.no_grad():
             for run in self._runs:
-                if not run.pieces or id(run) in leave:
+                if not run.released or id(run) in leave:
                     continue
-                if any(p.remainder.untyped_storage().nbytes() < p.remainder.nbytes for p in run.pieces):
+                remainder = run.piece.remainder
+                if remainder.untyped_storage().nbytes() < remainder.nbytes:
                     raise RuntimeError("compact master weights: the optimizer state is offloaded; backload it first")
                 _gather(run)
 
-    def parked_runs(self, part: int) -> list["_Run"]:
-        """The runs of chain part `part` released whole (one remainder over the span, the masters views of a
-        freed buffer): what `compact_adam` can step without rebuilding them."""
-        return [run for run in self._runs if run.part == part and run.parked and len(run.pieces) == 1]
+    def released_runs(self, part: int) -> list["_Run"]:
+        """The released runs of chain part `part` (one remainder over the span, the masters views of a freed
+        buffer): what `compact_adam` can step without rebuilding them."""
+        return [run for run in self._runs if run.part == part and run.released]
 
     def stored_tensors(self) -> list[torch.Tensor]:
         """What stands for the released masters (remainders, tie indices): optimizer state to offload."""
         self._settle_pending()
-        return [t for run in self._runs for p in run.pieces for t in (p.remainder, p.tie_indices)]
+        return [t for run in self._runs if run.released for t in (run.piece.remainder, run.piece.tie_indices)]
 
     @contextlib.contextmanager
     def materialised(self, *, read_only: bool = False) -> Iterator[None]:
@@ -526,57 +508,34 @@ class CompactMasterWeights:
 
         `read_only`: the block changes neither the masters nor the model weights (a save). Their
         remainders then still hold, and the masters go back to them as they were, without the release's
-        kernel pass and its wait for the device: where every run was released whole, as from the second
-        release on."""
+        kernel pass and its wait for the device."""
         self._settle_pending()
-        was_released = self.released
-        kept = self._released_runs() if was_released and read_only else None
-        if was_released:
+        released = [(run, run.piece) for run in self._runs if run.released]
+        if released:
             self.rebuild()
         try:
             yield
         finally:
-            if kept is not None:
-                _release_as_before(kept)
-            elif was_released:
+            if released and read_only:
+                for run, piece in released:
+                    run.park(piece)
+            elif released:
                 self.release()
-
-    def _released_runs(self) -> list[tuple["_Run", list["_Piece"]]] | None:
-        """Every released run with its pieces, or None unless each was released whole (one piece over
-        its span: all its masters released, none kept in fp32)."""
-        runs = [(run, list(run.pieces)) for run in self._runs if run.pieces]
-        if any([(p.start, p.stop) for p in pieces] != [(0, run.span)] for run, pieces in runs):
-            return None
-        return runs
 
 
 def _gather(run: _Run) -> None:
-    """Rebuild the run's released masters into one fp32 buffer over its span, every master a view of it."""
-    if run.parked:  # released whole from its buffer: the storage back, one kernel call, the views unchanged
-        (piece,) = run.pieces
-        join_master(run.model, piece.remainder, piece.tie_indices, out=run.unparked_buffer())
-        run.parked, run.pieces = False, []
+    """The run's masters, released or present apart, in one fp32 buffer over its span, every master a view of it."""
+    if run.released:  # the storage back, one kernel call, the views unchanged
+        join_master(run.model, run.piece.remainder, run.piece.tie_indices, out=run.unparked_buffer())
+        run.piece = None
         return
-    # released one by one (or partly kept): once after `attach`, then the run is whole and parks
+    # present apart (Megatron's masters at `attach`, or one given storage of its own since)
     buffer = run.model.float()  # the padding between shards: its weight widened, exactly (remainder 0)
-    for piece in run.pieces:
-        join_master(run.model[piece.start : piece.stop], piece.remainder, piece.tie_indices,
-                    out=buffer[piece.start : piece.stop])
     for m in run.members:
-        if not m.released:  # kept in fp32: copied in
-            buffer[m.offset : m.offset + m.numel] = m.master.data.view(-1)
+        buffer[m.offset : m.offset + m.numel] = m.master.data.view(-1)
     for m in run.members:
         m.master.data = buffer[m.offset : m.offset + m.numel].view(m.shape)
-        m.released = False
-    run.buffer, run.pieces = buffer, []
-
-
-def _release_as_before(runs: list[tuple[_Run, list[_Piece]]]) -> None:
-    """Give each run its pieces back and free its fp32 buffer's storage (the rebuild just gathered the run: its
-    masters are the buffer's views), as the release that made them left it."""
-    for run, pieces in runs:
-        run.park()
-        run.pieces = pieces
+    run.buffer = buffer
 
 
 class HostChecks:
@@ -605,27 +564,22 @@ def _settle(group: list[_Split], checks: HostChecks) -> tuple[int, int]:
     """Release the group's masters whose checks hold (one host read for the whole group); returns
     (bytes freed, elements kept in fp32).
 
-    A whole run whose check fails stays in fp32 as a whole: the check fails only where a model weight
-    is not its master rounded (NaN, or written by something other than the optimizer step), which
-    normal training never does; splitting the run again per tensor would mean copying the kept masters
-    out of the shared buffer (a view keeps all of it alive) and a kernel call per tensor at every step,
-    for memory alone. Exactness is the same either way: nothing of a kept run is freed."""
+    A run whose check fails stays in fp32 as a whole: the check fails only where a model weight is not
+    its master rounded (NaN, or written by something other than the optimizer step), which normal
+    training never does; splitting it per tensor would mean copying the kept masters out of the shared
+    buffer (a view keeps all of it alive) and a kernel call per tensor at every step, for memory alone.
+    Nothing of a kept run is freed, so nothing is rebuilt wrong."""
     stats = checks.read()
     freed = kept = offset = 0
     for split in group:
+        run = split.run
         mine, offset = stats[offset : offset + split.stats.numel()], offset + split.stats.numel()
         if not _in_range(mine):
-            kept += sum(m.numel for m in split.members)
+            kept += sum(m.numel for m in run.members)
             continue
-        ties = _tie_indices(split.master, split.model, _tie_counts(mine), split.checks)
-        piece = _Piece(split.start, split.stop, split.remainder, ties)
-        split.run.pieces.append(piece)
-        freed += 4 * (split.stop - split.start) - piece.remainder.nbytes - piece.tie_indices.nbytes
-        if split.whole_run:
-            split.run.park()
-        else:
-            for m in split.members:
-                m.free()
+        piece = _Piece(split.remainder, _tie_indices(run.buffer, run.model, _tie_counts(mine), split.checks))
+        freed += 4 * run.span - piece.remainder.nbytes - piece.tie_indices.nbytes
+        run.park(piece)
     return freed, kept
 
 

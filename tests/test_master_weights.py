@@ -111,7 +111,9 @@ def test_release_reads_each_groups_checks_at_once_and_rebuilds_exactly(monkeypat
     masters = CompactMasterWeights(pairs)
     masters.release()
     assert len(reads) == -(-len(pieces) // 2)  # two 40k masters reach 60k elements: a group
-    assert len(pieces) >= 3 and [m.numel() for m, _ in pairs] == [0, 40_000] + [0] * (len(pieces) - 2)
+    # each master its own run, gathered into the run's buffer and split whole: the released ones' storage freed
+    held = [m.untyped_storage().nbytes() for m, _ in pairs]
+    assert len(pieces) >= 3 and held == [0, 4 * 40_000] + [0] * (len(pieces) - 2)
     masters.rebuild()
     for (master, _), want in zip(pairs, expected):
         assert torch.equal(master.view(torch.int32), want.view(torch.int32))
@@ -251,8 +253,7 @@ def _counting(monkeypatch, kernels) -> dict[str, int]:
 
 
 def _holds_nothing(master: torch.Tensor) -> bool:
-    """A released master: its fp32 storage freed (an empty tensor on the first release after attach, later its
-    run's buffer's storage resized to nothing, the master keeping its shape)."""
+    """A released master: its run's buffer's storage resized to nothing (the master keeps its shape)."""
     return master.untyped_storage().nbytes() == 0
 
 
@@ -266,8 +267,8 @@ def _assert_exact(pairs, expected) -> None:
 
 
 def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monkeypatch):
-    """The first release after attach meets the optimizer's separate masters (one call per tensor); the
-    rebuild gathers each run's masters into one buffer, and from then on a run is one call."""
+    """Every release and rebuild is one kernel call per run, the first release after attach too (it gathers the
+    optimizer's separate masters into each run's buffer first); from then on the masters stay views of it."""
     from skyrl_megatron.master_weights import CompactMasterWeights
 
     calls = _counting(monkeypatch, master_weights._EAGER)
@@ -278,28 +279,22 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
     parameters, expected = [master for master, _ in pairs], _bits(pairs)
     masters = CompactMasterWeights(pairs)
     assert masters.runs == 2
-    masters.release()
-    assert calls["split"] == len(pairs) and all(_holds_nothing(master) for master in parameters)
-    masters.rebuild()
-    assert calls["join"] == len(pairs)
-    _assert_exact(pairs, expected)
-    # from now on no per-tensor re-pointing: each run's buffer gives up its storage and gets it back, the masters stay
-    # its views (the same storage objects, their shapes kept while released) and none is freed one by one
-    storages = [master.untyped_storage()._cdata for master in parameters]
-    freed_one_by_one = []
-    monkeypatch.setattr(master_weights._Master, "free", lambda self: freed_one_by_one.append(self))
-    for _ in range(2):
+    storages = None
+    for _ in range(3):
         calls.update(split=0, tie_mask=0, join=0)
         for master in parameters:  # as the step hands them over (fp32 copies where the gradient buffer is bf16)
             master.grad = torch.zeros_like(master)
         masters.release()
-        assert all(_holds_nothing(master) for master, _ in pairs) and len(masters.stored_tensors()) == 2 * 2
-        assert [master.shape for master in parameters] == [torch.Size([n]) for n in sizes * 2]
+        # (no tensor in these assertions: a released master's repr would read freed memory)
+        assert all(_holds_nothing(master) for master in parameters) and len(masters.stored_tensors()) == 2 * 2
+        assert [tuple(master.shape) for master in parameters] == [(n,) for n in sizes * 2]
         assert all(master.grad is None for master in parameters)  # no gradient memory held between steps
         masters.rebuild()
         assert calls == {"split": 2, "tie_mask": 2, "join": 2}  # every run has ties
         _assert_exact(pairs, expected)
-        assert [master.untyped_storage()._cdata for master in parameters] == storages and not freed_one_by_one
+        # no per-tensor re-pointing after the first gather: the same storage objects, released and given back
+        storages = storages or [master.untyped_storage()._cdata for master in parameters]
+        assert [master.untyped_storage()._cdata for master in parameters] == storages
     # the same Parameter objects (Adam's state is keyed by them), each run's masters views of one buffer
     assert all(a is b for a, b in zip(parameters, [master for master, _ in pairs], strict=True))
     first, second = parameters[: len(sizes)], parameters[len(sizes) :]
@@ -308,10 +303,10 @@ def test_a_release_and_rebuild_make_one_kernel_call_per_run_not_per_tensor(monke
     assert first[0].untyped_storage().data_ptr() != second[0].untyped_storage().data_ptr()
 
 
-def test_parked_runs_are_left_alone_by_a_second_release_and_follow_a_master_given_other_storage(monkeypatch):
-    """Runs released whole (their buffers' storage freed) are not split again by a release without a rebuild between;
-    a writing materialise rebuilds and releases them exactly; a master given storage of its own after a rebuild sends
-    its run down the per-tensor path (its new values kept, bit for bit), and the run is gathered whole again after."""
+def test_released_runs_are_left_alone_by_a_second_release_and_follow_a_master_given_other_storage(monkeypatch):
+    """Released runs (their buffers' storage freed) are not split again by a release without a rebuild between; a
+    writing materialise rebuilds and releases them exactly; a master given storage of its own after a rebuild has
+    its run gathered into a buffer again at the next release (its new values kept, bit for bit): one call a run."""
     from skyrl_megatron.master_weights import CompactMasterWeights
 
     calls = _counting(monkeypatch, master_weights._EAGER)
@@ -321,8 +316,6 @@ def test_parked_runs_are_left_alone_by_a_second_release_and_follow_a_master_give
     parameters, expected = [master for master, _ in pairs], _bits(pairs)
     masters = CompactMasterWeights(pairs)
     masters.release()
-    masters.rebuild()
-    masters.release()  # parked
     calls.update(split=0, tie_mask=0, join=0)
     masters.release()
     assert calls["split"] == 0 and masters.released and all(_holds_nothing(master) for master in parameters)
@@ -332,15 +325,15 @@ def test_parked_runs_are_left_alone_by_a_second_release_and_follow_a_master_give
     masters.rebuild()
     _assert_exact(pairs, expected)
 
-    # a master given a tensor of its own (as a load that replaced `.data` would): its run goes tensor by tensor
+    # a master given a tensor of its own (as a load that replaced `.data` would): its run is gathered again
     own = parameters[2].detach().clone()
     parameters[2].data = own
     calls.update(split=0, tie_mask=0, join=0)
     masters.release()
-    assert calls["split"] == len(pairs) and all(_holds_nothing(master) for master in parameters)
+    assert calls["split"] == 1 and all(_holds_nothing(master) for master in parameters)
     masters.rebuild()
     _assert_exact(pairs, expected)
-    assert len({master.untyped_storage().data_ptr() for master in parameters}) == 1  # gathered whole again
+    assert len({master.untyped_storage().data_ptr() for master in parameters}) == 1  # views of one buffer again
     calls.update(split=0, tie_mask=0, join=0)
     masters.release()
     masters.rebuild()
@@ -350,9 +343,8 @@ def test_parked_runs_are_left_alone_by_a_second_release_and_follow_a_master_give
 
 def test_a_read_only_materialise_returns_the_masters_to_their_remainders_without_splitting_again(monkeypatch):
     """A save reads the masters: inside the read-only block they are exact; after it each run is released again with
-    the pieces it had (the same remainder and tie tensors), with no split kernel and no read of its checks; the next
-    rebuild is exact. Where a run was not released whole (the first release after attach splits tensor by tensor),
-    the block ends with a release, as a writing block does, and the run is whole from then on."""
+    what stood for it (the same remainder and tie tensors), with no split kernel and no read of its checks; the next
+    rebuild is exact."""
     from skyrl_megatron.master_weights import CompactMasterWeights
 
     calls = _counting(monkeypatch, master_weights._EAGER)
@@ -361,10 +353,8 @@ def test_a_read_only_materialise_returns_the_masters_to_their_remainders_without
     pairs = _back_to_back([list(torch.split(values[: sum(sizes)], sizes))])
     expected = _bits(pairs)
     masters = CompactMasterWeights(pairs)
-    masters.release()  # tensor by tensor: not whole
-    with masters.materialised(read_only=True):
-        _assert_exact(pairs, expected)
-    assert calls["split"] == len(pairs) + 1 and masters.released  # released again, the run whole: one call
+    masters.release()
+    assert calls["split"] == 1 and masters.released
     stored = masters.stored_tensors()
     assert len(stored) == 2  # one remainder and one list of ties for the run
     settled = []
@@ -402,8 +392,8 @@ def test_runs_are_exact_across_their_borders_and_a_failing_run_stays_in_fp32(mon
     expected = _bits(pairs)
     masters = CompactMasterWeights(pairs)
     assert 4 <= masters.runs < 10  # capped by the group size, and apart per buffer
-    masters.release()
-    masters.rebuild()  # gathered into one buffer per run
+    masters.release()  # gathered into one buffer per run
+    masters.rebuild()
     _assert_exact(pairs, expected)
 
     victim = 50  # a master in the middle of a run: its whole run stays in fp32
@@ -557,20 +547,15 @@ def _train(built, optimizer, scheduler, rank: int, offload_after: int | None = N
     return {"losses": losses, "results": results, "states": states, "held": held, "parked": parked}
 
 
-def _reference_adam_after_the_first_step(optimizer) -> None:
-    """From the second call of each torch step on, `compact_adam.adam_step_reference` per parameter in place of
-    torch's Adam, with its skip flag and clip divisor: what compact adam does from the step after the runs are
-    first released whole (the first step is torch's on both sides)."""
+def _reference_adam(optimizer) -> None:
+    """Every torch step as `compact_adam.adam_step_reference` per parameter, with the step's skip flag and clip
+    divisor, Adam's state made at the first step as torch makes it: what compact adam does to its runs."""
     from skyrl_megatron.compact_adam import AdamScalars, adam_step_reference, scalar_table
     from skyrl_megatron.optim import torch_optimizers
 
     for adam in torch_optimizers(optimizer):
-        calls, real_step = [], adam.step
 
-        def step(closure=None, adam=adam, calls=calls, real_step=real_step):
-            calls.append(1)
-            if len(calls) == 1:
-                return real_step(closure)
+        def step(closure=None, adam=adam):
             skip = getattr(adam, "found_inf", None)
             skip = torch.zeros(()) if skip is None else skip.reshape(())
             scale = getattr(adam, "grad_scale", None)
@@ -580,6 +565,9 @@ def _reference_adam_after_the_first_step(optimizer) -> None:
                         if param.grad is None:
                             continue
                         state = adam.state[param]
+                        if not state:
+                            state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(param),
+                                         exp_avg_sq=torch.zeros_like(param))
                         scalars = AdamScalars(group["lr"], *group["betas"], group["eps"], group["weight_decay"],
                                               int(state["step"]) + 1)
                         adam_step_reference(param.data.view(-1), param.grad.view(-1), state["exp_avg"].view(-1),
@@ -601,7 +589,7 @@ def _compact_against_plain(rank, world, hf_dir, layout=None, compact_adam=False)
     initialize_model_parallel(parallel, seed=0)
     built, optimizer, scheduler = _build(hf_dir, compact=False, parallel=parallel)
     if compact_adam:
-        _reference_adam_after_the_first_step(optimizer)
+        _reference_adam(optimizer)
     plain = _train(built, optimizer, scheduler, rank)
     built, optimizer, scheduler = _build(hf_dir, compact=True, parallel=parallel, compact_adam=compact_adam)
     initial = _held_bytes(optimizer)  # released as soon as the optimizer is built
@@ -668,9 +656,9 @@ def test_compact_masters_train_bitwise_like_fp32_masters(tmp_path, family, world
 )
 def test_compact_adam_trains_bitwise_like_its_definition_on_fp32_masters(tmp_path, family, world, layout):
     """Compact adam (the released runs stepped without rebuilding their masters) against fp32 masters stepped by
-    `adam_step_reference` per parameter, torch's Adam taking the first step on both sides: losses, norms, the
-    skipped step, weights, masters and Adam's state bit for bit, through an offload round trip; every run adopted,
-    every part copying back through the release."""
+    `adam_step_reference` per parameter from the first step on: losses, norms, the skipped step, weights, masters
+    and Adam's state bit for bit, through an offload round trip; every run adopted, every part copying back through
+    the release."""
     from skyrl_megatron.testing import make_tiny_hf_model
 
     hf_dir = str(make_tiny_hf_model(family, tmp_path, seed=5))
@@ -694,7 +682,7 @@ import test_master_weights as t
 result = t._compact_against_plain(0, 1, HF_DIR, None, True)
 t._assert_compact_trained_as_plain(result, "qwen3", 1, {}, compact_adam=True)
 assert result["adopted_runs"] == result["runs"]["runs"] > 0
-assert len(passes) == 4 * result["runs"]["runs"], len(passes)  # every step after the first, the skipped one too
+assert len(passes) == len(t.STEPS) * result["runs"]["runs"], len(passes)  # every step, the skipped one too
 print("trained")
 """
 
@@ -860,7 +848,7 @@ def test_checkpoints_are_interchangeable_with_and_without_compact_masters(tmp_pa
 def _compact_adam_resumed(rank, world, hf_dir, root):
     """Two steps with compact adam, a save, two more; the same optimizer loads the save and takes the same two
     steps (its runs' state replaced under them: adopted again), and so does a fresh one; a fresh one that loads
-    the weights only adopts its runs once torch's first step has made their state."""
+    the weights only adopts its runs at its first step, their state made as torch's first step makes it."""
     from skyrl_megatron.checkpoint import load_checkpoint, save_checkpoint
     from skyrl_megatron.compact_adam import compact_adam_of
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
@@ -883,7 +871,7 @@ def _compact_adam_resumed(rank, world, hf_dir, root):
     loaded = _state(built, optimizer)
     resumed = [_step(built, optimizer, scheduler, rank) for _ in range(2)]
     adopted.append(compact_adam_of(optimizer).adopted_runs)
-    # weights only (a worker's `load_optimizer_states=False`): no Adam state until torch's first step makes it
+    # weights only (a worker's `load_optimizer_states=False`): no Adam state before the first step
     from types import SimpleNamespace
 
     from skyrl_megatron.workers.training import TrainedRoleMixin
@@ -910,7 +898,7 @@ def test_compact_adam_resumes_bitwise_from_its_checkpoint(tmp_path):
     _assert_same_state(report["saved"], report["loaded"])  # the moments' run buffers saved and loaded exactly
     assert report["resumed"] == report["again"] == report["uninterrupted"]
     assert report["adopted"][0] == report["adopted"][1] == report["adopted"][2] > 0
-    assert report["weights_only"] == [0, report["adopted"][0]]  # torch's step first, then adopted
+    assert report["weights_only"] == [report["adopted"][0]] * 2  # adopted at the first step, no state yet
 
 
 # ----------------------------------------------------------------------------------------------
