@@ -247,7 +247,7 @@ class CompactAdam:
     inside each chain part's torch step those runs' masters are left out of the param groups and queued here with
     the step's skip flag and clip divisor (`found_inf`, `grad_scale`, as torch's fused Adam reads them; without
     them, no skip and gradients already clipped in place); `finish()` reads the runs' checks once and advances the
-    step counters. A run is adopted at its first step parked: its members' moments are copied into one buffer
+    step counters. A run is adopted at its first step released: its members' moments are copied into one buffer
     per moment over the run's span and the state entries become views of it (checkpoints and offloads read and
     park them as before); before any step those buffers start at zero and the step counters are made as torch's
     first step makes them. A run whose members' state was replaced since (a checkpoint load) is adopted again."""
