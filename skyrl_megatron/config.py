@@ -264,9 +264,9 @@ class MegatronWorkerConfig:
     # auto: wherever the optimizer allows it (optim.OptimizerSettings.build_optimizer), true: there or an error
     compact_master_weights: bool | str = AUTO
     # AdamW straight on the compact masters (compact_adam.py): each run of released masters stepped by one Triton
-    # pass (28 bytes a parameter) in place of their rebuild, torch's fused AdamW and their release (44-48); needs
-    # compact_master_weights and ddp_config.grad_reduce_in_fp32
-    compact_adam: bool = False
+    # pass (28 bytes a parameter) in place of their rebuild, torch's fused AdamW and their release (44-48); auto:
+    # wherever the compact masters run on fp32 gradients (ddp_config.grad_reduce_in_fp32), true: there or an error
+    compact_adam: bool | str = AUTO
     ddp_config: dict[str, Any] = field(default_factory=dict)
     optimizer_config_kwargs: dict[str, Any] = field(default_factory=dict)
     transformer_config_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -700,11 +700,12 @@ def _compact_adam_problems(role: str, prefix: str, mc: MegatronWorkerConfig) -> 
     """Where `compact_adam` can step the masters: compact ones, fed fp32 gradients, of a role with an optimizer
     (the rest of what it needs is what `compact_master_weights` needs, checked there)."""
     key, value = f"{prefix}.compact_adam", mc.compact_adam
-    if not isinstance(value, bool):
-        return [Problem(key, f"must be true or false, got {value!r}", "set true or false")]
-    if not value:
+    if not (isinstance(value, bool) or value == AUTO):
+        return [Problem(key, f"must be true, false or auto, got {value!r}",
+                        "set auto (wherever the compact masters run on fp32 gradients), true or false")]
+    if value is not True:  # auto settles quietly on what the built optimizer allows
         return []
-    off = "set compact_adam=false"
+    off = "set compact_adam=false (or auto)"
     if role == "ref":
         return [Problem(key, "the reference model has no optimizer", off)]
     problems = []

@@ -122,13 +122,13 @@ class OptimizerSettings:
         return cls(config=config, schedule=schedule)
 
     def build_optimizer(self, chunks: Sequence[torch.nn.Module], *, compact_master_weights: bool | str = False,
-                        compact_adam: bool = False):
+                        compact_adam: bool | str = False):
         """Megatron's optimizer over the DDP-wrapped model chunks (one per virtual pipeline stage).
 
         `compact_master_weights` keeps the fp32 masters as bf16 weight + int16 remainder between
         steps (`master_weights.py`; `optimizer_step` rebuilds them for the step): True there or an
         error, "auto" wherever this optimizer allows it. `compact_adam` steps them without rebuilding them
-        (`compact_adam.py`); it needs the compact masters.
+        (`compact_adam.py`) where they run on fp32 gradients: True there or an error, "auto" wherever they do.
 
         Whether the optimizer is distributed must agree with how the DDP grad buffers were laid
         out, so it follows `ddp_config.use_distributed_optimizer`; asking for a distributed
@@ -157,10 +157,12 @@ class OptimizerSettings:
         if kept:
             logger.info("optimizer: Megatron's per-tensor methods kept (%s)", ", ".join(sorted(kept)))
         reason = refusal(optimizer) if compact_master_weights else "compact_master_weights is false"
-        if compact_adam and reason is None:
-            reason = _compact_adam_refusal(optimizer)
-            if reason is not None:
-                raise OptimizerSettingsError(f"megatron_config.compact_adam cannot be used: {reason}")
+        adam_reason = _compact_adam_refusal(optimizer) if compact_adam and reason is None else None
+        if compact_adam is True and adam_reason is not None:
+            raise OptimizerSettingsError(f"megatron_config.compact_adam cannot be used: {adam_reason}")
+        if adam_reason is not None:
+            logger.info("compact adam (auto): off, %s", adam_reason)
+        adam_here = bool(compact_adam) and reason is None and adam_reason is None
         if reason is None:
             masters = attach(optimizer)
             parts = chained_parts(optimizer)
@@ -169,14 +171,14 @@ class OptimizerSettings:
             # device would wait for that launch (4 ms under the experts' AdamW at 4 MoE layers on an H100). With
             # compact adam every part does: their released runs hold no fp32 masters to copy, and in steady state
             # no run is left for an earlier part's release to split
-            for index in range(len(parts)) if compact_adam else [len(parts) - 1]:
+            for index in range(len(parts)) if adam_here else [len(parts) - 1]:
                 optimizer_prebuilt.write_models_with(parts[index], functools.partial(masters.round_into_models, index))
-            if compact_adam:
+            if adam_here:
                 grads_of = {}
                 for part in parts:
                     grads_of.update(optimizer_prebuilt.main_grad_views(part) or {})
                 attach_compact_adam(optimizer, masters, grads_of)
-        elif compact_adam:
+        elif compact_adam is True:
             raise OptimizerSettingsError(f"megatron_config.compact_adam needs compact master weights, which cannot "
                                          f"be used here: {reason}")
         elif compact_master_weights is True:

@@ -966,7 +966,7 @@ def test_each_refusal_names_the_key(role, megatron_config, bf16, named):
         ("ref", {}, "the reference model has no optimizer"),
         ("policy", {"compact_master_weights": False}, "compact_master_weights=auto"),
         ("critic", {"ddp_config": {"grad_reduce_in_fp32": False}}, "grad_reduce_in_fp32=true"),
-        ("policy", {"compact_adam": "yes"}, "must be true or false"),
+        ("policy", {"compact_adam": "yes"}, "must be true, false or auto"),
     ],
 )
 def test_compact_adam_refusals_name_the_key_and_the_fix(role, megatron_config, named):
@@ -978,6 +978,8 @@ def test_compact_adam_refusals_name_the_key_and_the_fix(role, megatron_config, n
     problems = _compact_adam_problems(role, prefix, mc)
     assert len(problems) == 1 and problems[0].key == f"{prefix}.compact_adam" and named in str(problems[0])
     mc.compact_adam = False
+    assert _compact_adam_problems(role, prefix, mc) == []
+    mc.compact_adam = "auto"  # settles on torch's Adam over the rebuilt masters where it cannot run, with no error
     assert _compact_adam_problems(role, prefix, mc) == []
 
 
@@ -1006,6 +1008,11 @@ def _build_refusals(rank, world, hf_dir):
             messages.append(None)
         except OptimizerSettingsError as error:
             messages.append(str(error))
+    # compact adam "auto" (the default): on with the compact masters, quietly off without them
+    from skyrl_megatron.compact_adam import compact_adam_of
+
+    auto += [compact_adam_of(_build(hf_dir, compact="auto", compact_adam="auto", **kwargs)[1]) is not None
+             for kwargs in ({}, {"distributed_optimizer": False})]
     return messages, auto
 
 
@@ -1017,7 +1024,7 @@ def test_building_the_optimizer_refuses_what_compact_masters_cannot_handle(tmp_p
 
     hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
     ((messages, auto),) = run_on_ranks(_build_refusals, 1, hf_dir, timeout=300)
-    assert auto == [True, False, False]
+    assert auto == [True, False, False, True, False]
     plain, fp32, adam_without, adam_auto_refused = messages
     assert "megatron_config.compact_master_weights" in plain and "use_distributed_optimizer: true" in plain
     assert "megatron_config.compact_master_weights" in fp32 and "bf16" in fp32
