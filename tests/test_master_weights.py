@@ -547,15 +547,20 @@ def _train(built, optimizer, scheduler, rank: int, offload_after: int | None = N
     return {"losses": losses, "results": results, "states": states, "held": held, "parked": parked}
 
 
-def _reference_adam(optimizer) -> None:
+def _reference_adam(optimizer, torch_first: bool = False) -> None:
     """Every torch step as `compact_adam.adam_step_reference` per parameter, with the step's skip flag and clip
-    divisor, Adam's state made at the first step as torch makes it: what compact adam does to its runs."""
+    divisor, Adam's state made at the first step as torch makes it: what compact adam does to its runs.
+    `torch_first`: the first step torch's own."""
     from skyrl_megatron.compact_adam import AdamScalars, adam_step_reference, scalar_table
     from skyrl_megatron.optim import torch_optimizers
 
     for adam in torch_optimizers(optimizer):
+        calls = []
 
-        def step(closure=None, adam=adam):
+        def step(closure=None, adam=adam, real_step=adam.step, calls=calls):
+            calls.append(1)
+            if torch_first and len(calls) == 1:
+                return real_step(closure)
             skip = getattr(adam, "found_inf", None)
             skip = torch.zeros(()) if skip is None else skip.reshape(())
             scale = getattr(adam, "grad_scale", None)
@@ -899,6 +904,45 @@ def test_compact_adam_resumes_bitwise_from_its_checkpoint(tmp_path):
     assert report["resumed"] == report["again"] == report["uninterrupted"]
     assert report["adopted"][0] == report["adopted"][1] == report["adopted"][2] > 0
     assert report["weights_only"] == [report["adopted"][0]] * 2  # adopted at the first step, no state yet
+
+
+def _compact_adam_from_partial_state(rank, world, hf_dir):
+    """Compact adam where one master of the run has Adam state before the first step and the others not; against
+    fp32 masters whose first step is torch's and the later ones `adam_step_reference`."""
+    from skyrl_megatron.compact_adam import compact_adam_of
+    from skyrl_megatron.optim import torch_optimizers
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig(), seed=0)
+    built, optimizer, scheduler = _build(hf_dir, compact=False)
+    _reference_adam(optimizer, torch_first=True)
+    plain = [_step(built, optimizer, scheduler, rank) for _ in range(3)]
+    plain_state = _state(built, optimizer)
+    built, optimizer, scheduler = _build(hf_dir, compact=True, compact_adam=True)
+    (adam,) = torch_optimizers(optimizer)
+    first = adam.param_groups[0]["params"][0]
+    adam.state[first] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(first),
+                         "exp_avg_sq": torch.zeros_like(first)}  # what torch's first step would make
+    compact, adopted = [], []
+    for _ in range(3):
+        compact.append(_step(built, optimizer, scheduler, rank))
+        adopted.append(compact_adam_of(optimizer).adopted_runs)
+    return {"plain": [(loss, r.grad_norm) for loss, r in plain], "compact": [(loss, r.grad_norm) for loss, r in compact],
+            "plain_state": plain_state, "compact_state": _state(built, optimizer), "adopted": adopted}
+
+
+@pytest.mark.slow
+def test_a_run_with_adam_state_on_some_masters_only_is_left_to_torch_until_its_state_is_whole(tmp_path):
+    """Not adopted at the first step (torch's Adam steps the rebuilt run and completes its state), adopted from the
+    second on: bit for bit fp32 masters stepped the same way."""
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    hf_dir = str(make_tiny_hf_model("qwen3", tmp_path, seed=5))
+    (report,) = run_on_ranks(_compact_adam_from_partial_state, 1, hf_dir, timeout=300)
+    assert report["adopted"] == [0, 1, 1]  # the tiny model's masters: one run
+    assert report["compact"] == report["plain"]
+    _assert_same_state(report["plain_state"], report["compact_state"])
 
 
 # ----------------------------------------------------------------------------------------------
