@@ -338,7 +338,7 @@ class CompactAdam:
         if not any(states):  # no step taken yet: the state torch's first step would make, in the run's buffers
             states = [adam.state[m.master] for m in members]
             for m, state, g in zip(members, states, groups):
-                state["step"] = _initial_step(m.master, adam.param_groups[g])
+                state["step"] = initial_adam_step(m.master, adam.param_groups[g])
         elif any(not state or not {"exp_avg", "exp_avg_sq", "step"} <= state.keys() for state in states):
             return "some of its masters have Adam state and some not yet", False
         grads = [self._grads_of.get(id(m.master)) for m in members]
@@ -361,7 +361,7 @@ class CompactAdam:
                 view = buffer[m.offset : m.offset + m.numel]
                 if key in state:
                     view.copy_(state[key].reshape(-1))
-                state[key] = view.view(m.shape)
+                state[key] = view.view(m.master.shape)
             buffers.append(buffer)
         spans = [(m.offset, m.offset + m.numel, g) for m, g in zip(members, groups)]
         grad = first.as_strided((run.span,), (1,), first.storage_offset())
@@ -420,7 +420,7 @@ class CompactAdam:
             logger.info(message)
 
 
-def _initial_step(param: Tensor, group: dict) -> Tensor:
+def initial_adam_step(param: Tensor, group: dict) -> Tensor:
     """Adam's step counter as torch's first step creates it: on the parameter's device for the fused and
     capturable implementations, on the host otherwise."""
     on_device = group.get("fused") or group.get("capturable")

@@ -51,7 +51,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -230,10 +230,6 @@ class _Master:
     model: torch.Tensor  # the bf16 model shard the master was last copied into (a view of the DDP buffer)
     part: int = 0  # which optimizer of a Megatron chain steps it
     offset: int = 0  # where `model` starts in its run's span (elements)
-    shape: torch.Size = field(init=False)
-
-    def __post_init__(self):
-        self.shape = self.master.shape
 
     @property
     def numel(self) -> int:
@@ -534,7 +530,7 @@ def _gather(run: _Run) -> None:
     for m in run.members:
         buffer[m.offset : m.offset + m.numel] = m.master.data.view(-1)
     for m in run.members:
-        m.master.data = buffer[m.offset : m.offset + m.numel].view(m.shape)
+        m.master.data = buffer[m.offset : m.offset + m.numel].view(m.master.shape)
     run.buffer = buffer
 
 

@@ -551,7 +551,7 @@ def _reference_adam(optimizer, torch_first: bool = False) -> None:
     """Every torch step as `compact_adam.adam_step_reference` per parameter, with the step's skip flag and clip
     divisor, Adam's state made at the first step as torch makes it: what compact adam does to its runs.
     `torch_first`: the first step torch's own."""
-    from skyrl_megatron.compact_adam import AdamScalars, adam_step_reference, scalar_table
+    from skyrl_megatron.compact_adam import AdamScalars, adam_step_reference, initial_adam_step, scalar_table
     from skyrl_megatron.optim import torch_optimizers
 
     for adam in torch_optimizers(optimizer):
@@ -571,7 +571,7 @@ def _reference_adam(optimizer, torch_first: bool = False) -> None:
                             continue
                         state = adam.state[param]
                         if not state:
-                            state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(param),
+                            state.update(step=initial_adam_step(param, group), exp_avg=torch.zeros_like(param),
                                          exp_avg_sq=torch.zeros_like(param))
                         scalars = AdamScalars(group["lr"], *group["betas"], group["eps"], group["weight_decay"],
                                               int(state["step"]) + 1)
@@ -909,7 +909,7 @@ def test_compact_adam_resumes_bitwise_from_its_checkpoint(tmp_path):
 def _compact_adam_from_partial_state(rank, world, hf_dir):
     """Compact adam where one master of the run has Adam state before the first step and the others not; against
     fp32 masters whose first step is torch's and the later ones `adam_step_reference`."""
-    from skyrl_megatron.compact_adam import compact_adam_of
+    from skyrl_megatron.compact_adam import compact_adam_of, initial_adam_step
     from skyrl_megatron.optim import torch_optimizers
     from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
 
@@ -921,8 +921,9 @@ def _compact_adam_from_partial_state(rank, world, hf_dir):
     plain_state = _state(built, optimizer)
     built, optimizer, scheduler = _build(hf_dir, compact=True, compact_adam=True)
     (adam,) = torch_optimizers(optimizer)
-    first = adam.param_groups[0]["params"][0]
-    adam.state[first] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(first),
+    group = adam.param_groups[0]
+    first = group["params"][0]
+    adam.state[first] = {"step": initial_adam_step(first, group), "exp_avg": torch.zeros_like(first),
                          "exp_avg_sq": torch.zeros_like(first)}  # what torch's first step would make
     compact, adopted = [], []
     for _ in range(3):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from skyrl_megatron.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from skyrl_megatron.checkpoint.integrity import MODEL_STATE_ADAPTERS, MODEL_STATE_FULL, unwrap
 from skyrl_megatron.checkpoint.optimizer_state import state_without_gather
+from skyrl_megatron.compact_adam import initial_adam_step
 from skyrl_megatron.dist_io import replica_group
 from skyrl_megatron.master_weights import chained_parts
 from skyrl_megatron.model.adapters.lora import is_adapter_name
@@ -206,8 +207,7 @@ def _materialise_adam_state(optimizer) -> None:
             for param in group["params"]:
                 if not torch_optimizer.state[param]:
                     torch_optimizer.state[param] = {
-                        # fused Adam keeps its step counters on the parameters' device
-                        "step": torch.zeros((), dtype=torch.float32, device=param.device if group.get("fused") else None),
+                        "step": initial_adam_step(param, group),
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }
