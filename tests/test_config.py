@@ -352,6 +352,24 @@ def test_recompute_companions_count_only_with_their_granularity():
         TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **overrides(recompute_granularity=granularity))
 
 
+def test_gradient_accumulation_fusion_stays_megatron_bridges_default_unless_the_command_line_names_it(compose):
+    """skyrl 0.4's defaults set transformer_config_kwargs.gradient_accumulation_fusion=false (its own backend has the
+    fused weight-gradient GEMM only through APEX or Transformer Engine); ours has it in PyTorch, on by default
+    (test_wgrad.py builds with the key absent). Neither host's defaults turn it off for us; a user still can."""
+    key = "gradient_accumulation_fusion"
+
+    def worker_settings(cfg, role):  # what a worker reads, through the host's adapter
+        return MegatronWorkerConfig.from_host_config(current().our_view(cfg), role)
+
+    for extra in ((), (f"{MC}.transformer_config_kwargs.recompute_granularity=null",)):
+        cfg = compose(*extra)
+        for role in ("policy", "ref", "critic"):
+            assert key not in worker_settings(cfg, role).transformer_overrides(), (role, extra)
+    for value in (False, True):
+        cfg = compose(f"{MC}.transformer_config_kwargs.{key}={str(value).lower()}")
+        assert worker_settings(cfg, "policy").transformer_overrides()[key] is value
+
+
 def test_the_reference_must_take_its_logprobs_from_the_same_head_as_the_policy(compose, hf_config_dir):
     path = f"trainer.policy.model.path={hf_config_dir()}"
     ref = "trainer.ref.megatron_config.fused_kernels"

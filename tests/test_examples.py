@@ -101,6 +101,12 @@ def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_p
     total = [line for line in pasted.splitlines() if line.strip().startswith("total")]
     assert len(total) == 1 and " fits " in total[0]
 
+    readme_rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| `{script.name}` |")]
+    planned_gib = float(total[0].split()[1])
+    assert len(readme_rows) == 1 and readme_rows[0].rstrip(" |").endswith(f"| {planned_gib:.1f} GiB"), (
+        f"README's example table: give {script.name} its plan per GPU, {planned_gib:.1f} GiB"
+    )
+
     plan = build_parser().parse_args(argv)
     assert ROOT / plan.model == model_config_of(script)
     ((nodes, gpus, gpu, gib),) = HARDWARE.findall(script.read_text())
@@ -127,6 +133,8 @@ def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_p
     if swiglu_fused is None:
         swiglu_fused = "swiglu" in mc.fused_kernels
     assert plan.unfused_swiglu != swiglu_fused
+    assert plan.unfused_logprobs != ("logprobs" in mc.fused_kernels)
+    assert plan.no_gradient_accumulation_fusion != mc.transformer_config_kwargs.get("gradient_accumulation_fusion", True)
     assert plan.lora_rank == cfg.trainer.policy.model.lora.rank
     assert plan.no_grad_reduce_in_fp32 != mc.ddp_config.grad_reduce_in_fp32
     assert plan.no_distributed_optimizer != mc.ddp_config.use_distributed_optimizer

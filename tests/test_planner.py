@@ -263,7 +263,8 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
     results = json.loads((directory.parent / "results.json").read_text())
     planner_args = {r["script"]: r["planner_args"] for r in results}
     argv = ["--model", str(directory / "scaled_config.json"), *planner_args[f"{directory.name}.sh"], "--logits-chunk-mib", "256"]
-    planned = estimate_from_argv(argv, fused_adam=False, compact_master_weights=False)
+    planned = estimate_from_argv([*argv, "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
+                                 fused_adam=False, compact_master_weights=False)
     steps = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
     measured = max(v for step in steps for k, v in step.items() if k.startswith("memory/policy_") and "allocated" in k) * GIB
     assert len(steps) == 2 and all(step["sync/bitwise_equal"] == 1.0 for step in steps)
@@ -272,21 +273,20 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
 
 # the runs (a results directory each), with what the code they ran defaulted to: the logprob head's chunk (MiB;
 # 256 in the first, 1024 from the second on), whether master weights were compact without a variant saying so
-# (`auto` from the third on), and whether token-budget plans spread their rows evenly (the 2026-11-28 runs: the
-# largest micro-batch then falls short of the budget, and the plan is made for the largest one that ran; before,
-# first-fit filled them to the budget)
-# per results folder: the logits chunk (MiB), compact masters by default, the largest micro-batch recomputed,
-# the logits kept for the backward (MiB) of the code that ran
-BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False, "0"),
-                      "2026-11-27_new_defaults": ("1024", False, False, "0"),
-                      "2026-11-27_two_gpu_rows": ("1024", True, False, "0"),
-                      "2026-11-28_spread_plans": ("1024", True, True, "0")}
-# Not here: the runs with the Triton kernels (docs/results/2026-11-28_triton_kernels/). With query and key read in place (no contiguous copies
-# saved for the norm's backward) the measured training peaks fell (1.7B 44.0 -> 42.8 GiB, 4B 94.4 -> 91.7) and
-# the 1.7B plan, 48.2 GiB, is 12.6% above its run: the plan's logprob-head term (three chunk buffers plus the
-# weight gradient's accumulator and its cast, all live at once) fits the eager head, not the fused one, whose
-# measured peaks imply the accumulator plus about one chunk. Re-fitting that term moves every pasted plan and the
-# two-GPU runs' bounds, which held the copies; docs/roadmap.md has it as an open item.
+# (`auto` from the third on), whether token-budget plans spread their rows evenly (from 2026-11-28 on: the largest
+# micro-batch then falls short of the budget, and the plan is made for the largest one that ran; before, first-fit
+# filled them to the budget), the logits a training forward kept for its backward (MiB; from 2026-12-02 on), and
+# whether the head's output weight gradient went straight into main_grad (from 2026-12-02 on; before, the head
+# accumulated it in an fp32 buffer of its own, as it does today without gradient_accumulation_fusion)
+BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False, "0", False),
+                      "2026-11-27_new_defaults": ("1024", False, False, "0", False),
+                      "2026-11-27_two_gpu_rows": ("1024", True, False, "0", False),
+                      "2026-11-28_spread_plans": ("1024", True, True, "0", False),
+                      "2026-12-06_three_sides_library_norm": ("1024", True, True, "4096", True),
+                      "2026-12-07_compact_adam": ("1024", True, True, "4096", True)}
+# Not here: the runs with the Triton kernels (docs/results/2026-11-28_triton_kernels/) and the others between
+# 2026-11-28 and 2026-12-02, whose code read query and key in place but still accumulated the head's weight gradient
+# apart and kept no logits.
 POLICY_BENCH_RUNS = [p for run in BENCH_RUN_DEFAULTS for p in sorted((ROOT / "docs" / "results" / run).glob("*.json"))
                      if any(c["backend"] == "megatron" for c in json.loads(p.read_text()).get("cases", []))]
 
@@ -315,7 +315,7 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
         shape["num_hidden_layers"] = report["layers"]
         config = tmp_path / f"{path.stem}.json"
         config.write_text(json.dumps(shape))
-    default_chunk, compact_by_default, spread, kept = BENCH_RUN_DEFAULTS[path.parent.name]
+    default_chunk, compact_by_default, spread, kept, head_into_main_grad = BENCH_RUN_DEFAULTS[path.parent.name]
     peaks = []
     for case in report["cases"]:
         if case["backend"] != "megatron":
@@ -331,6 +331,8 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
                 "--micro-batch-tokens", str(budget), "--logits-chunk-mib", chunk, "--logits-kept-mib", kept]
         compact = compact_by_default or any(o.endswith("compact_master_weights=true") for o in overrides)
         argv += ["--compact-master-weights", "true" if compact else "false"]
+        if not head_into_main_grad:  # the head then: three chunk buffers and its own weight-gradient accumulator
+            argv += ["--unfused-logprobs", "--no-gradient-accumulation-fusion"]
         peaks.append((case["case"], gpus, argv, case["phases"]["train"]["peak_gib"]))
     return peaks
 
@@ -477,13 +479,46 @@ def test_the_planner_imports_neither_torch_nor_megatron():
 
 
 def test_the_logits_chunk_budget_reaches_the_logprob_head_term():
-    """`--logits-chunk-mib` is `megatron_config.logits_chunk_mib`: the head holds LOGITS_CHUNK_BUFFERS chunks."""
-    from skyrl_megatron.planner.memory import LOGITS_CHUNK_BUFFERS
+    """`--logits-chunk-mib` is `megatron_config.logits_chunk_mib`: the eager head holds EAGER_LOGITS_CHUNK_BUFFERS fp32
+    chunks; the fused head one recomputed chunk's bf16 logits (half the fp32 budget), and none where the training
+    forward kept every logit (1.7B at 8,192 tokens: 2.3 GiB of bf16 logits, within the 4 GiB kept by default)."""
+    from skyrl_megatron.planner.memory import EAGER_LOGITS_CHUNK_BUFFERS, _logprob_head_bytes
 
-    base = ["--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json"), "--micro-batch-tokens", "8192"]
+    model, layout = load_model_arch(MODEL_CONFIGS / "Qwen3-1.7B.json"), Layout(gpus_per_node=1)
+    growth = (1024 - 256) * 2**20
+    for fields, grows_by in (({"logprobs_fusion": False}, EAGER_LOGITS_CHUNK_BUFFERS * growth),
+                             ({"logits_kept_bytes": 0}, growth // 2),
+                             ({}, 0)):
+        small, large = (_logprob_head_bytes(model, layout, BatchPlan(8192, logits_chunk_bytes=mib * 2**20, **fields),
+                                            TrainingSetup()) for mib in (256, 1024))
+        assert large - small == grows_by, fields
+    base = ["--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json"), "--micro-batch-tokens", "8192", "--unfused-logprobs"]
     small, large = (estimate_from_argv([*base, "--logits-chunk-mib", str(mib)]) for mib in (256, 1024))
     assert small.transient_source == large.transient_source == "logprob head"
-    assert large.transient - small.transient == LOGITS_CHUNK_BUFFERS * (1024 - 256) * 2**20
+    assert large.transient - small.transient == EAGER_LOGITS_CHUNK_BUFFERS * growth
+
+
+def test_the_head_accumulates_its_weight_gradient_only_where_it_cannot_go_into_an_fp32_main_grad(capsys):
+    """With gradient_accumulation_fusion and fp32 gradient buffers (the defaults) the output weight's gradient goes
+    into main_grad; without either, the head adds an fp32 [V, h] accumulator and its bf16 cast; LoRA freezes it."""
+    from skyrl_megatron.planner.memory import _logprob_head_bytes
+
+    model = load_model_arch(MODEL_CONFIGS / "Qwen3-1.7B.json")
+    layout = Layout(gpus_per_node=1)
+    accumulator = (4 + 2) * model.vocab_size * model.hidden_size
+    fused = _logprob_head_bytes(model, layout, BATCH, TrainingSetup())
+    for setup in (TrainingSetup(gradient_accumulation_fusion=False), TrainingSetup(grad_reduce_in_fp32=False)):
+        assert setup.head_accumulates_weight_grad
+        assert _logprob_head_bytes(model, layout, BATCH, setup) - fused == accumulator
+    lora = TrainingSetup(lora_rank=16, gradient_accumulation_fusion=False)
+    assert not lora.head_accumulates_weight_grad
+    assert _logprob_head_bytes(model, layout, BATCH, lora) == fused
+    assert estimate_from_argv(["--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json"), "--no-gradient-accumulation-fusion"]).transient \
+        == estimate(model, layout, BATCH, TrainingSetup(gradient_accumulation_fusion=False)).transient
+    base = ["--model", str(MODEL_CONFIGS / "Qwen3-1.7B.json")]
+    assert plan_main(base) == 0 and "logprob head:" not in capsys.readouterr().out
+    assert plan_main([*base, "--unfused-logprobs", "--no-gradient-accumulation-fusion"]) == 0
+    assert "logprob head: eager (fp32 chunks), output weight gradient in an fp32 buffer of its own" in capsys.readouterr().out
 
 
 def test_the_plan_takes_the_logprob_heads_default_chunk():

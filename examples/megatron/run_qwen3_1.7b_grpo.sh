@@ -20,10 +20,10 @@
 #     grads           6.41 GiB  main_grad buffers of the trainable parameters
 #     optimizer       2.00 GiB  compact main params + Adam m, v; dense / 8 (DP x CP)
 #     activations    15.33 GiB  saved for backward: 28 layers x 1 micro-batch in flight
-#     transient       7.09 GiB  largest backward transient: logprob head
+#     transient       2.38 GiB  largest backward transient: logprob head
 #     opt. step       0.40 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
-#     total          37.03 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
+#     total          32.32 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-1.7B}

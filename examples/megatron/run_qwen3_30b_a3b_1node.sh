@@ -25,10 +25,10 @@
 #     grads          19.24 GiB  main_grad buffers of the trainable parameters
 #     optimizer      35.54 GiB  compact main params + Adam m, v; dense / 8 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
-#     transient       7.09 GiB  largest backward transient: logprob head
+#     transient       2.38 GiB  largest backward transient: logprob head
 #     opt. step       7.11 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
-#     total          75.99 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
+#     total          74.51 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-30B-A3B}

@@ -39,6 +39,9 @@ class MegatronLoraSettings(MegatronLoraConfig):
     """merged | adapters (skyrl-megatron's name); null follows the host's ``merge_lora``."""
 
 
+_WGRAD_FUSION = "gradient_accumulation_fusion"
+
+
 def _megatron_settings_class() -> type:
     """The host's MegatronConfig plus every key of ours it lacks, with our defaults.
 
@@ -58,9 +61,18 @@ def _megatron_settings_class() -> type:
     ]
     extra.append(("ddp_config", Dict[str, Any], field(default_factory=lambda: copy.deepcopy(ddp_defaults))))
     extra.append(("lora_config", MegatronLoraSettings, field(default_factory=MegatronLoraSettings)))
+    transformer_defaults = {k: v for k, v in MegatronConfig().transformer_config_kwargs.items() if k != _WGRAD_FUSION}
+    extra.append(("transformer_config_kwargs", Dict[str, Any],
+                  field(default_factory=lambda: copy.deepcopy(transformer_defaults))))
 
     def __post_init__(self) -> None:
+        fusion_named = _WGRAD_FUSION in (self.transformer_config_kwargs or {})
         MegatronConfig.__post_init__(self)
+        if not fusion_named:
+            # the host backfills gradient_accumulation_fusion=False: its own backend has the fused weight-gradient
+            # GEMM only through APEX or Transformer Engine. Ours has it in PyTorch (model/layers/wgrad.py), so
+            # Megatron-Bridge's default (on, where the model has DDP's main_grad) applies, as on skyrl-train 0.3.1
+            self.transformer_config_kwargs.pop(_WGRAD_FUSION, None)
         # a `ddp_config.<key>=...` override arrives as a mapping of that key alone: keep the other defaults
         self.ddp_config = {**copy.deepcopy(ddp_defaults), **(self.ddp_config or {})}
 

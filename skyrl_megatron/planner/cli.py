@@ -59,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="eager SwiGLU (swiglu not in megatron_config.fused_kernels, or bias_activation_fusion=false)",
     )
     training.add_argument(
+        "--unfused-logprobs",
+        action="store_true",
+        help="the logprob head's eager chain (logprobs not in megatron_config.fused_kernels): fp32 copies of each chunk",
+    )
+    training.add_argument(
+        "--no-gradient-accumulation-fusion",
+        action="store_true",
+        help="transformer_config_kwargs.gradient_accumulation_fusion=false: the logprob head's output weight "
+             "gradient accumulates in an fp32 buffer of its own instead of main_grad",
+    )
+    training.add_argument(
         "--logits-chunk-mib", type=int, default=DEFAULT_LOGITS_CHUNK_BYTES // 2**20, help="the logprob head's fp32 logits per chunk (logits_chunk_mib)"
     )
     training.add_argument(
@@ -114,6 +125,7 @@ def _batch_plan(args: argparse.Namespace) -> BatchPlan:
         recompute=args.recompute,
         recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
         swiglu_fusion=not args.unfused_swiglu,
+        logprobs_fusion=not args.unfused_logprobs,
         logits_chunk_bytes=args.logits_chunk_mib * 2**20,
         logits_kept_bytes=args.logits_kept_mib * 2**20,
     )
@@ -134,6 +146,7 @@ def _training_setup(args: argparse.Namespace) -> TrainingSetup:
         distributed_optimizer=not args.no_distributed_optimizer,
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         compact_master_weights=args.compact_master_weights,
+        gradient_accumulation_fusion=not args.no_gradient_accumulation_fusion,
     )
 
 

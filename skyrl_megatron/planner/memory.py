@@ -15,10 +15,12 @@ activations  tensors the layers save for backward (`layer_activation_bytes`) x t
              flight on the stage: PP - stage under 1F1B, Megatron's warm-up count under interleaving
              (assumes a full pipeline, i.e. at least PP micro-batches per step).
 transient    the largest short-lived set during backward, which does not coexist with the others:
-             the logprob head's (saved last hidden states, a few fp32 logits chunks, the output
-             weight's fp32 grad accumulator: our logprobs are chunked, no [tokens, vocab] tensor exists),
-             one layer's un-recomputed activations (what recomputation rebuilds, and roughly what the
-             gradients of a layer's activations take otherwise), or the embedding's gradient.
+             the logprob head's (its saved last hidden states and their gradient, the bf16 logits the
+             training forward kept, one recomputed chunk's logits where not all were kept, with the eager
+             chain three fp32 chunks; the output weight's fp32 accumulator only where its gradient cannot
+             go into an fp32 main_grad: no [tokens, vocab] fp32 tensor exists), one layer's un-recomputed
+             activations (what recomputation rebuilds, and roughly what the gradients of a layer's
+             activations take otherwise), or the embedding's gradient.
 opt. step    the optimizer step's temporaries, after backward freed activations and transients, 4 B
              per element of the rank's optimizer shard on the GPU for each of: fp32 copies of bf16
              gradients (Megatron's distributed optimizer makes them without grad_reduce_in_fp32), and
@@ -54,9 +56,9 @@ FIXED_OVERHEAD_BYTES = 3 * GIB
 USABLE_FRACTION = 0.9
 DEFAULT_LOGITS_CHUNK_BYTES = 1024 * 2**20  # compute/logprobs.py's chunk budget (megatron_config.logits_chunk_mib)
 DEFAULT_LOGITS_KEPT_BYTES = 4096 * 2**20  # the logits its training forward keeps (megatron_config.logits_kept_mib)
-# Live chunk-sized buffers at the head's backward peak: fp32 logits, fp32 probabilities (with the
-# entropy), and the bf16 projection and gradient halves.
-LOGITS_CHUNK_BUFFERS = 3
+# Live chunk-sized buffers at the eager head's backward peak (`logprobs` not in fused_kernels): fp32 logits, fp32
+# probabilities (with the entropy), and the bf16 projection and gradient halves.
+EAGER_LOGITS_CHUNK_BUFFERS = 3
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "moe_act")
 
@@ -71,6 +73,9 @@ class BatchPlan:
     # Megatron's fused SwiGLU (on by default: megatron_config.fused_kernels): the unfused
     # silu(a) * b keeps silu(a), one more [tokens, ffn] tensor per layer.
     swiglu_fusion: bool = True
+    # the logprob head's kernels (`logprobs` in megatron_config.fused_kernels, the default): they write a chunk's
+    # logit gradient over its logits; the eager chain holds fp32 copies of each chunk
+    logprobs_fusion: bool = True
     logits_chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES
     logits_kept_bytes: int = DEFAULT_LOGITS_KEPT_BYTES
 
@@ -87,6 +92,14 @@ class TrainingSetup:
     fused_adam: bool = True
     # megatron_config.compact_master_weights: True, False or "auto" (on where the optimizer allows it)
     compact_master_weights: bool | str = "auto"
+    # Megatron's gradient_accumulation_fusion (ours by default): weight gradients go straight into the fp32
+    # main_grad, the logprob head's output weight included; off, the head accumulates its own in an fp32 buffer
+    gradient_accumulation_fusion: bool = True
+
+    @property
+    def head_accumulates_weight_grad(self) -> bool:
+        """Whether the logprob head holds a [V, h] fp32 accumulator and its cast (no fp32 main_grad to add into)."""
+        return self.lora_rank == 0 and not (self.gradient_accumulation_fusion and self.grad_reduce_in_fp32)
 
     @property
     def masters_can_be_compact(self) -> bool:
@@ -355,7 +368,7 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
     layers = stage_layers(arch, layout, stage)
     saved_per_pass = sum(layer_activation_bytes(arch, layout, batch, moe_layer=arch.is_moe_layer(i)) for i in layers)
     in_flight = micro_batches_in_flight(layout, stage)
-    transient, source = max(_transients(arch, layout, batch, layers, stage, full_finetune), key=lambda t: t[0])
+    transient, source = max(_transients(arch, layout, batch, training, layers, stage), key=lambda t: t[0])
 
     parameters_on_gpu = base.total + lora_dense + lora_expert
     return MemoryEstimate(
@@ -381,25 +394,37 @@ def _step_temporary_bytes(training: TrainingSetup) -> int:
 
 
 def _transients(
-    arch: ModelArch, layout: Layout, batch: BatchPlan, layers: list[int], stage: int, full_finetune: bool
+    arch: ModelArch, layout: Layout, batch: BatchPlan, training: TrainingSetup, layers: list[int], stage: int
 ) -> list[tuple[float, str]]:
+    full_finetune = training.lora_rank == 0
     working = max(layer_activation_bytes(arch, layout, batch, moe_layer=arch.is_moe_layer(i), recompute="none") for i in layers)
     candidates = [(working, "one layer's backward working set")]
     vocab_rows = arch.vocab_size // layout.tp
     if stage == 0 and full_finetune:
         candidates.append((BF16 * vocab_rows * arch.hidden_size, "embedding gradient"))
     if stage == layout.pp - 1:
-        candidates.append((_logprob_head_bytes(arch, layout, batch, full_finetune), "logprob head"))
+        candidates.append((_logprob_head_bytes(arch, layout, batch, training), "logprob head"))
     return candidates
 
 
-def _logprob_head_bytes(arch: ModelArch, layout: Layout, batch: BatchPlan, full_finetune: bool) -> float:
+def _logprob_head_bytes(arch: ModelArch, layout: Layout, batch: BatchPlan, training: TrainingSetup) -> float:
+    """The head's backward (compute/logprobs.py): its saved inputs and the hidden states' gradient, the logits kept
+    from the forward, the chunk buffers of the logits it recomputes, and the output weight's fp32 accumulator where
+    its gradient cannot go straight into main_grad."""
     tokens = _Tokens.of(layout, batch)
     vocab_rows = arch.vocab_size // layout.tp
-    saved = BF16 * arch.hidden_size * tokens.local + 2 * FP32 * tokens.local  # gathered hidden; lse, logprob
-    chunk = min(batch.logits_chunk_bytes, FP32 * tokens.local * vocab_rows)
-    weight_grad = (FP32 + BF16) * vocab_rows * arch.hidden_size if full_finetune else 0  # accumulator + cast
-    return saved + LOGITS_CHUNK_BUFFERS * chunk + weight_grad + _kept_logits_bytes(tokens.local, vocab_rows, batch)
+    hidden = BF16 * arch.hidden_size * tokens.local  # the gathered last hidden states, and their gradient
+    saved = hidden + 2 * FP32 * tokens.local  # with the log-partition and logprob per token
+    kept = _kept_logits_bytes(tokens.local, vocab_rows, batch)
+    chunk = min(batch.logits_chunk_bytes, FP32 * tokens.local * vocab_rows)  # a chunk's fp32 logits
+    if not batch.logprobs_fusion:
+        chunks = EAGER_LOGITS_CHUNK_BUFFERS * chunk
+    elif kept < BF16 * tokens.local * vocab_rows:
+        chunks = chunk / 2  # one recomputed chunk's bf16 logits, its gradient written over them
+    else:
+        chunks = 0.0  # every chunk's logits kept: the gradient is written over them
+    weight_grad = (FP32 + BF16) * vocab_rows * arch.hidden_size if training.head_accumulates_weight_grad else 0
+    return saved + hidden + kept + chunks + weight_grad
 
 
 def _kept_logits_bytes(tokens: float, vocab_rows: int, batch: BatchPlan) -> float:

@@ -49,7 +49,13 @@ def describe_training(batch: BatchPlan, training: TrainingSetup) -> list[str]:
     second = f"bf16 params, {grads} grads, {masters} + Adam ({optimizer}"
     if training.optimizer_offload_fraction:
         second += f", {training.optimizer_offload_fraction:.0%} on the CPU"
-    return [f"training    {first}", f"            {second})"]
+    lines = [f"training    {first}", f"            {second})"]
+    head = [] if batch.logprobs_fusion else ["eager (fp32 chunks)"]
+    if training.head_accumulates_weight_grad:
+        head.append("output weight gradient in an fp32 buffer of its own")
+    if head:
+        lines.append(f"            logprob head: {', '.join(head)}")
+    return lines
 
 
 def _micro_batches(n: float) -> str:
