@@ -139,6 +139,7 @@ def test_pasted_memory_plan_is_current_matches_the_layout_and_fits(script, tmp_p
     assert plan.no_grad_reduce_in_fp32 != mc.ddp_config.grad_reduce_in_fp32
     assert plan.no_distributed_optimizer != mc.ddp_config.use_distributed_optimizer
     assert plan.compact_master_weights == mc.compact_master_weights
+    assert plan.compact_adam == mc.compact_adam
     offloaded = mc.optimizer_config_kwargs.optimizer_offload_fraction if mc.optimizer_config_kwargs.optimizer_cpu_offload else 0.0
     assert plan.optimizer_offload_fraction == offloaded
 

@@ -232,12 +232,13 @@ def test_the_optimizer_step_holds_an_fp32_copy_of_the_gpu_shard_per_temporary_an
 
 def test_compact_master_weights_keep_2_bytes_of_each_master_between_steps_and_rebuild_them_in_the_step():
     model, layout = arch("Qwen3-4B"), Layout(gpus_per_node=2)
-    fp32, compact = (estimate(model, layout, BATCH, TrainingSetup(compact_master_weights=on)) for on in (False, True))
+    fp32, compact = (estimate(model, layout, BATCH, TrainingSetup(compact_master_weights=on, compact_adam=False))
+                     for on in (False, True))
     shard = fp32.optimizer / ADAM_STATE_BYTES
     assert fp32.optimizer - compact.optimizer == pytest.approx(2 * shard, abs=2)  # int16 remainder for fp32 master
     assert compact.optimizer_step - fp32.optimizer_step == pytest.approx(2 * shard, abs=2)  # the step's fp32 masters
     assert compact.total == pytest.approx(fp32.total - 2 * shard, abs=2)  # backward, not the step, sets this peak
-    auto = estimate(model, layout, BATCH, TrainingSetup())  # the workers' default: compact where it can be
+    auto = estimate(model, layout, BATCH, TrainingSetup(compact_adam=False))  # the default: compact where it can be
     assert auto.optimizer == compact.optimizer and auto.optimizer_step == compact.optimizer_step
     for unsharded in (TrainingSetup(distributed_optimizer=False), TrainingSetup(optimizer_offload_fraction=0.5)):
         assert not unsharded.compacts_masters  # auto settles on fp32 masters there, with no error
@@ -248,6 +249,26 @@ def test_compact_master_weights_keep_2_bytes_of_each_master_between_steps_and_re
         with pytest.raises(PlanError) as raised:
             estimate(model, layout, BATCH, setup)
         assert raised.value.flag == "--compact-master-weights" and named in raised.value.fix
+
+
+def test_compact_adam_steps_the_compact_masters_without_rebuilding_them():
+    """compact_adam (auto: where the masters are compact and the gradients fp32, as the workers settle it) steps
+    each run of compact masters in one pass: the step holds no fp32 masters and runs no torch AdamW."""
+    model, layout = arch("Qwen3-4B"), Layout(gpus_per_node=2)
+    rebuilt, in_place = (estimate(model, layout, BATCH, TrainingSetup(compact_adam=on)) for on in (False, "auto"))
+    assert in_place.optimizer_step == 0 < rebuilt.optimizer_step
+    assert in_place.optimizer == rebuilt.optimizer and in_place.activations == rebuilt.activations
+    for off in (TrainingSetup(grad_reduce_in_fp32=False), TrainingSetup(compact_master_weights=False),
+                TrainingSetup(distributed_optimizer=False)):
+        assert not off.steps_compact_masters_in_place  # auto settles off there, with no error
+        explicit = TrainingSetup(**{**off.__dict__, "compact_adam": False})
+        assert estimate(model, layout, BATCH, off) == estimate(model, layout, BATCH, explicit)
+    for setup, fix in ((TrainingSetup(compact_adam=True, grad_reduce_in_fp32=False), "fp32 gradient buffers"),
+                       (TrainingSetup(compact_adam=True, compact_master_weights=False), "compact master weights")):
+        with pytest.raises(PlanError) as raised:
+            estimate(model, layout, BATCH, setup)
+        assert raised.value.flag == "--compact-adam" and fix in raised.value.fix
+    assert estimate_from_argv(["--model", str(MODEL_CONFIGS / "Qwen3-4B.json"), "--compact-adam", "false"]).optimizer_step > 0
 
 
 SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("*_examples_*/run_qwen3_*"))
@@ -331,6 +352,8 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
                 "--micro-batch-tokens", str(budget), "--logits-chunk-mib", chunk, "--logits-kept-mib", kept]
         compact = compact_by_default or any(o.endswith("compact_master_weights=true") for o in overrides)
         argv += ["--compact-master-weights", "true" if compact else "false"]
+        # compact adam became the default after every run listed here: on only where a variant turned it on
+        argv += ["--compact-adam", "true" if any(o.endswith("compact_adam=true") for o in overrides) else "false"]
         if not head_into_main_grad:  # the head then: three chunk buffers and its own weight-gradient accumulator
             argv += ["--unfused-logprobs", "--no-gradient-accumulation-fusion"]
         peaks.append((case["case"], gpus, argv, case["phases"]["train"]["peak_gib"]))

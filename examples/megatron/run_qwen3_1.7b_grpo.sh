@@ -13,7 +13,7 @@
 #               28 layers, hidden 2048, 16/8 q/kv heads, vocab 151936
 #   layout      8 GPUs (1 x 8): TP 1, PP 1, CP 1, DP 8
 #   training    8192 tokens per micro-batch (packed), recompute none, fused SwiGLU, full fine-tune
-#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam (distributed)
+#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam stepping them in place (distributed)
 #
 #   per GPU
 #     params          3.20 GiB  1.72B parameters, bf16
@@ -21,7 +21,7 @@
 #     optimizer       2.00 GiB  compact main params + Adam m, v; dense / 8 (DP x CP)
 #     activations    15.33 GiB  saved for backward: 28 layers x 1 micro-batch in flight
 #     transient       2.38 GiB  largest backward transient: logprob head
-#     opt. step       0.40 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          32.32 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
 set -euo pipefail

@@ -20,7 +20,7 @@
 #               94 layers (94 MoE: 128 experts, 8 per token), hidden 4096, 64/4 q/kv heads, vocab 151936
 #   layout      64 GPUs (8 x 8): TP 4 + SP, PP 1, CP 1, DP 16 | experts: EP 64, ETP 1, expert-DP 1
 #   training    8192 tokens per micro-batch (packed), recompute full, fused SwiGLU, full fine-tune
-#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam (distributed)
+#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam stepping them in place (distributed)
 #
 #   per GPU
 #     params         10.40 GiB  5.59B parameters, bf16
@@ -28,9 +28,9 @@
 #     optimizer      34.23 GiB  compact main params + Adam m, v; dense / 16 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.47 GiB  saved for backward: 94 layers x 1 micro-batch in flight
 #     transient       0.70 GiB  largest backward transient: logprob head
-#     opt. step       6.85 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
-#     total          75.29 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
+#     total          70.62 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-235B-A22B}

@@ -18,7 +18,7 @@
 #               48 layers (48 MoE: 128 experts, 8 per token), hidden 2048, 32/4 q/kv heads, vocab 151936
 #   layout      8 GPUs (1 x 8): TP 1, PP 1, CP 1, DP 8 | experts: EP 8, ETP 1, expert-DP 1
 #   training    8192 tokens per micro-batch (packed), recompute full, fused SwiGLU, full fine-tune
-#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam (distributed)
+#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam stepping them in place (distributed)
 #
 #   per GPU
 #     params          9.62 GiB  5.16B parameters, bf16
@@ -26,9 +26,9 @@
 #     optimizer      35.54 GiB  compact main params + Adam m, v; dense / 8 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
 #     transient       2.38 GiB  largest backward transient: logprob head
-#     opt. step       7.11 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
-#     total          74.51 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
+#     total          71.29 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-30B-A3B}

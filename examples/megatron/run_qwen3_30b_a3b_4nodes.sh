@@ -16,7 +16,7 @@
 #               48 layers (48 MoE: 128 experts, 8 per token), hidden 2048, 32/4 q/kv heads, vocab 151936
 #   layout      32 GPUs (4 x 8): TP 2 + SP, PP 1, CP 1, DP 16 | experts: EP 8, ETP 1, expert-DP 4
 #   training    16384 tokens per micro-batch (packed), recompute full, fused SwiGLU, full fine-tune
-#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam (distributed)
+#               bf16 params, fp32 grads, compact main params (bf16 + 16-bit remainder between steps) + Adam stepping them in place (distributed)
 #
 #   per GPU
 #     params          8.20 GiB  4.40B parameters, bf16
@@ -24,7 +24,7 @@
 #     optimizer       8.89 GiB  compact main params + Adam m, v; dense / 16 (DP x CP), experts / 4 (expert-DP)
 #     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
 #     transient       2.44 GiB  largest backward transient: logprob head
-#     opt. step       1.78 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          40.42 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
 set -euo pipefail

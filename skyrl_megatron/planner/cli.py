@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                           metavar="{auto,true,false}",
                           help="fp32 masters kept as bf16 weight + 16-bit remainder between steps (compact_master_weights; "
                                "auto, the default: with the distributed optimizer and nothing offloaded)")
+    training.add_argument("--compact-adam", nargs="?", type=_true_false_auto, const=True, default="auto",
+                          metavar="{auto,true,false}",
+                          help="AdamW straight on the compact masters, no fp32 rebuild in the step (compact_adam; auto, "
+                               "the default: with compact master weights and fp32 gradient buffers)")
     parser.add_argument("--suggest", action="store_true", help="list the layouts of the cluster that fit --gpu-memory-gib")
     parser.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to print")
     return parser
@@ -146,6 +150,7 @@ def _training_setup(args: argparse.Namespace) -> TrainingSetup:
         distributed_optimizer=not args.no_distributed_optimizer,
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         compact_master_weights=args.compact_master_weights,
+        compact_adam=args.compact_adam,
         gradient_accumulation_fusion=not args.no_gradient_accumulation_fusion,
     )
 

@@ -26,7 +26,9 @@ opt. step    the optimizer step's temporaries, after backward freed activations 
              gradients (Megatron's distributed optimizer makes them without grad_reduce_in_fp32), and
              torch's multi-tensor (foreach) AdamW's sqrt(v) of a whole parameter group, where Megatron
              steps with it (`fused_adam=False`; our optimizer switches to torch's fused kernel, which
-             updates in place: optim.use_fused_torch_adam). The peak is the larger of this and
+             updates in place: optim.use_fused_torch_adam), plus with compact master weights their 2 B
+             rebuild to fp32, unless compact adam steps them in place (compact_adam.py, on where the
+             masters are compact and the gradients fp32: no temporaries of a shard's size). The peak is the larger of this and
              activations + transient (measured on H200s: with foreach AdamW, 2026-11-26, the step set the
              policy's peak in both scaled MoE examples; with fused Adam, 2026-11-27, backward set it at
              Qwen3-4B and an 8-layer Qwen3-30B-A3B).
@@ -92,9 +94,18 @@ class TrainingSetup:
     fused_adam: bool = True
     # megatron_config.compact_master_weights: True, False or "auto" (on where the optimizer allows it)
     compact_master_weights: bool | str = "auto"
+    # megatron_config.compact_adam: True, False or "auto" (on where compact masters run on fp32 gradients)
+    compact_adam: bool | str = "auto"
     # Megatron's gradient_accumulation_fusion (ours by default): weight gradients go straight into the fp32
     # main_grad, the logprob head's output weight included; off, the head accumulates its own in an fp32 buffer
     gradient_accumulation_fusion: bool = True
+
+    @property
+    def steps_compact_masters_in_place(self) -> bool:
+        """Whether compact adam steps the masters, "auto" settled as the workers settle it (no fp32 rebuild)."""
+        if self.compact_adam == "auto":
+            return self.compacts_masters and self.grad_reduce_in_fp32
+        return bool(self.compact_adam)
 
     @property
     def head_accumulates_weight_grad(self) -> bool:
@@ -181,6 +192,9 @@ def check_settings(batch: BatchPlan, training: TrainingSetup) -> None:
         (training.compact_master_weights is not True or training.masters_can_be_compact,
          "--compact-master-weights", "needs the distributed optimizer with nothing offloaded to the CPU",
          "drop --no-distributed-optimizer and --optimizer-offload-fraction, or --compact-master-weights"),
+        (training.compact_adam is not True or (training.compacts_masters and training.grad_reduce_in_fp32),
+         "--compact-adam", "steps compact master weights on fp32 gradients",
+         "keep compact master weights and fp32 gradient buffers, or set --compact-adam auto (or false)"),
     )
     for ok, flag, message, fix in checks:
         if not ok:
@@ -389,6 +403,8 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
 
 def _step_temporary_bytes(training: TrainingSetup) -> int:
     """Bytes per element of the GPU's optimizer shard that the optimizer step adds (module docstring)."""
+    if training.steps_compact_masters_in_place:
+        return 0  # one pass over each run of compact masters, no torch AdamW, no rebuild
     fp32_temporaries = int(not training.grad_reduce_in_fp32) + int(not training.fused_adam)
     return FP32 * fp32_temporaries + COMPACT_MASTER_SAVING * training.compacts_masters
 

@@ -46,7 +46,8 @@ def describe_training(batch: BatchPlan, training: TrainingSetup) -> list[str]:
     grads = "fp32" if training.grad_reduce_in_fp32 else "bf16"
     optimizer = "distributed" if training.distributed_optimizer else "unsharded"
     masters = "compact main params (bf16 + 16-bit remainder between steps)" if training.compacts_masters else "fp32 main params"
-    second = f"bf16 params, {grads} grads, {masters} + Adam ({optimizer}"
+    adam = "Adam stepping them in place" if training.steps_compact_masters_in_place else "Adam"
+    second = f"bf16 params, {grads} grads, {masters} + {adam} ({optimizer}"
     if training.optimizer_offload_fraction:
         second += f", {training.optimizer_offload_fraction:.0%} on the CPU"
     lines = [f"training    {first}", f"            {second})"]
