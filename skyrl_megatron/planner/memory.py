@@ -28,10 +28,10 @@ opt. step    the optimizer step's temporaries, after backward freed activations 
              steps with it (`fused_adam=False`; our optimizer switches to torch's fused kernel, which
              updates in place: optim.use_fused_torch_adam), plus with compact master weights their 2 B
              rebuild to fp32, unless compact adam steps them in place (compact_adam.py, on where the
-             masters are compact and the gradients fp32: no temporaries of a shard's size). The peak is the larger of this and
-             activations + transient (measured on H200s: with foreach AdamW, 2026-11-26, the step set the
-             policy's peak in both scaled MoE examples; with fused Adam, 2026-11-27, backward set it at
-             Qwen3-4B and an 8-layer Qwen3-30B-A3B).
+             masters are compact and the gradients fp32: no temporaries of a shard's size). The peak is
+             the larger of this and activations + transient (measured on H200s: with foreach AdamW,
+             2026-11-26, the step set the policy's peak in both scaled MoE examples; with fused Adam,
+             2026-11-27, backward set it at Qwen3-4B and an 8-layer Qwen3-30B-A3B).
 overhead     a fixed allowance: CUDA context, cuBLAS and NCCL workspaces, a sleeping colocated vLLM.
 
 Activations assume a flash-style core attention (no [s, s] scores; ours is SDPA / varlen flash, or
