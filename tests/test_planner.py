@@ -3,6 +3,7 @@ properties of the estimate, layout suggestions, and the `skyrl-megatron plan` co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import shutil
@@ -261,7 +262,7 @@ def test_compact_adam_steps_the_compact_masters_without_rebuilding_them():
     for off in (TrainingSetup(grad_reduce_in_fp32=False), TrainingSetup(compact_master_weights=False),
                 TrainingSetup(distributed_optimizer=False)):
         assert not off.steps_compact_masters_in_place  # auto settles off there, with no error
-        explicit = TrainingSetup(**{**off.__dict__, "compact_adam": False})
+        explicit = dataclasses.replace(off, compact_adam=False)
         assert estimate(model, layout, BATCH, off) == estimate(model, layout, BATCH, explicit)
     for setup, fix in ((TrainingSetup(compact_adam=True, grad_reduce_in_fp32=False), "fp32 gradient buffers"),
                        (TrainingSetup(compact_adam=True, compact_master_weights=False), "compact master weights")):
