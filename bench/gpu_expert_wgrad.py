@@ -50,7 +50,7 @@ def routed_rows(args: argparse.Namespace, device):
     leading zero as quack takes them, and the rows in all; seeded, the first `--empty` experts without a token."""
     import torch
 
-    from skyrl_megatron.model.moe.quack_support import cu_seqlens
+    from skyrl_megatron.model.quack_support import cu_seqlens
 
     torch.manual_seed(0)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -60,7 +60,7 @@ def routed_rows(args: argparse.Namespace, device):
 
 def quack_importable() -> bool:
     """Whether quack's GEMMs import here; prints the answer as the report's first line."""
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
 
     try:
         import quack.gemm_interface  # noqa: F401

@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     from skyrl_megatron.compute.logprobs import vocab_parallel_logprobs
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
 
     reason = quack_support.missing_reason(torch.cuda.current_device())
     print(json.dumps({"device": torch.cuda.get_device_name(), "quack": reason or "importable"}), flush=True)

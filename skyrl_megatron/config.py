@@ -78,9 +78,12 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # 2.5% of the defaults end to end (H200, 2026-12-06); qk_norm_rope took 3% off a Qwen3-4B training step
 # (2026-11-27); `lse_gemm` (the logprob head's log-sum-exp and label logit in quack-kernels' GEMM epilogue, from the
 # fp32 accumulator, where quack runs; compute/logprob_gemm.py) took 4-8% off the scoring passes on an H100
-# (2026-12-06). The MoE experts' GEMMs are `moe_config.expert_gemms`.
-FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "logprobs", "lse_gemm")
-DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "logprobs", "lse_gemm")
+# (2026-12-06); `swiglu_gemm` (the dense MLP's fc1 with the SwiGLU in quack-kernels' GEMM epilogue in forward-only
+# passes, where quack runs; model/layers/mlp.py) ran fc1 and the activation in 12-16% less time than cuBLAS's GEMM
+# and our SwiGLU kernel at Qwen3-1.7B's and 4B's widths on an H100 (2026-12-07). The MoE experts' GEMMs are
+# `moe_config.expert_gemms`.
+FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "swiglu_gemm", "logprobs", "lse_gemm")
+DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "swiglu_gemm", "logprobs", "lse_gemm")
 # names `fused_kernels` took before the experts' GEMMs got their own key
 _EXPERT_GEMM_KERNELS = ("expert_gemm", "expert_wgrad")
 AUTO = "auto"
@@ -108,7 +111,7 @@ ROUTER_DTYPES = ("fp32", "fp64")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")
 # r2: the policy's scoring pass records routes, training replays them; r3: the inference engine's routes
 ROUTING_REPLAYS = ("r2", "r3")
-# the grouped experts' GEMMs (model/moe/quack_support.py `experts_on_quack`): auto takes quack-kernels' varlen GEMMs
+# the grouped experts' GEMMs (model/quack_support.py `experts_on_quack`): auto takes quack-kernels' varlen GEMMs
 # on a Hopper or later GPU where quack imports, else torch._grouped_mm; quack refuses to start without them
 EXPERT_GEMMS = ("auto", "quack", "torch")
 

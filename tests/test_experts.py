@@ -253,7 +253,7 @@ def test_expert_gemms_quack_that_cannot_run_fails_the_build_naming_the_key_and_t
     message before any weights load; `auto` and `torch` never fail there, and on the CPU runtime nothing fails."""
     from skyrl_megatron.config import MoeSettings
     from skyrl_megatron.model import build
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
     def spec(choice):
@@ -303,7 +303,7 @@ def test_expert_gemms_choose_quack_where_it_runs_and_torchs_grouped_gemm_elsewhe
 
     from skyrl_megatron.config import MoeSettings
     from skyrl_megatron.model import build
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -327,7 +327,7 @@ def test_expert_gemms_choose_quack_where_it_runs_and_torchs_grouped_gemm_elsewhe
 def test_expert_gemms_leave_a_dense_model_alone(monkeypatch, tmp_path, caplog):
     """No grouped experts: quack is not even probed, and nothing is logged."""
     from skyrl_megatron.model import build
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
     monkeypatch.setattr(quack_support, "missing_reason", lambda device: pytest.fail("probed quack for a dense model"))

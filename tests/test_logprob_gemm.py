@@ -186,7 +186,7 @@ def test_the_kernel_takes_only_aligned_half_precision_cuda_operands_at_temperatu
 
 def test_lse_gemm_runs_where_quack_runs_and_the_two_kernel_head_elsewhere(monkeypatch, tmp_path, caplog):
     from skyrl_megatron.model import build
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
     from skyrl_megatron.runtime import Device, Runtime
 
     spec = build.ModelSpec(str(tmp_path), fused_kernels=("logprobs", "lse_gemm"))

@@ -272,21 +272,34 @@ def test_compact_adam_steps_the_compact_masters_without_rebuilding_them():
     assert estimate_from_argv(["--model", str(MODEL_CONFIGS / "Qwen3-4B.json"), "--compact-adam", "false"]).optimizer_step > 0
 
 
+# the scaled example runs (a results directory each), with the planner flags matching the code they ran: the
+# 2026-11-26 runs (2 x H200) had torch's foreach AdamW (fused Adam came later), 256 MiB logits chunks (the default
+# then), fp32 masters (compact ones became the default later), the eager logprob chain and the head's weight
+# gradient in a buffer of its own; the 2026-12-07 run (one H100) had today's defaults, compact adam included
+SCALED_EXAMPLE_FLAGS = {
+    "2026-11-26_examples_4nodes_1.7b": (["--logits-chunk-mib", "256", "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
+                                        {"fused_adam": False, "compact_master_weights": False}),
+    "2026-11-26_examples_moe": (["--logits-chunk-mib", "256", "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
+                                {"fused_adam": False, "compact_master_weights": False}),
+    "2026-12-07_examples_compact_adam": ([], {}),
+}
 SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("*_examples_*/run_qwen3_*"))
+
+
+def test_every_scaled_example_run_is_planned_with_its_code():
+    assert {d.parent.name for d in SCALED_EXAMPLE_RUNS} == set(SCALED_EXAMPLE_FLAGS)
 
 
 @pytest.mark.parametrize("directory", SCALED_EXAMPLE_RUNS, ids=lambda d: f"{d.parent.name}/{d.name}")
 def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directory):
-    """The example layouts scaled to 2 x H200 ran 2 GRPO steps (2026-11-26, bench/gpu_examples.py): the plan
-    without its fixed overhead (which covers what the allocator does not count) is at least the policy's peak
-    allocated memory in every phase, and at most 10% above it. Planned as those runs were: torch's foreach
-    AdamW (fused Adam came later), 256 MiB logits chunks (the default then) and fp32 masters (compact ones
-    became the default later)."""
+    """The example layouts, scaled to a few layers, ran 2 GRPO steps (bench/gpu_examples.py): the plan without its
+    fixed overhead (which covers what the allocator does not count) is at least the policy's peak allocated memory
+    in every phase, and at most 10% above it, planned with the settings of the code each run had."""
     results = json.loads((directory.parent / "results.json").read_text())
     planner_args = {r["script"]: r["planner_args"] for r in results}
-    argv = ["--model", str(directory / "scaled_config.json"), *planner_args[f"{directory.name}.sh"], "--logits-chunk-mib", "256"]
-    planned = estimate_from_argv([*argv, "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
-                                 fused_adam=False, compact_master_weights=False)
+    flags, setup = SCALED_EXAMPLE_FLAGS[directory.parent.name]
+    argv = ["--model", str(directory / "scaled_config.json"), *planner_args[f"{directory.name}.sh"], *flags]
+    planned = estimate_from_argv(argv, **setup)
     steps = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
     measured = max(v for step in steps for k, v in step.items() if k.startswith("memory/policy_") and "allocated" in k) * GIB
     assert len(steps) == 2 and all(step["sync/bitwise_equal"] == 1.0 for step in steps)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.moe.quack_support import HALF_DTYPES, aligned
+from skyrl_megatron.model.quack_support import HALF_DTYPES, aligned
 
 
 def takes(hidden: Tensor, weight: Tensor, temperature: float) -> bool:

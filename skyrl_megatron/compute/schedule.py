@@ -6,6 +6,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from skyrl_megatron.model.layers.forward_only import forward_only_pass
+
 
 def forward_only(
     chunks: Sequence[torch.nn.Module],
@@ -17,7 +19,8 @@ def forward_only(
     micro_batch_size: int,
 ) -> list[Any]:
     """Run `forward_fn` over every micro-batch through the pipeline; on the last stage return
-    `collect_fn(output, micro_batch)` per micro-batch, in order (elsewhere an empty list).
+    `collect_fn(output, micro_batch)` per micro-batch, in order (elsewhere an empty list). Layers see the pass as
+    forward-only (`model.layers.forward_only`): no backward follows it.
 
     `forward_fn(model_chunk, micro_batch)` returns the chunk's output; on inner stages Megatron feeds
     the received activations through `set_input_tensor`, so the same function serves every stage.
@@ -29,7 +32,7 @@ def forward_only(
 
         return collect
 
-    with torch.no_grad():
+    with torch.no_grad(), forward_only_pass():
         return _run(
             chunks,
             micro_batches,

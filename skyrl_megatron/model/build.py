@@ -106,6 +106,7 @@ class BuiltModel:
     @property
     def fused_kernels(self) -> tuple[str, ...]:
         """The fused kernels this model runs with (`model/layers/fusions.py`), as built."""
+        from skyrl_megatron.model.layers.mlp import has_swiglu_gemm
         from skyrl_megatron.model.layers.norm import FusedRMSNorm
         from skyrl_megatron.model.layers.qk_norm_rope import QKNormRopeSelfAttention
 
@@ -115,6 +116,7 @@ class BuiltModel:
             "rope": rope.is_fused() and self.provider.position_embedding_type in ("rope", "yarn"),
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
+            "swiglu_gemm": has_swiglu_gemm(modules),
             "logprobs": self.fused_logprobs,
             "lse_gemm": self.logprobs_in_gemm,
         }
@@ -221,7 +223,7 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         setattr(provider, key, value)
     provider.transformer_layer_spec = layer_spec_for(
         provider, runtime, fused_norms=spec.fused("rms_norm", runtime), attention_kernel=spec.attention_kernel,
-        qk_norm_rope=spec.fused("qk_norm_rope", runtime),
+        qk_norm_rope=spec.fused("qk_norm_rope", runtime), swiglu_gemm=_swiglu_in_gemm(spec, runtime),
     )
     provider.finalize()
     return provider
@@ -268,7 +270,7 @@ def _check_kernels_can_run(spec: ModelSpec, runtime: Runtime) -> None:
     """`moe_config.expert_gemms: quack` where quack cannot run fails here, before any weights move."""
     if spec.moe.expert_gemms != "quack" or runtime.is_cpu:
         return
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
 
     reason = quack_support.missing_reason(torch.cuda.current_device())
     if reason is not None:
@@ -282,11 +284,25 @@ def _logprobs_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
     the reference ask alike), so the logprobs the KL term compares come from the same head."""
     if not spec.fused("lse_gemm", runtime) or spec.value_head is not None:
         return False
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
 
     reason = quack_support.missing_reason(torch.cuda.current_device())
     if reason is not None:
         logger.info("logprob head: GEMM, then the statistics kernel (lse_gemm: %s)", reason)
+        return False
+    return True
+
+
+def _swiglu_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
+    """`fused_kernels: [swiglu_gemm]`: the dense MLP's fc1 and SwiGLU as one quack GEMM in forward-only passes where
+    quack runs on this GPU, else fc1, then the SwiGLU kernel (logged)."""
+    if not spec.fused("swiglu_gemm", runtime):
+        return False
+    from skyrl_megatron.model import quack_support
+
+    reason = quack_support.current_device_missing_reason()
+    if reason is not None:
+        logger.info("dense MLP: fc1, then the SwiGLU kernel (swiglu_gemm: %s)", reason)
         return False
     return True
 
@@ -298,7 +314,7 @@ def _choose_expert_gemms(spec: ModelSpec, runtime: Runtime, chunks: list) -> Non
     (`grad_reduce_in_fp32`); elsewhere `torch._grouped_mm`. Dense models have no grouped experts: nothing to choose."""
     if not experts.grouped_linears(chunks):
         return
-    from skyrl_megatron.model.moe import quack_support
+    from skyrl_megatron.model import quack_support
 
     on_quack, why = quack_support.experts_on_quack(spec.moe.expert_gemms, on_gpu=not runtime.is_cpu)
     if not on_quack:

@@ -19,6 +19,9 @@ torch.compile unless Inductor's was slow (then hand-written), or a maintained li
 - `swiglu`: Megatron's own `bias_activation_fusion`, which keeps only the SwiGLU input for backward; the
   dense MLP's call runs `swiglu_kernels.py` (hand-written, routed by `swiglu.install`), the MoE experts'
   Megatron's torch.compile'd functions;
+- `swiglu_gemm`: in forward-only passes (scoring), the dense MLP's fc1 GEMM with the SwiGLU in quack-kernels'
+  epilogue, writing only silu(gate) * up (`mlp.SwiGLUGemmMLP` over `swiglu_gemm.py`, where quack runs; training
+  passes keep fc1, then the `swiglu` kernels);
 - `logprobs`: the logprob/entropy head's softmax statistics and logit gradient, one pass over each
   chunk's bf16 logits (hand-written in `compute/logprob_kernels.py`; the runner takes it from
   `BuiltModel.fused_logprobs`);

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from skyrl_megatron.model.moe.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned, cu_seqlens
+from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned, cu_seqlens
 
 
 def takes(a: Tensor, b: Tensor) -> bool:

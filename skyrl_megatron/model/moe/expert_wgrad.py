@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.moe.quack_support import HALF_DTYPES, aligned, cu_seqlens
+from skyrl_megatron.model.quack_support import HALF_DTYPES, aligned, cu_seqlens
 
 
 def takes(main_grads: Tensor, grad_output: Tensor, x: Tensor) -> bool:

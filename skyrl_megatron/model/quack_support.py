@@ -32,6 +32,14 @@ def missing_reason(device_index: int) -> str | None:
     return None
 
 
+def current_device_missing_reason() -> str | None:
+    """`missing_reason` for this process's current CUDA device, or why there is none (a provider can be made where no
+    GPU is visible)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return missing_reason(torch.cuda.current_device())
+
+
 def experts_on_quack(choice: str, on_gpu: bool) -> tuple[bool, str]:
     """Whether the grouped experts' GEMMs run on quack for `moe_config.expert_gemms` = `choice` (auto | quack | torch),
     and why. `quack` where quack cannot run is refused at the build's start (`build._check_kernels_can_run`); on the CPU

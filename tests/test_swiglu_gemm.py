@@ -1,0 +1,215 @@
+"""The dense MLP's fc1 with the SwiGLU in the GEMM's epilogue in forward-only passes (`fused_kernels: [swiglu_gemm]`,
+model/layers/mlp.py over model/layers/swiglu_gemm.py).
+
+quack's gated GEMM runs on Hopper or later GPUs only. Here its PyTorch stand-in, `swiglu_gemm.reference_fc1_swiglu`
+(the fp32 product, the activation, one rounding), takes its place, so what is checked is everything around the
+kernel: a whole tiny model scored through the forward-only schedule equals the model without it, at world 1 and
+under TP2 with sequence parallelism (each rank's [gate; up] fc1 shard, the gathered sequence); training forwards,
+a recomputed layer's first forward (no gradients, but not forward-only) and LoRA's wrapper around fc1 keep
+Megatron's path, bit for bit; MoE layers are left alone; what the kernel takes. `bench/gpu_swiglu_gemm.py` runs
+quack's kernel itself against fp64 and the two-kernel path on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyrl_megatron.model.layers import forward_only, swiglu_gemm
+from skyrl_megatron.testing import run_on_ranks
+
+SEQ_LENGTHS = (7, 12, 5)
+
+
+def _use_stand_in(calls: list) -> None:
+    """The stand-in for quack's kernel (this process): it takes CPU tensors, and counts its calls."""
+    swiglu_gemm.takes = lambda x, weight: x.dim() == 2 and weight.shape[1] == x.shape[1] and weight.shape[0] % 2 == 0
+    swiglu_gemm.fc1_swiglu = lambda x, weight: calls.append(tuple(x.shape)) or swiglu_gemm.reference_fc1_swiglu(x, weight)
+
+
+def _scored_and_trained(rank: int, world: int, hf_dir: str, layout: dict) -> dict:
+    """One tiny model built with `swiglu_gemm` and one without (same checkpoint, fp32): this rank's logits from the
+    forward-only schedule, from a training forward (and its gradients), from a no-grad forward outside the schedule,
+    and the kernel's calls in each."""
+    from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
+    from skyrl_megatron.compute.schedule import forward_only as forward_only_schedule
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    parallel = ParallelConfig(**layout)
+    initialize_model_parallel(parallel)
+    ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels  # a GPU setting, taken on CPU here
+    from skyrl_megatron.model import quack_support
+
+    quack_support.current_device_missing_reason = lambda: None
+    calls: list = []
+    _use_stand_in(calls)
+
+    generator = torch.Generator().manual_seed(3)
+    batch, seq = len(SEQ_LENGTHS), max(SEQ_LENGTHS)
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, n in enumerate(SEQ_LENGTHS):
+        tokens[i, :n] = torch.randint(1, 256, (n,), generator=generator)
+        mask[i, :n] = 1
+    packed = pack_padded_batch(tokens, mask, parallel)
+
+    def forward(model, micro_batch):
+        return model(micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params)
+
+    out = {}
+    for name, kernels in (("fused", ("swiglu_gemm",)), ("reference", ())):
+        built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", fused_kernels=kernels))
+        model = built.chunks[0]
+        calls.clear()
+        scored = forward_only_schedule(built.chunks, [packed], forward, lambda output, mb: output.detach(),
+                                       seq_length=packed.num_tokens, micro_batch_size=1)[0]
+        scoring_calls = list(calls)
+        calls.clear()
+        trained = forward(model, packed)
+        (trained * torch.linspace(-1, 1, trained.shape[-1])).sum().backward()
+        with torch.no_grad():  # as a recomputed layer's first forward runs: no gradients, not forward-only
+            no_grad = forward(model, packed)
+        mlps = [layer.mlp for layer in model.decoder.layers]
+        out[name] = {
+            "kernels": built.fused_kernels,
+            "mlp": type(mlps[0]).__name__,
+            "layers": len(mlps),
+            "scoring_calls": scoring_calls,
+            "other_calls": list(calls),
+            "scored": scored,
+            "trained": trained.detach(),
+            "no_grad": no_grad,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "tokens": packed.num_tokens,
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tensor": 2, "sequence_parallel": True})],
+                         ids=["world1", "tp2-sp"])
+def test_a_model_scored_with_it_equals_the_model_without(tmp_path, world, layout):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    make_tiny_hf_model("qwen3", tmp_path, seed=6)
+    for result in run_on_ranks(_scored_and_trained, world, str(tmp_path), layout, timeout=300):
+        fused, reference = result["fused"], result["reference"]
+        assert "swiglu_gemm" in fused["kernels"] and "swiglu_gemm" not in reference["kernels"]
+        assert fused["mlp"] == "SwiGLUGemmMLP" and reference["mlp"] == "MLP"
+        # every layer once, over the whole packed sequence (under SP: every rank's shard gathered)
+        assert len(fused["scoring_calls"]) == fused["layers"]
+        assert all(rows == fused["tokens"] for rows, _ in fused["scoring_calls"])
+        assert fused["other_calls"] == [] and reference["scoring_calls"] == []
+        torch.testing.assert_close(fused["scored"], reference["scored"], atol=1e-5, rtol=1e-5)
+        # the training forward and a no-grad forward outside the schedule keep Megatron's path: bit for bit
+        assert torch.equal(fused["trained"], reference["trained"])
+        assert torch.equal(fused["no_grad"], reference["no_grad"])
+        assert fused["grads"].keys() == reference["grads"].keys()
+        for name, grad in reference["grads"].items():
+            assert torch.equal(fused["grads"][name], grad), name
+
+
+def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool) -> dict:
+    """The kernel's calls in one forward-only pass of the first layer's MLP (MoE layers: none expected)."""
+    from skyrl_megatron.model.build import ModelSpec, build_model
+    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(ParallelConfig())
+    ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels
+    from skyrl_megatron.model import quack_support
+
+    quack_support.current_device_missing_reason = lambda: None
+    calls: list = []
+    _use_stand_in(calls)
+    built = build_model(ModelSpec(hf_dir, dtype="fp32", fused_kernels=("swiglu_gemm",)))
+    mlp = built.chunks[0].decoder.layers[0].mlp
+    if wrap_fc1:  # as an adapter wraps fc1: its output is no longer the plain GEMM's
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                out, bias = self.inner(x)
+                return out + 1.0, bias
+
+        mlp.linear_fc1 = Wrapped(mlp.linear_fc1)
+    hidden = torch.randn(6, 1, built.provider.hidden_size)
+    with torch.no_grad(), forward_only.forward_only_pass():
+        mlp(hidden)
+    return {"calls": len(calls), "kernels": built.fused_kernels, "mlp": type(mlp).__name__}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, wrap_fc1, expected_calls", [("qwen3", False, 1), ("qwen3", True, 0),
+                                                               ("qwen3_moe", False, 0)],
+                         ids=["dense", "wrapped-fc1", "moe"])
+def test_the_fused_call_is_taken_only_by_plain_dense_mlps(tmp_path, family, wrap_fc1, expected_calls):
+    from skyrl_megatron.testing import make_tiny_hf_model
+
+    make_tiny_hf_model(family, tmp_path, seed=6)
+    (result,) = run_on_ranks(_mlp_calls, 1, str(tmp_path), family, wrap_fc1, timeout=300)
+    assert result["calls"] == expected_calls
+    assert ("swiglu_gemm" in result["kernels"]) == (family == "qwen3")
+
+
+def test_forward_only_is_set_by_the_pass_and_needs_gradients_off():
+    assert not forward_only.active()
+    with torch.no_grad():
+        assert not forward_only.active()  # a recomputed layer's first forward
+        with forward_only.forward_only_pass():
+            assert forward_only.active()
+            with torch.enable_grad():
+                assert not forward_only.active()
+        assert not forward_only.active()
+
+
+def test_the_stand_in_is_the_activation_of_the_fp32_product_rounded_once():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 32, generator=generator).to(torch.bfloat16)
+    weight = (torch.randn(2 * 24, 32, generator=generator) / 4).to(torch.bfloat16)
+    gate, up = (x.double() @ weight.double().t()).chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    fused = swiglu_gemm.reference_fc1_swiglu(x, weight)
+    two_kernels = swiglu_gemm.two_kernel_fc1_swiglu(x, weight)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (9, 24)
+    fused_error = (fused.double() - exact).abs().max().item()
+    two_kernel_error = (two_kernels.double() - exact).abs().max().item()
+    # one rounding: within half a bf16 unit of the exact value (relative 2**-9)
+    assert torch.all((fused.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6)
+    assert fused_error <= two_kernel_error
+
+
+def test_what_the_kernel_takes():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    weight = torch.randn(2 * 32, 64, dtype=torch.bfloat16)
+    assert not swiglu_gemm.takes(x, weight)  # CPU tensors: the two-kernel path
+    if not torch.cuda.is_available():
+        return
+    x, weight = x.cuda(), weight.cuda()
+    assert swiglu_gemm.takes(x, weight)
+    assert not swiglu_gemm.takes(x.float(), weight.float())  # fp32
+    assert not swiglu_gemm.takes(x[:, 1:], weight[:, 1:])  # unaligned, non-contiguous
+    assert not swiglu_gemm.takes(x[:0], weight)  # no rows
+    assert not swiglu_gemm.takes(x, weight[:63])  # an odd row count: no [gate; up] halves
+
+
+def test_the_build_takes_it_where_quack_runs_and_logs_why_not(monkeypatch, caplog):
+    from skyrl_megatron.model import build, quack_support
+    from skyrl_megatron.runtime import Device, Runtime
+
+    spec = build.ModelSpec("unused")
+    assert "swiglu_gemm" in spec.fused_kernels  # a default
+    monkeypatch.setattr(quack_support, "current_device_missing_reason", lambda: None)
+    assert build._swiglu_in_gemm(spec, Runtime(Device.CUDA))
+    assert not build._swiglu_in_gemm(spec, Runtime(Device.CPU))  # the CPU runtime: the two-kernel path
+    monkeypatch.setattr(quack_support, "current_device_missing_reason", lambda: "it needs a Hopper or later GPU")
+    with caplog.at_level("INFO", logger=build.logger.name):
+        assert not build._swiglu_in_gemm(spec, Runtime(Device.CUDA))
+    assert "swiglu_gemm: it needs a Hopper or later GPU" in caplog.text
+    monkeypatch.setattr(quack_support, "current_device_missing_reason", lambda: pytest.fail("probed quack"))
+    assert not build._swiglu_in_gemm(build.ModelSpec("unused", fused_kernels=("swiglu",)), Runtime(Device.CUDA))
