@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from skyrl_megatron.model.layers import qk_norm_rope
-from skyrl_megatron.testing import run_on_ranks
+from skyrl_megatron.testing import padded_token_rows, run_on_ranks
 
 
 def _reference(x, weight, cos, sin, eps):
@@ -145,13 +145,7 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict, fused: tuple[
     # each call's input storage: query and key read in place share the QKV projection's output
     qk_norm_rope.norm_rope = lambda *args: calls.append(args[0].untyped_storage().data_ptr()) or real_norm_rope(*args)
 
-    generator = torch.Generator().manual_seed(5)
-    batch, seq = len(SEQ_LENGTHS), max(SEQ_LENGTHS)
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, n in enumerate(SEQ_LENGTHS):
-        tokens[i, :n] = torch.randint(1, 256, (n,), generator=generator)
-        mask[i, :n] = 1
+    tokens, mask = padded_token_rows(SEQ_LENGTHS, seed=5)
     packed = pack_padded_batch(tokens, mask, parallel)
     # under CP each rank holds its share of every sequence (identity without CP)
     split = ContextParallelSplit.for_packed(packed.packed_seq_params, coords.cp, parallel.context)
@@ -168,7 +162,7 @@ def _logits_and_grads(rank, world_size, hf_dir: str, layout: dict, fused: tuple[
         padded = None
         if parallel.context == 1:  # a padded batch under CP would need its own split
             with torch.no_grad():
-                padded = model(tokens, torch.arange(seq).expand(batch, seq), None)
+                padded = model(tokens, torch.arange(tokens.shape[1]).expand(*tokens.shape), None)
         out[name] = {
             "kernels": built.fused_kernels,
             "attention": type(model.decoder.layers[0].self_attention).__name__,

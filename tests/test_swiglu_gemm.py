@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from skyrl_megatron.model.layers import forward_only, swiglu_gemm
-from skyrl_megatron.testing import run_on_ranks
+from skyrl_megatron.testing import padded_token_rows, run_on_ranks
 
 SEQ_LENGTHS = (7, 12, 5)
 
@@ -46,13 +46,7 @@ def _scored_and_trained(rank: int, world: int, hf_dir: str, layout: dict) -> dic
     calls: list = []
     _use_stand_in(calls)
 
-    generator = torch.Generator().manual_seed(3)
-    batch, seq = len(SEQ_LENGTHS), max(SEQ_LENGTHS)
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, n in enumerate(SEQ_LENGTHS):
-        tokens[i, :n] = torch.randint(1, 256, (n,), generator=generator)
-        mask[i, :n] = 1
+    tokens, mask = padded_token_rows(SEQ_LENGTHS, seed=3)
     packed = pack_padded_batch(tokens, mask, parallel)
 
     def forward(model, micro_batch):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from skyrl_megatron.testing.distributed import DistributedTestError, init_single_rank, run_on_ranks
-    from skyrl_megatron.testing.rl_batches import make_rl_batch
+    from skyrl_megatron.testing.rl_batches import make_rl_batch, padded_token_rows
     from skyrl_megatron.testing.tiny_models import FAMILIES, make_tiny_hf_model, tiny_config
     from skyrl_megatron.testing.tokenizer import make_tiny_tokenizer, save_tiny_tokenizer
     from skyrl_megatron.testing.triton_interpreter import last_word_under_triton_interpreter, run_under_triton_interpreter
@@ -23,6 +23,7 @@ _EXPORTS = {
     "run_on_ranks": "distributed",
     "init_single_rank": "distributed",
     "make_rl_batch": "rl_batches",
+    "padded_token_rows": "rl_batches",
     "FAMILIES": "tiny_models",
     "make_tiny_hf_model": "tiny_models",
     "tiny_config": "tiny_models",

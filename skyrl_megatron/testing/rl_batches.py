@@ -6,6 +6,8 @@ padding, packing and token budgets are all exercised.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -49,3 +51,14 @@ def perturb_logprobs(logprobs: torch.Tensor, loss_mask: torch.Tensor, scale: flo
         return logprobs
     noise = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed)) * scale
     return logprobs + noise * loss_mask
+
+
+def padded_token_rows(lengths: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows of random token ids in [1, 256), one row per length, and their attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = torch.randint(1, 256, (n,), generator=generator)
+        mask[i, :n] = 1
+    return tokens, mask
