@@ -192,6 +192,7 @@ def test_lse_gemm_runs_where_quack_runs_and_the_two_kernel_head_elsewhere(monkey
     spec = build.ModelSpec(str(tmp_path), fused_kernels=("logprobs", "lse_gemm"))
     assert "lse_gemm" in build.DEFAULT_FUSED_KERNELS
     probed = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(quack_support, "missing_reason", lambda device: probed.append(device) or None)
     assert not build._logprobs_in_gemm(spec, Runtime(Device.CPU)) and probed == []  # the CPU runtime: no GPU kernel

@@ -276,11 +276,11 @@ def test_compact_adam_steps_the_compact_masters_without_rebuilding_them():
 # 2026-11-26 runs (2 x H200) had torch's foreach AdamW (fused Adam came later), 256 MiB logits chunks (the default
 # then), fp32 masters (compact ones became the default later), the eager logprob chain and the head's weight
 # gradient in a buffer of its own; the 2026-12-07 run (one H100) had today's defaults, compact adam included
+_NOVEMBER_EXAMPLE_CODE = (["--logits-chunk-mib", "256", "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
+                          {"fused_adam": False, "compact_master_weights": False})
 SCALED_EXAMPLE_FLAGS = {
-    "2026-11-26_examples_4nodes_1.7b": (["--logits-chunk-mib", "256", "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
-                                        {"fused_adam": False, "compact_master_weights": False}),
-    "2026-11-26_examples_moe": (["--logits-chunk-mib", "256", "--unfused-logprobs", "--no-gradient-accumulation-fusion"],
-                                {"fused_adam": False, "compact_master_weights": False}),
+    "2026-11-26_examples_4nodes_1.7b": _NOVEMBER_EXAMPLE_CODE,
+    "2026-11-26_examples_moe": _NOVEMBER_EXAMPLE_CODE,
     "2026-12-07_examples_compact_adam": ([], {}),
 }
 SCALED_EXAMPLE_RUNS = sorted((ROOT / "docs" / "results").glob("*_examples_*/run_qwen3_*"))

@@ -21,10 +21,21 @@ from skyrl_megatron.testing import padded_token_rows, run_on_ranks
 SEQ_LENGTHS = (7, 12, 5)
 
 
-def _use_stand_in(calls: list) -> None:
-    """The stand-in for quack's kernel (this process): it takes CPU tensors, and counts its calls."""
+def _rank_with_stand_in(parallel) -> list:
+    """This rank's process groups for `parallel`, the GPU-only kernel settings taken on CPU, and the stand-in for
+    quack's kernel (this process): it takes CPU tensors and records each call's row shape in the list returned."""
+    from skyrl_megatron.model import quack_support
+    from skyrl_megatron.model.build import ModelSpec
+    from skyrl_megatron.parallel import init_distributed, initialize_model_parallel
+
+    init_distributed("cpu")
+    initialize_model_parallel(parallel)
+    ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels  # a GPU setting, taken on CPU here
+    quack_support.current_device_missing_reason = lambda: None
+    calls: list = []
     swiglu_gemm.takes = lambda x, weight: x.dim() == 2 and weight.shape[1] == x.shape[1] and weight.shape[0] % 2 == 0
     swiglu_gemm.fc1_swiglu = lambda x, weight: calls.append(tuple(x.shape)) or swiglu_gemm.reference_fc1_swiglu(x, weight)
+    return calls
 
 
 def _scored_and_trained(rank: int, world: int, hf_dir: str, layout: dict) -> dict:
@@ -34,17 +45,10 @@ def _scored_and_trained(rank: int, world: int, hf_dir: str, layout: dict) -> dic
     from skyrl_megatron.compute.microbatch.pack import pack_padded_batch
     from skyrl_megatron.compute.schedule import forward_only as forward_only_schedule
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.parallel import ParallelConfig
 
-    init_distributed("cpu")
     parallel = ParallelConfig(**layout)
-    initialize_model_parallel(parallel)
-    ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels  # a GPU setting, taken on CPU here
-    from skyrl_megatron.model import quack_support
-
-    quack_support.current_device_missing_reason = lambda: None
-    calls: list = []
-    _use_stand_in(calls)
+    calls = _rank_with_stand_in(parallel)
 
     tokens, mask = padded_token_rows(SEQ_LENGTHS, seed=3)
     packed = pack_padded_batch(tokens, mask, parallel)
@@ -108,16 +112,9 @@ def test_a_model_scored_with_it_equals_the_model_without(tmp_path, world, layout
 def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool) -> dict:
     """The kernel's calls in one forward-only pass of the first layer's MLP (MoE layers: none expected)."""
     from skyrl_megatron.model.build import ModelSpec, build_model
-    from skyrl_megatron.parallel import ParallelConfig, init_distributed, initialize_model_parallel
+    from skyrl_megatron.parallel import ParallelConfig
 
-    init_distributed("cpu")
-    initialize_model_parallel(ParallelConfig())
-    ModelSpec.fused = lambda self, kernel, runtime: kernel in self.fused_kernels
-    from skyrl_megatron.model import quack_support
-
-    quack_support.current_device_missing_reason = lambda: None
-    calls: list = []
-    _use_stand_in(calls)
+    calls = _rank_with_stand_in(ParallelConfig())
     built = build_model(ModelSpec(hf_dir, dtype="fp32", fused_kernels=("swiglu_gemm",)))
     mlp = built.chunks[0].decoder.layers[0].mlp
     if wrap_fc1:  # as an adapter wraps fc1: its output is no longer the plain GEMM's

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.quack_support import HALF_DTYPES, aligned
+from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, rows_and_weight
 
 
 def takes(hidden: Tensor, weight: Tensor, temperature: float) -> bool:
@@ -32,17 +32,8 @@ def takes(hidden: Tensor, weight: Tensor, temperature: float) -> bool:
     contiguous weight shard [V, h] of the same dtype, 16-byte aligned, at temperature 1."""
     return (
         temperature == 1.0
-        and hidden.is_cuda
-        and hidden.dim() == 2
-        and hidden.shape[0] > 0
-        and hidden.dtype in HALF_DTYPES
-        and weight.dtype == hidden.dtype
-        and weight.device == hidden.device
-        and hidden.is_contiguous()
-        and weight.is_contiguous()
-        and weight.shape[1] == hidden.shape[1]
-        and aligned(hidden, weight)
-        and weight.shape[0] * weight.element_size() % 16 == 0
+        and rows_and_weight(hidden, weight)
+        and weight.shape[0] * weight.element_size() % ALIGNMENT_BYTES == 0
     )
 
 

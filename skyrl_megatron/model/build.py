@@ -282,27 +282,26 @@ def _logprobs_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
     """`fused_kernels: [lse_gemm]`: the logprob head's statistics in quack's GEMM epilogue where quack runs on this GPU,
     else the two-kernel head (logged). Every role on the machine decides alike (the config check makes the policy and
     the reference ask alike), so the logprobs the KL term compares come from the same head."""
-    if not spec.fused("lse_gemm", runtime) or spec.value_head is not None:
-        return False
-    from skyrl_megatron.model import quack_support
-
-    reason = quack_support.missing_reason(torch.cuda.current_device())
-    if reason is not None:
-        logger.info("logprob head: GEMM, then the statistics kernel (lse_gemm: %s)", reason)
-        return False
-    return True
+    return spec.value_head is None and _quack_kernel_runs(spec, runtime, "lse_gemm",
+                                                          otherwise="logprob head: GEMM, then the statistics kernel")
 
 
 def _swiglu_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
     """`fused_kernels: [swiglu_gemm]`: the dense MLP's fc1 and SwiGLU as one quack GEMM in forward-only passes where
     quack runs on this GPU, else fc1, then the SwiGLU kernel (logged)."""
-    if not spec.fused("swiglu_gemm", runtime):
+    return _quack_kernel_runs(spec, runtime, "swiglu_gemm", otherwise="dense MLP: fc1, then the SwiGLU kernel")
+
+
+def _quack_kernel_runs(spec: ModelSpec, runtime: Runtime, kernel: str, otherwise: str) -> bool:
+    """Whether `kernel`, a quack GEMM of `fused_kernels`, is asked for and quack runs on this process's GPU; where it
+    is asked for and cannot run, the log says what runs `otherwise` and why."""
+    if not spec.fused(kernel, runtime):
         return False
     from skyrl_megatron.model import quack_support
 
     reason = quack_support.current_device_missing_reason()
     if reason is not None:
-        logger.info("dense MLP: fc1, then the SwiGLU kernel (swiglu_gemm: %s)", reason)
+        logger.info("%s (%s: %s)", otherwise, kernel, reason)
         return False
     return True
 

@@ -67,3 +67,21 @@ def aligned(*tensors: Tensor) -> bool:
         and all(stride * t.element_size() % ALIGNMENT_BYTES == 0 for stride in t.stride() if stride != 1)
         for t in tensors
     )
+
+
+def rows_and_weight(rows: Tensor, weight: Tensor) -> bool:
+    """Whether a dense quack GEMM of `rows` by a weight's transpose takes them: CUDA half-precision rows [n >= 1, k]
+    and a weight [m, k] of the same dtype and device, both contiguous and 16-byte aligned."""
+    return (
+        rows.is_cuda
+        and rows.dim() == 2
+        and weight.dim() == 2
+        and rows.shape[0] > 0
+        and rows.dtype in HALF_DTYPES
+        and weight.dtype == rows.dtype
+        and weight.device == rows.device
+        and weight.shape[1] == rows.shape[1]
+        and rows.is_contiguous()
+        and weight.is_contiguous()
+        and aligned(rows, weight)
+    )

@@ -10,7 +10,6 @@ puts on it (the wait for its parameters' all-gather) run as before.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region

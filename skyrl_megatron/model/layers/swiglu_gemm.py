@@ -21,26 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyrl_megatron.model.quack_support import HALF_DTYPES, aligned
+from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, rows_and_weight
 
 
 def takes(x: Tensor, weight: Tensor) -> bool:
     """Whether `fc1_swiglu` runs these operands: CUDA half-precision rows [n >= 1, h] and an fc1 weight [2 * f, h] of
     the same dtype, both contiguous and 16-byte aligned."""
     return (
-        x.is_cuda
-        and x.dim() == 2
-        and x.shape[0] > 0
-        and x.dtype in HALF_DTYPES
-        and weight.dtype == x.dtype
-        and weight.device == x.device
-        and weight.dim() == 2
+        rows_and_weight(x, weight)
         and weight.shape[0] % 2 == 0
-        and weight.shape[1] == x.shape[1]
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and aligned(x, weight)
-        and (weight.shape[0] // 2) * weight.element_size() % 16 == 0
+        and (weight.shape[0] // 2) * weight.element_size() % ALIGNMENT_BYTES == 0
     )
 
 
