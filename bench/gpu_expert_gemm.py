@@ -11,7 +11,14 @@ expert's output against fp64. The weight gradients are `bench/gpu_expert_wgrad.p
 the experts' GEMMs take quack where it is installed (on 2026-12-06 its tuned varlen-K GEMM ran the weight
 gradients at 430-490 TFLOP/s on an H200 against 344-356 for `torch._grouped_mm` and the fp32 add).
 
-    python bench/gpu_expert_gemm.py [--tokens 16384 --topk 8 --experts 128 --hidden 2048 --ffn 768]
+Then fc1 with the SwiGLU in quack's gated GEMM (`expert_gemm.fc1_swiglu`, what the experts' forward-only passes run
+with `fused_kernels: [swiglu_gemm]`), weighted by each row's routing probability as `ColumnGroupedLinear` does,
+against the two-kernel path (fc1's GEMM as above, then Megatron's weighted SwiGLU): milliseconds, and the largest
+error against the fp64 activation in units of its largest magnitude.
+
+    python bench/gpu_expert_gemm.py [--tokens 16384 --topk 8 --experts 128 --hidden 2048 --ffn 768] [--untuned]
+
+`--untuned` leaves out the autotuned GEMM (its tuning takes most of the run).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ def _max_relative_error(out, a, b_of_expert, cu_seqlens, experts: int) -> float:
 
 
 def main() -> None:
-    args = parse_layer_args(__doc__)
+    args = parse_layer_args(__doc__, untuned=True)
 
     import torch
 
@@ -65,6 +72,8 @@ def main() -> None:
                 "quack": lambda a=a, b=b: expert_gemm.matmul(a, b, offsets),  # what the layers call where `takes`
                 "quack_tuned": lambda a=a, b=b: gemm(a, b, cu_seqlens_m=cu_seqlens, tuned=True),
             }
+            if args.untuned:
+                del routes["quack_tuned"]
             results = {}
             for label, fn in routes.items():
                 try:
@@ -84,6 +93,50 @@ def main() -> None:
                 results["quack_tuned"]["config"] = str(getattr(gemm_tuned, "best_config", None))
             print(json.dumps({"projection": name, "direction": direction, "experts": args.experts, "rows": rows,
                               "out": out_features, "in": in_features, **results}), flush=True)
+
+    _gated_fc1(args, offsets, cu_seqlens, rows, device)
+
+
+def _gated_fc1(args, offsets, cu_seqlens, rows: int, device) -> None:
+    """fc1 and the weighted SwiGLU: two kernels against quack's gated GEMM (one JSON line)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+    from skyrl_megatron.model.moe import expert_gemm
+
+    weight = torch.randn(args.experts, 2 * args.ffn, args.hidden, device=device, dtype=torch.bfloat16)
+    weight *= 2 / args.hidden**0.5
+    x = torch.randn(rows, args.hidden, device=device, dtype=torch.bfloat16)
+    probs = torch.rand(rows, 1, device=device, dtype=torch.float32)
+    assert expert_gemm.takes_fc1_swiglu(x, weight)
+    routes = {
+        "two_kernels": lambda: weighted_bias_swiglu_impl(expert_gemm.matmul(x, weight.transpose(1, 2), offsets), None,
+                                                         probs),
+        "epilogue": lambda: expert_gemm.fc1_swiglu(x, weight, offsets).mul_(probs),
+        "gemm_alone": lambda: expert_gemm.matmul(x, weight.transpose(1, 2), offsets),
+    }
+    record = {"projection": "fc1_swiglu", "experts": args.experts, "rows": rows, "ffn": args.ffn, "hidden": args.hidden}
+    with torch.no_grad():
+        for label, fn in routes.items():
+            started = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            result = {"first_call_s": round(time.perf_counter() - started, 2),
+                      "ms": round(median_event_ms(fn, args.repeats), 3)}
+            if label != "gemm_alone":
+                worst = 0.0
+                for expert in range(args.experts):
+                    lo, hi = int(cu_seqlens[expert]), int(cu_seqlens[expert + 1])
+                    if hi == lo:
+                        continue
+                    gate, up = (x[lo:hi].double() @ weight[expert].double().t()).chunk(2, dim=-1)
+                    exact = F.silu(gate) * up * probs[lo:hi].double()
+                    error = (out[lo:hi].double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)
+                    worst = max(worst, float(error))
+                result["max_rel_error"] = worst
+            record[label] = result
+    print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def _offsets(tokens: int, topk: int, experts: int, empty: int, generator, device
     return counts.cumsum(0).to(device=device, dtype=torch.int32)
 
 
-def parse_layer_args(doc: str) -> argparse.Namespace:
-    """An MoE layer's widths and one micro-batch's routing (this script's and `gpu_expert_gemm.py`'s arguments)."""
+def parse_layer_args(doc: str, untuned: bool = False) -> argparse.Namespace:
+    """An MoE layer's widths and one micro-batch's routing (this script's and `gpu_expert_gemm.py`'s arguments);
+    `untuned`: also the switch that leaves the autotuned GEMM out."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--topk", type=int, default=8)
@@ -42,6 +43,8 @@ def parse_layer_args(doc: str) -> argparse.Namespace:
     parser.add_argument("--ffn", type=int, default=768)
     parser.add_argument("--empty", type=int, default=3, help="experts that receive no token")
     parser.add_argument("--repeats", type=int, default=10)
+    if untuned:
+        parser.add_argument("--untuned", action="store_true", help="leave out the autotuned GEMM")
     return parser.parse_args()
 
 

@@ -6,8 +6,11 @@ quack's gated GEMM runs on Hopper or later GPUs only. Here its PyTorch stand-in,
 kernel: a whole tiny model scored through the forward-only schedule equals the model without it, at world 1 and
 under TP2 with sequence parallelism (each rank's [gate; up] fc1 shard, the gathered sequence); training forwards,
 a recomputed layer's first forward (no gradients, but not forward-only) and LoRA's wrapper around fc1 keep
-Megatron's path, bit for bit; MoE layers are left alone; what the kernel takes. `bench/gpu_swiglu_gemm.py` runs
-quack's kernel itself against fp64 and the two-kernel path on a GPU.
+Megatron's path, bit for bit; what the kernel takes. The grouped MoE experts take the same epilogue through quack's
+varying-M gated GEMM (`expert_gemm.fc1_swiglu`, its stand-in `expert_gemm.reference_fc1_swiglu`), the routing
+probability multiplied after it: a tiny Qwen3-MoE scored with it equals the model without at world 1, EP2 and
+TP2 x ETP2. `bench/gpu_swiglu_gemm.py` and `bench/gpu_expert_gemm.py` run quack's kernels themselves against fp64
+and the two-kernel paths on a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from skyrl_megatron.model.layers import forward_only, swiglu_gemm
+from skyrl_megatron.model.moe import expert_gemm
 from skyrl_megatron.testing import padded_token_rows, run_on_ranks
 
 SEQ_LENGTHS = (7, 12, 5)
@@ -34,7 +38,11 @@ def _rank_with_stand_in(parallel) -> list:
     quack_support.current_device_missing_reason = lambda: None
     calls: list = []
     swiglu_gemm.takes = lambda x, weight: x.dim() == 2 and weight.shape[1] == x.shape[1] and weight.shape[0] % 2 == 0
-    swiglu_gemm.fc1_swiglu = lambda x, weight: calls.append(tuple(x.shape)) or swiglu_gemm.reference_fc1_swiglu(x, weight)
+    swiglu_gemm.fc1_swiglu = lambda x, weight: (calls.append(("dense", x.shape[0]))
+                                                or swiglu_gemm.reference_fc1_swiglu(x, weight))
+    expert_gemm.takes_fc1_swiglu = lambda a, weight: a.dim() == 2 and weight.dim() == 3 and weight.shape[2] == a.shape[1]
+    expert_gemm.fc1_swiglu = lambda a, weight, offsets: (calls.append(("experts", a.shape[0]))
+                                                         or expert_gemm.reference_fc1_swiglu(a, weight, offsets))
     return calls
 
 
@@ -81,24 +89,37 @@ def _scored_and_trained(rank: int, world: int, hf_dir: str, layout: dict) -> dic
             "no_grad": no_grad,
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             "tokens": packed.num_tokens,
+            "topk": built.provider.moe_router_topk,
         }
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layout", [(1, {}), (2, {"tensor": 2, "sequence_parallel": True})],
-                         ids=["world1", "tp2-sp"])
-def test_a_model_scored_with_it_equals_the_model_without(tmp_path, world, layout):
+@pytest.mark.parametrize("family, world, layout", [
+    ("qwen3", 1, {}),
+    ("qwen3", 2, {"tensor": 2, "sequence_parallel": True}),
+    ("qwen3_moe", 1, {}),
+    ("qwen3_moe", 2, {"expert": 2}),
+    ("qwen3_moe", 2, {"tensor": 2, "sequence_parallel": True, "expert_tensor": 2}),
+], ids=["dense-world1", "dense-tp2-sp", "moe-world1", "moe-ep2", "moe-tp2-etp2"])
+def test_a_model_scored_with_it_equals_the_model_without(tmp_path, family, world, layout):
     from skyrl_megatron.testing import make_tiny_hf_model
 
-    make_tiny_hf_model("qwen3", tmp_path, seed=6)
+    make_tiny_hf_model(family, tmp_path, seed=6)
     for result in run_on_ranks(_scored_and_trained, world, str(tmp_path), layout, timeout=300):
         fused, reference = result["fused"], result["reference"]
         assert "swiglu_gemm" in fused["kernels"] and "swiglu_gemm" not in reference["kernels"]
-        assert fused["mlp"] == "SwiGLUGemmMLP" and reference["mlp"] == "MLP"
-        # every layer once, over the whole packed sequence (under SP: every rank's shard gathered)
-        assert len(fused["scoring_calls"]) == fused["layers"]
-        assert all(rows == fused["tokens"] for rows, _ in fused["scoring_calls"])
+        calls = fused["scoring_calls"]
+        assert len(calls) == fused["layers"]  # every layer once
+        if family == "qwen3":
+            assert fused["mlp"] == "SwiGLUGemmMLP" and reference["mlp"] == "MLP"
+            # over the whole packed sequence (under SP: every rank's shard gathered)
+            assert calls == [("dense", fused["tokens"])] * len(calls)
+        else:
+            # the experts' rows: the top-k copies of every rank's tokens that this rank's experts take (EP, ETP)
+            assert all(kind == "experts" and 0 < rows <= world * fused["tokens"] * fused["topk"] for kind, rows in calls)
+            if world == 1:
+                assert calls == [("experts", fused["tokens"] * fused["topk"])] * len(calls)
         assert fused["other_calls"] == [] and reference["scoring_calls"] == []
         torch.testing.assert_close(fused["scored"], reference["scored"], atol=1e-5, rtol=1e-5)
         # the training forward and a no-grad forward outside the schedule keep Megatron's path: bit for bit
@@ -110,13 +131,14 @@ def test_a_model_scored_with_it_equals_the_model_without(tmp_path, world, layout
 
 
 def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool) -> dict:
-    """The kernel's calls in one forward-only pass of the first layer's MLP (MoE layers: none expected)."""
+    """The kernel's calls in one forward-only pass of the first layer's MLP (dense or MoE)."""
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.parallel import ParallelConfig
 
     calls = _rank_with_stand_in(ParallelConfig())
     built = build_model(ModelSpec(hf_dir, dtype="fp32", fused_kernels=("swiglu_gemm",)))
     mlp = built.chunks[0].decoder.layers[0].mlp
+    owner = getattr(mlp, "experts", mlp)
     if wrap_fc1:  # as an adapter wraps fc1: its output is no longer the plain GEMM's
 
         class Wrapped(torch.nn.Module):
@@ -124,28 +146,64 @@ def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool) 
                 super().__init__()
                 self.inner = inner
 
-            def forward(self, x):
-                out, bias = self.inner(x)
+            def forward(self, x, *args):
+                out, bias = self.inner(x, *args)
                 return out + 1.0, bias
 
-        mlp.linear_fc1 = Wrapped(mlp.linear_fc1)
+        owner.linear_fc1 = Wrapped(owner.linear_fc1)
     hidden = torch.randn(6, 1, built.provider.hidden_size)
     with torch.no_grad(), forward_only.forward_only_pass():
         mlp(hidden)
-    return {"calls": len(calls), "kernels": built.fused_kernels, "mlp": type(mlp).__name__}
+    return {"calls": [kind for kind, _ in calls], "kernels": built.fused_kernels}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, wrap_fc1, expected_calls", [("qwen3", False, 1), ("qwen3", True, 0),
-                                                               ("qwen3_moe", False, 0)],
-                         ids=["dense", "wrapped-fc1", "moe"])
-def test_the_fused_call_is_taken_only_by_plain_dense_mlps(tmp_path, family, wrap_fc1, expected_calls):
+@pytest.mark.parametrize("family, wrap_fc1, expected_calls", [
+    ("qwen3", False, ["dense"]),
+    ("qwen3", True, []),
+    ("qwen3_moe", False, ["experts"]),
+    ("qwen3_moe", True, []),
+], ids=["dense", "dense-wrapped-fc1", "moe", "moe-wrapped-fc1"])
+def test_the_fused_call_is_taken_only_by_plain_fc1s(tmp_path, family, wrap_fc1, expected_calls):
     from skyrl_megatron.testing import make_tiny_hf_model
 
     make_tiny_hf_model(family, tmp_path, seed=6)
     (result,) = run_on_ranks(_mlp_calls, 1, str(tmp_path), family, wrap_fc1, timeout=300)
     assert result["calls"] == expected_calls
-    assert ("swiglu_gemm" in result["kernels"]) == (family == "qwen3")
+    assert "swiglu_gemm" in result["kernels"]
+
+
+def test_the_experts_take_it_only_for_the_plain_weighted_swiglu():
+    from megatron.core.transformer import TransformerConfig
+
+    from skyrl_megatron.model.moe.experts import swiglu_epilogue_applies
+
+    def config(**overrides):
+        base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, gated_linear_unit=True,
+                    activation_func=torch.nn.functional.silu, add_bias_linear=False, num_moe_experts=4)
+        return TransformerConfig(**{**base, **overrides})
+
+    assert swiglu_epilogue_applies(config())
+    assert not swiglu_epilogue_applies(config(gated_linear_unit=False))
+    assert not swiglu_epilogue_applies(config(activation_func=torch.nn.functional.gelu))
+    assert not swiglu_epilogue_applies(config(add_bias_linear=True))
+    assert not swiglu_epilogue_applies(config(activation_func_clamp_value=7.0))
+    assert not swiglu_epilogue_applies(config(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True))
+
+
+def test_the_grouped_stand_in_is_each_experts_activation_of_the_fp32_product_rounded_once():
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(3, 2 * 8, 16, generator=generator) / 4).to(torch.bfloat16)
+    x = torch.randn(11, 16, generator=generator).to(torch.bfloat16)
+    offsets = torch.tensor([4, 4, 11], dtype=torch.int32)  # the second expert has no rows
+    out = expert_gemm.reference_fc1_swiglu(x, weight, offsets)
+    assert out.dtype == torch.bfloat16 and out.shape == (11, 8)
+    for expert, (start, end) in enumerate([(0, 4), (4, 4), (4, 11)]):
+        assert torch.equal(out[start:end], swiglu_gemm.reference_fc1_swiglu(x[start:end], weight[expert]))
+    assert not expert_gemm.takes_fc1_swiglu(x, weight)  # CPU tensors: Megatron's path
+    if torch.cuda.is_available():
+        assert expert_gemm.takes_fc1_swiglu(x.cuda(), weight.cuda())
+        assert not expert_gemm.takes_fc1_swiglu(x.cuda(), weight[:, :15].cuda())  # an odd row count
 
 
 def test_forward_only_is_set_by_the_pass_and_needs_gradients_off():

@@ -106,7 +106,7 @@ class BuiltModel:
     @property
     def fused_kernels(self) -> tuple[str, ...]:
         """The fused kernels this model runs with (`model/layers/fusions.py`), as built."""
-        from skyrl_megatron.model.layers.mlp import has_swiglu_gemm
+        from skyrl_megatron.model.layers import mlp
         from skyrl_megatron.model.layers.norm import FusedRMSNorm
         from skyrl_megatron.model.layers.qk_norm_rope import QKNormRopeSelfAttention
 
@@ -116,7 +116,7 @@ class BuiltModel:
             "rope": rope.is_fused() and self.provider.position_embedding_type in ("rope", "yarn"),
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
-            "swiglu_gemm": has_swiglu_gemm(modules),
+            "swiglu_gemm": mlp.has_swiglu_gemm(modules) or experts.has_swiglu_gemm(modules),
             "logprobs": self.fused_logprobs,
             "lse_gemm": self.logprobs_in_gemm,
         }
@@ -287,9 +287,9 @@ def _logprobs_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
 
 
 def _swiglu_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
-    """`fused_kernels: [swiglu_gemm]`: the dense MLP's fc1 and SwiGLU as one quack GEMM in forward-only passes where
-    quack runs on this GPU, else fc1, then the SwiGLU kernel (logged)."""
-    return _quack_kernel_runs(spec, runtime, "swiglu_gemm", otherwise="dense MLP: fc1, then the SwiGLU kernel")
+    """`fused_kernels: [swiglu_gemm]`: the dense MLP's and the grouped experts' fc1 and SwiGLU as one quack GEMM in
+    forward-only passes where quack runs on this GPU, else fc1, then the SwiGLU kernel (logged)."""
+    return _quack_kernel_runs(spec, runtime, "swiglu_gemm", otherwise="MLP: fc1, then the SwiGLU kernel")
 
 
 def _quack_kernel_runs(spec: ModelSpec, runtime: Runtime, kernel: str, otherwise: str) -> bool:

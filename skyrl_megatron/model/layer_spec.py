@@ -55,16 +55,17 @@ def _with_core_attention(layer, core_attention):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=self_attention))
 
 
-def _with_grouped_experts(layer):
+def _with_grouped_experts(layer, swiglu_gemm: bool):
     """A copy of an MoE TransformerLayer spec whose experts run as grouped GEMMs (model/moe/experts.py), in
-    an MoE layer that keeps the experts' token counts on the device where it can (model/moe/layer.py)."""
+    an MoE layer that keeps the experts' token counts on the device where it can (model/moe/layer.py); with
+    `swiglu_gemm` the experts' forward-only passes take fc1 and the SwiGLU from one GEMM."""
     import functools
 
     from skyrl_megatron.model.moe.experts import grouped_experts_builder
     from skyrl_megatron.model.moe.layer import grouped_moe_layer_class
 
     moe = layer.submodules.mlp  # functools.partial(MoELayer, submodules=MoESubmodules(...))
-    submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_experts_builder())
+    submodules = dataclasses.replace(moe.keywords["submodules"], experts=grouped_experts_builder(swiglu_in_gemm=swiglu_gemm))
     mlp = functools.partial(grouped_moe_layer_class(), *moe.args, **{**moe.keywords, "submodules": submodules})
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
@@ -104,8 +105,8 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
                      qk_norm_rope: bool = False, swiglu_gemm: bool = False):
     """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention
     (its segment kernel from `attention_kernel`, `megatron_config.attention_kernel`); with `qk_norm_rope`
-    (and query/key norms in the model) the norms run inside the rotation; with `swiglu_gemm` the dense MLP's
-    forward-only passes take fc1 and the SwiGLU from one GEMM.
+    (and query/key norms in the model) the norms run inside the rotation; with `swiglu_gemm` the dense MLP's and the
+    grouped experts' forward-only passes take fc1 and the SwiGLU from one GEMM.
 
     MoE layers with `moe_grouped_gemm` run their experts as grouped GEMMs (Megatron's local spec
     would run them one by one, whatever the flag says).
@@ -134,7 +135,7 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
     if swiglu_gemm:
         layer = _with_swiglu_gemm(layer)
     if config.num_moe_experts and config.moe_grouped_gemm:
-        layer = _with_grouped_experts(layer)
+        layer = _with_grouped_experts(layer, swiglu_gemm)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
@@ -145,8 +146,8 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attent
 
     `fused_norms`: RMSNorm as a generated kernel in the local spec (TE brings its own).
     `qk_norm_rope`: the query/key norms inside the rotation's kernel (local spec).
-    `swiglu_gemm`: the dense MLP's fc1 and SwiGLU as one GEMM in forward-only passes (local spec; the caller
-    decides that quack runs here).
+    `swiglu_gemm`: the dense MLP's and the grouped experts' fc1 and SwiGLU as one GEMM in forward-only passes (local
+    spec; the caller decides that quack runs here).
     `attention_kernel`: the packed segment kernel of our core attention; refused here, at model build,
     where it cannot run (e.g. flash4 on a GPU older than Hopper).
     """

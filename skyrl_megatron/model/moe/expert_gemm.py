@@ -7,12 +7,18 @@ row counts as the varying M (`cu_seqlens_m`) and the operands as they lie. It ru
 for the GPU, not its autotuner: the autotuner keys on the operands' shapes, and the experts' token total changes
 with every micro-batch.
 
-`bench/gpu_expert_gemm.py` times both libraries at MoE widths and checks them against fp64. Hopper and later only
-(`quack_support.missing_reason`); quack is imported only where it runs.
+In forward-only passes fc1 can also take the SwiGLU into its epilogue (`fc1_swiglu`, quack's gated GEMM over the same
+varying M: `fused_kernels: [swiglu_gemm]`): silu(gate) * up from the fp32 accumulator, rounded once, and no
+[rows, 2 * ffn] buffer written and read back.
+
+`bench/gpu_expert_gemm.py` times both libraries at MoE widths and checks them against fp64 (the gated GEMM too).
+Hopper and later only (`quack_support.missing_reason`); quack is imported only where it runs.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned, cu_seqlens
@@ -44,3 +50,35 @@ def matmul(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
     from quack.gemm_interface import gemm
 
     return gemm(a, b, cu_seqlens_m=cu_seqlens(offsets), tuned=False)
+
+
+def takes_fc1_swiglu(a: Tensor, weight: Tensor) -> bool:
+    """Whether `fc1_swiglu` runs these operands: as `takes(a, weight.mT)`, with fc1's stacked weight [E, 2 * f, K] in
+    [gate; up] halves of 16-byte aligned rows."""
+    return (
+        weight.dim() == 3
+        and weight.shape[1] % 2 == 0
+        and (weight.shape[1] // 2) * weight.element_size() % ALIGNMENT_BYTES == 0
+        and takes(a, weight.mT)
+    )
+
+
+def fc1_swiglu(a: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """silu(a_e @ gate_e^T) * (a_e @ up_e^T) for every expert e's rows of `a` and its fc1 weight [gate; up] (rows of
+    weight[e], [E, 2 * f, K]): one [rows, f] tensor in a's dtype from one gated GEMM. `offsets` as for `matmul`."""
+    from quack.gemm_interface import gemm_gated
+
+    _, out = gemm_gated(a, weight.mT, activation="swiglu", cu_seqlens_m=cu_seqlens(offsets), concat_layout=("B",),
+                        store_preact=False, tuned=False)
+    return out
+
+
+def reference_fc1_swiglu(a: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """What `fc1_swiglu` computes, in PyTorch: each expert's fp32 product, the activation in fp32, one rounding. The
+    stand-in for quack's kernel where it cannot run (the CPU tests) and the reference of `bench/gpu_expert_gemm.py`."""
+    ends = offsets.tolist()
+    outputs = []
+    for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        gate, up = (a[start:end].float() @ weight[expert].float().t()).chunk(2, dim=-1)
+        outputs.append((F.silu(gate) * up).to(a.dtype))
+    return torch.cat(outputs) if outputs else a.new_empty(0, weight.shape[1] // 2)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from skyrl_megatron.model.layers import forward_only
 from skyrl_megatron.model.moe import expert_gemm, expert_wgrad
 from skyrl_megatron.model.moe.grad_accumulate import accumulate_
 
@@ -381,9 +382,29 @@ class _GroupedLinear(torch.nn.Module):
 
 
 class ColumnGroupedLinear(_GroupedLinear):
-    """fc1 of every local expert (gate and up rows for SwiGLU), split over expert-TP by output rows."""
+    """fc1 of every local expert (gate and up rows for SwiGLU), split over expert-TP by output rows.
+
+    Asked with `swiglu_probs` (forward-only passes, `GroupedExperts`), it returns the experts' weighted activation
+    silu(gate) * up * prob, fc1's GEMM and the SwiGLU in one quack gated GEMM (`expert_gemm.fc1_swiglu`). Expert-TP
+    keeps [gate; up] halves on every rank, as the dense fc1 does."""
 
     partition_dim = 0
+
+    def stacked_weight(self) -> Tensor:
+        weights = self.expert_weights()
+        return stacked_weights(weights, self._weight_layout.runs(weights))
+
+    def takes_swiglu_epilogue(self, x: Tensor) -> bool:
+        """Whether the fused call runs `x` (the experts' permuted rows)."""
+        return expert_gemm.takes_fc1_swiglu(x, self.stacked_weight())
+
+    def forward(self, x: Tensor, tokens_per_expert: TokenCounts, swiglu_probs: Tensor | None = None):
+        if swiglu_probs is None:
+            return super().forward(x, tokens_per_expert)
+        out = expert_gemm.fc1_swiglu(x, self.stacked_weight(), expert_offsets(tokens_per_expert, x.device))
+        # each row's routing probability, multiplied in fp32 and rounded: a rounding after the activation's own, as
+        # Megatron's unfused activation has (its fused one weights before it rounds)
+        return out.mul_(swiglu_probs.unsqueeze(-1)), None
 
 
 class RowGroupedLinear(_GroupedLinear):
@@ -428,7 +449,23 @@ def grouped_experts_class():
         from megatron.core.transformer.moe.experts import TEGroupedMLP
 
         class GroupedExperts(TEGroupedMLP):
+            def __init__(self, *args, swiglu_in_gemm: bool = False, **kwargs):
+                super().__init__(*args, **kwargs)
+                # fc1 and the SwiGLU in one GEMM in forward-only passes (`fused_kernels: [swiglu_gemm]`, where quack runs)
+                self.swiglu_in_gemm = swiglu_in_gemm and swiglu_epilogue_applies(self.config)
+
             def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **buffers):
+                if (
+                    self.swiglu_in_gemm
+                    and not buffers
+                    and forward_only.active()
+                    and isinstance(self.linear_fc1, ColumnGroupedLinear)
+                    and self.linear_fc1.takes_swiglu_epilogue(permuted_local_hidden_states)
+                ):
+                    weighted, _ = self.linear_fc1(permuted_local_hidden_states, tokens_per_expert,
+                                                  swiglu_probs=permuted_probs)
+                    output, _ = self.linear_fc2(weighted, tokens_per_expert)
+                    return output, None
                 if isinstance(tokens_per_expert, Tensor):
                     tokens_per_expert = _CountsKeptOnDevice(tokens_per_expert)
                 return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **buffers)
@@ -436,6 +473,32 @@ def grouped_experts_class():
         GroupedExperts.__module__ = __name__
         _grouped_experts_class = GroupedExperts
     return _grouped_experts_class
+
+
+def swiglu_epilogue_applies(config) -> bool:
+    """Whether the experts' activation is the plain SwiGLU weighted by the routing probability after it (what the fused
+    call computes): no bias, clamp, offset, interleaving, TE activation, low-precision GEMM or probabilities on the
+    input, and no activation offloading."""
+    import torch.nn.functional as F
+
+    return (
+        config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.add_bias_linear
+        and config.activation_func_clamp_value is None
+        and not config.glu_linear_offset
+        and getattr(config, "moe_mlp_glu_interleave_size", None) is None
+        and not config.use_te_activation_func
+        and config.fp8 is None
+        and getattr(config, "fp4", None) is None
+        and not config.moe_apply_probs_on_input
+        and not getattr(config, "fine_grained_activation_offloading", False)
+    )
+
+
+def has_swiglu_gemm(modules) -> bool:
+    """Whether any of `modules` is a grouped experts module that takes the fused call."""
+    return any(getattr(m, "swiglu_in_gemm", False) for m in modules)
 
 
 def grouped_linears(chunks) -> list[_GroupedLinear]:
@@ -476,8 +539,9 @@ def run_gemms_on_quack(chunks) -> int:
     return len(linears)
 
 
-def grouped_experts_builder():
-    """The experts entry of a local MoE layer spec: `GroupedExperts` (TEGroupedMLP) over our grouped linears."""
+def grouped_experts_builder(swiglu_in_gemm: bool = False):
+    """The experts entry of a local MoE layer spec: `GroupedExperts` (TEGroupedMLP) over our grouped linears;
+    `swiglu_in_gemm`: fc1 and the SwiGLU as one GEMM in forward-only passes (the caller decides that quack runs)."""
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
 
     _register_with_bridge()
@@ -486,6 +550,7 @@ def grouped_experts_builder():
     return functools.partial(
         grouped_experts_class(),
         submodules=GroupedMLPSubmodules(linear_fc1=ColumnGroupedLinear, linear_fc2=RowGroupedLinear),
+        swiglu_in_gemm=swiglu_in_gemm,
     )
 
 
