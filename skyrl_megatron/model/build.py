@@ -117,6 +117,7 @@ class BuiltModel:
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
             "swiglu_gemm": mlp.has_swiglu_gemm(modules) or experts.has_swiglu_gemm(modules),
+            "swiglu_gemm_training": mlp.has_swiglu_gemm(modules, in_training=True),
             "logprobs": self.fused_logprobs,
             "lse_gemm": self.logprobs_in_gemm,
         }
@@ -224,6 +225,8 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
     provider.transformer_layer_spec = layer_spec_for(
         provider, runtime, fused_norms=spec.fused("rms_norm", runtime), attention_kernel=spec.attention_kernel,
         qk_norm_rope=spec.fused("qk_norm_rope", runtime), swiglu_gemm=_swiglu_in_gemm(spec, runtime),
+        swiglu_gemm_training=_quack_kernel_runs(spec, runtime, "swiglu_gemm_training",
+                                                otherwise="dense MLP training: fc1, the SwiGLU kernel, fc2"),
     )
     provider.finalize()
     return provider

@@ -86,27 +86,29 @@ def _with_qk_norm_rope(layer):
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
 
 
-def _with_swiglu_gemm(layer):
+def _with_swiglu_gemm(layer, in_training: bool):
     """A copy of a dense TransformerLayer spec whose MLP takes fc1 and the SwiGLU from one GEMM in forward-only passes
-    (model/layers/mlp.py); MoE layers are left as they are."""
+    (model/layers/mlp.py), `in_training`: in every pass; MoE layers are left as they are."""
     from megatron.core.transformer.mlp import MLP
 
-    from skyrl_megatron.model.layers.mlp import SwiGLUGemmFc1, SwiGLUGemmMLP
+    from skyrl_megatron.model.layers.mlp import SwiGLUGemmFc1, SwiGLUGemmMLP, SwiGLUGemmTrainingMLP
 
     mlp = layer.submodules.mlp  # functools.partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(...))
     if not isinstance(mlp, functools.partial) or getattr(mlp.func, "__self__", None) is not MLP:
         return layer
     submodules = dataclasses.replace(mlp.keywords["submodules"], linear_fc1=SwiGLUGemmFc1)
-    mlp = functools.partial(SwiGLUGemmMLP.as_mlp_submodule, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    module = SwiGLUGemmTrainingMLP if in_training else SwiGLUGemmMLP
+    mlp = functools.partial(module.as_mlp_submodule, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 
 def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False, attention_kernel: str = AUTO,
-                     qk_norm_rope: bool = False, swiglu_gemm: bool = False):
+                     qk_norm_rope: bool = False, swiglu_gemm: bool = False, swiglu_gemm_training: bool = False):
     """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention
     (its segment kernel from `attention_kernel`, `megatron_config.attention_kernel`); with `qk_norm_rope`
     (and query/key norms in the model) the norms run inside the rotation; with `swiglu_gemm` the dense MLP's and the
-    grouped experts' forward-only passes take fc1 and the SwiGLU from one GEMM.
+    grouped experts' forward-only passes take fc1 and the SwiGLU from one GEMM; with `swiglu_gemm_training` the dense
+    MLP's training passes too.
 
     MoE layers with `moe_grouped_gemm` run their experts as grouped GEMMs (Megatron's local spec
     would run them one by one, whatever the flag says).
@@ -132,8 +134,8 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
     layer = _with_core_attention(layer, functools.partial(CoreAttention, attention_kernel=attention_kernel))
     if qk_norm_rope and config.qk_layernorm:
         layer = _with_qk_norm_rope(layer)
-    if swiglu_gemm:
-        layer = _with_swiglu_gemm(layer)
+    if swiglu_gemm or swiglu_gemm_training:
+        layer = _with_swiglu_gemm(layer, in_training=swiglu_gemm_training)
     if config.num_moe_experts and config.moe_grouped_gemm:
         layer = _with_grouped_experts(layer, swiglu_gemm)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
@@ -141,13 +143,13 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
 
 
 def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attention_kernel: str = AUTO,
-                   qk_norm_rope: bool = False, swiglu_gemm: bool = False):
+                   qk_norm_rope: bool = False, swiglu_gemm: bool = False, swiglu_gemm_training: bool = False):
     """The spec (or spec factory) to set as `provider.transformer_layer_spec`.
 
     `fused_norms`: RMSNorm as a generated kernel in the local spec (TE brings its own).
     `qk_norm_rope`: the query/key norms inside the rotation's kernel (local spec).
     `swiglu_gemm`: the dense MLP's and the grouped experts' fc1 and SwiGLU as one GEMM in forward-only passes (local
-    spec; the caller decides that quack runs here).
+    spec; the caller decides that quack runs here); `swiglu_gemm_training`: the dense MLP's in training passes too.
     `attention_kernel`: the packed segment kernel of our core attention; refused here, at model build,
     where it cannot run (e.g. flash4 on a GPU older than Hopper).
     """
@@ -168,4 +170,5 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attent
         f"core attention: {describe_core_attention(runtime, provider.params_dtype, attention_kernel)}{experts}"
     )
     return functools.partial(local_block_spec, fused_norms=fused_norms, attention_kernel=attention_kernel,
-                             qk_norm_rope=qk_norm_rope, swiglu_gemm=swiglu_gemm)
+                             qk_norm_rope=qk_norm_rope, swiglu_gemm=swiglu_gemm,
+                             swiglu_gemm_training=swiglu_gemm_training)

@@ -20,13 +20,16 @@ torch.compile unless Inductor's was slow (then hand-written), or a maintained li
   dense MLP's call runs `swiglu_kernels.py` (hand-written, routed by `swiglu.install`), the MoE experts'
   Megatron's torch.compile'd functions;
 - `swiglu_gemm`: in forward-only passes (scoring), the dense MLP's fc1 GEMM with the SwiGLU in quack-kernels'
-  epilogue, writing only silu(gate) * up (`mlp.SwiGLUGemmMLP` over `swiglu_gemm.py`, where quack runs; training
-  passes keep fc1, then the `swiglu` kernels);
+  epilogue, writing only silu(gate) * up (`mlp.SwiGLUGemmMLP` over `swiglu_gemm.py`, where quack runs), and the
+  grouped MoE experts' (`moe/experts.py` over `moe/expert_gemm.py`, the routing probability multiplied after it);
+  training passes keep fc1, then the `swiglu` kernels;
+- `swiglu_gemm_training` (opt-in): the dense MLP's gated GEMM in every pass, training ones through
+  `swiglu_gemm.SwiGLUMLPFunction` (the SwiGLU's backward in fc2's input-gradient GEMM; `mlp.SwiGLUGemmTrainingMLP`);
 - `logprobs`: the logprob/entropy head's softmax statistics and logit gradient, one pass over each
   chunk's bf16 logits (hand-written in `compute/logprob_kernels.py`; the runner takes it from
   `BuiltModel.fused_logprobs`);
 - `lse_gemm`: the logprob head's log-sum-exp and label logit in quack-kernels' GEMM epilogue, from its fp32
-  accumulator (`compute/logprob_gemm.py`, opt-in; a scoring pass writes no logits).
+  accumulator (`compute/logprob_gemm.py`; a scoring pass writes no logits).
 
 The MoE experts' GEMMs (quack-kernels or `torch._grouped_mm`) are `moe_config.expert_gemms`, not a fused kernel.
 
