@@ -1,17 +1,22 @@
-# fc1 with the SwiGLU in one GEMM (swiglu_gemm, the default; dense MLPs and grouped experts) end to end: the kernel
-# checks (dense, and the experts' gated varying-M GEMM with the routing weight), then the three sides with `@two` (the
-# defaults without swiglu_gemm: fc1, then the SwiGLU kernel) first and last around the defaults: Qwen3-1.7B (the host's
-# worker last), the MoE widths at 4 layers (ours and the loop); last a scoring profile of the 1.7B defaults
+# fc1 with the SwiGLU in one GEMM end to end: the kernel checks first (the dense gated GEMM, the whole MLP's training
+# pass with swiglu_gemm_training's kernels against Megatron's path, the experts' gated varying-M GEMM), then the
+# three sides with `@two` (the defaults without swiglu_gemm: fc1, then the SwiGLU kernel) first and last around the
+# defaults and `@train` (swiglu_gemm_training added): Qwen3-1.7B, then the MoE widths at 4 layers (swiglu_gemm on the
+# grouped experts); the host's worker at 1.7B and a scoring profile last, where the budget lasts
 (setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 python bench/gpu_swiglu_gemm.py > $JOBS/out/swiglu_gemm.jsonl 2>&1
 python bench/gpu_expert_gemm.py --untuned > $JOBS/out/expert_gemm.jsonl 2>&1
 T='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]'
+R='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,swiglu_gemm,swiglu_gemm_training,logprobs,lse_gemm]'
 python bench/policy_bench.py --model Qwen3-1.7B --steps 3 --fsdp-packed-rows 4 --fsdp-forward-rows 32 \
-  --cases megatron:world1@two,megatron:world1,fsdp2_loop:world1,megatron:world1@two2,fsdp2:world1 \
-  --variant two="$T" --variant two2="$T" --out $JOBS/out/dense17_sgemm.json --markdown $JOBS/out/dense17_sgemm.md
+  --cases megatron:world1@two,megatron:world1,fsdp2_loop:world1,megatron:world1@train,megatron:world1@two2 \
+  --variant two="$T" --variant two2="$T" --variant train="$R" \
+  --out $JOBS/out/dense17_sgemm.json --markdown $JOBS/out/dense17_sgemm.md
 python bench/policy_bench.py --model Qwen3-30B-A3B --layers 4 --token-budget 16384 --fsdp-packed-rows 8 \
   --fsdp-forward-rows 32 --steps 4 --cases megatron:world1@two,megatron:world1,fsdp2_loop:world1,megatron:world1@two2 \
   --variant two="$T" --variant two2="$T" --out $JOBS/out/moe4_sgemm.json --markdown $JOBS/out/moe4_sgemm.md
+python bench/policy_bench.py --model Qwen3-1.7B --steps 3 --fsdp-packed-rows 4 --fsdp-forward-rows 32 \
+  --cases fsdp2:world1 --out $JOBS/out/dense17_host.json --markdown $JOBS/out/dense17_host.md
 python bench/policy_bench.py --model Qwen3-1.7B --steps 1 --cases megatron:world1 \
   --profile $JOBS/out/p17f --profile-phase forward --out $JOBS/out/p17f.json
