@@ -9,9 +9,9 @@ along its rows on every tensor-parallel rank; quack reads that layout through `c
 kernel, no copy of the weight).
 
 Precision: the activation is taken from the fp32 accumulator and rounded once, where the two-kernel path rounds y to
-bf16 first; the results differ by bf16 rounding. Training keeps the two-kernel path (its backward reads y), so the
-first step's importance ratio differs from 1 by that rounding, as it does wherever scoring and training micro-batches
-take different GEMM kernels.
+bf16 first; the results differ by bf16 rounding. Without `swiglu_gemm_training` training keeps the two-kernel path
+(its backward reads y), so the first step's importance ratio differs from 1 by that rounding, as it does wherever
+scoring and training micro-batches take different GEMM kernels.
 
 Training (`SwiGLUMLPFunction`, the whole MLP's GEMMs on this rank's shards): the gated GEMM also stores fc1's output
 (in quack's layout, gate and up columns interleaved) for the backward, and fc2's input-gradient GEMM applies the
@@ -69,7 +69,6 @@ def two_kernel_fc1_swiglu(x: Tensor, weight: Tensor) -> Tensor:
         return swiglu_kernels.swiglu_forward(y)
     gate, up = y.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(y.dtype)
-
 
 
 def _interleaved(gate: Tensor, up: Tensor) -> Tensor:
