@@ -80,11 +80,14 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
 # fp32 accumulator, where quack runs; compute/logprob_gemm.py) took 4-8% off the scoring passes on an H100
 # (2026-12-06); `swiglu_gemm` (the dense MLP's fc1 with the SwiGLU in quack-kernels' GEMM epilogue in forward-only
 # passes, where quack runs; model/layers/mlp.py) ran fc1 and the activation in 12-16% less time than cuBLAS's GEMM
-# and our SwiGLU kernel at Qwen3-1.7B's and 4B's widths on an H100 (2026-12-07); `swiglu_gemm_training` (opt-in:
-# the dense MLP's gated GEMM in training passes too, the SwiGLU's backward in fc2's input-gradient GEMM; not yet run
-# on a GPU). The MoE experts' GEMMs are `moe_config.expert_gemms`.
+# and our SwiGLU kernel at Qwen3-1.7B's and 4B's widths on an H100 (2026-12-07), 1.7B scoring +6.5-7.1% end to end;
+# `swiglu_gemm_training` (opt-in: the dense MLP's gated GEMM in training passes too, the SwiGLU's backward in fc2's
+# input-gradient GEMM: 2.5 GiB less training peak at 1.7B, its kernels 4-5% slower than Megatron's path, H100,
+# 2026-12-07); `swiglu_gemm_experts` (opt-in: the grouped MoE experts' fc1 with the SwiGLU in quack's gated
+# varying-M GEMM in forward-only passes: 14% slower than the two kernels at Qwen3-30B-A3B's widths, H100,
+# 2026-12-07). The MoE experts' GEMMs are `moe_config.expert_gemms`.
 FUSED_KERNELS: tuple[str, ...] = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "swiglu_gemm", "swiglu_gemm_training",
-                                  "logprobs", "lse_gemm")
+                                  "swiglu_gemm_experts", "logprobs", "lse_gemm")
 DEFAULT_FUSED_KERNELS: tuple[str, ...] = ("rope", "qk_norm_rope", "swiglu", "swiglu_gemm", "logprobs", "lse_gemm")
 # names `fused_kernels` took before the experts' GEMMs got their own key
 _EXPERT_GEMM_KERNELS = ("expert_gemm", "expert_wgrad")

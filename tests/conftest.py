@@ -53,7 +53,7 @@ BAD_VALUES = {
     "runtime": ([f"{MC}.runtime=gpu"], f"{MC}.runtime: unknown runtime 'gpu'. Fix: use auto, cuda or cpu."),
     "fused_kernels": ([f"{MC}.fused_kernels=[rope,swigl]"],
                       f"{MC}.fused_kernels: unknown kernel 'swigl'. Fix: did you mean 'swiglu'? "
-                      "(known: rms_norm, rope, qk_norm_rope, swiglu, swiglu_gemm, swiglu_gemm_training, logprobs, lse_gemm)."),
+                      "(known: rms_norm, rope, qk_norm_rope, swiglu, swiglu_gemm, swiglu_gemm_training, swiglu_gemm_experts, logprobs, lse_gemm)."),
     "fused_kernels_moved": ([f"{MC}.fused_kernels=[rope,expert_gemm]"],
                             f"{MC}.fused_kernels: 'expert_gemm' is no longer a fused kernel: {MC}.moe_config.expert_gemms "
                             "chooses the MoE experts' GEMMs (auto by default: quack-kernels where it runs, else "

@@ -130,7 +130,7 @@ def test_the_demo_names_a_bad_value_and_its_fix_before_torch_loads(run_python, d
     assert out.returncode == 2, out.stderr[-2000:]
     assert [line for line in out.stderr.splitlines() if line.startswith("skyrl-megatron:")] == [
         "skyrl-megatron: invalid skyrl-megatron config: trainer.policy.megatron_config.fused_kernels: unknown kernel "
-        "'swigl'. Fix: did you mean 'swiglu'? (known: rms_norm, rope, qk_norm_rope, swiglu, swiglu_gemm, swiglu_gemm_training, logprobs, lse_gemm)."]
+        "'swigl'. Fix: did you mean 'swiglu'? (known: rms_norm, rope, qk_norm_rope, swiglu, swiglu_gemm, swiglu_gemm_training, swiglu_gemm_experts, logprobs, lse_gemm)."]
     assert not out.loaded("torch")
 
 

@@ -6,10 +6,10 @@ quack's gated GEMM runs on Hopper or later GPUs only. Here its PyTorch stand-in,
 kernel: a whole tiny model scored through the forward-only schedule equals the model without it, at world 1 and
 under TP2 with sequence parallelism (each rank's [gate; up] fc1 shard, the gathered sequence); training forwards,
 a recomputed layer's first forward (no gradients, but not forward-only) and LoRA's wrapper around fc1 keep
-Megatron's path, bit for bit; what the kernel takes. The grouped MoE experts take the same epilogue through quack's
-varying-M gated GEMM (`expert_gemm.fc1_swiglu`, its stand-in `expert_gemm.reference_fc1_swiglu`), the routing
-probability multiplied after it: a tiny Qwen3-MoE scored with it equals the model without at world 1, EP2 and
-TP2 x ETP2. `bench/gpu_swiglu_gemm.py` and `bench/gpu_expert_gemm.py` run quack's kernels themselves against fp64
+Megatron's path, bit for bit; what the kernel takes. With `swiglu_gemm_experts` the grouped MoE experts take the
+same epilogue through quack's varying-M gated GEMM (`expert_gemm.fc1_swiglu`, its stand-in
+`expert_gemm.reference_fc1_swiglu`), the routing probability multiplied after it: a tiny Qwen3-MoE scored with it
+equals the model without at world 1, EP2 and TP2 x ETP2; without it the experts keep Megatron's path. `bench/gpu_swiglu_gemm.py` and `bench/gpu_expert_gemm.py` run quack's kernels themselves against fp64
 and the two-kernel paths on a GPU.
 """
 
@@ -65,7 +65,7 @@ def _scored_and_trained(rank: int, world: int, hf_dir: str, layout: dict) -> dic
         return model(micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params)
 
     out = {}
-    for name, kernels in (("fused", ("swiglu_gemm",)), ("reference", ())):
+    for name, kernels in (("fused", ("swiglu_gemm", "swiglu_gemm_experts")), ("reference", ())):
         built = build_model(ModelSpec(hf_dir, parallel=parallel, dtype="fp32", fused_kernels=kernels))
         model = built.chunks[0]
         calls.clear()
@@ -108,7 +108,8 @@ def test_a_model_scored_with_it_equals_the_model_without(tmp_path, family, world
     make_tiny_hf_model(family, tmp_path, seed=6)
     for result in run_on_ranks(_scored_and_trained, world, str(tmp_path), layout, timeout=300):
         fused, reference = result["fused"], result["reference"]
-        assert "swiglu_gemm" in fused["kernels"] and "swiglu_gemm" not in reference["kernels"]
+        kernel = "swiglu_gemm" if family == "qwen3" else "swiglu_gemm_experts"
+        assert kernel in fused["kernels"] and kernel not in reference["kernels"]
         calls = fused["scoring_calls"]
         assert len(calls) == fused["layers"]  # every layer once
         if family == "qwen3":
@@ -130,13 +131,13 @@ def test_a_model_scored_with_it_equals_the_model_without(tmp_path, family, world
             assert torch.equal(fused["grads"][name], grad), name
 
 
-def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool) -> dict:
+def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool, kernels: tuple) -> dict:
     """The kernel's calls in one forward-only pass of the first layer's MLP (dense or MoE)."""
     from skyrl_megatron.model.build import ModelSpec, build_model
     from skyrl_megatron.parallel import ParallelConfig
 
     calls = _rank_with_stand_in(ParallelConfig())
-    built = build_model(ModelSpec(hf_dir, dtype="fp32", fused_kernels=("swiglu_gemm",)))
+    built = build_model(ModelSpec(hf_dir, dtype="fp32", fused_kernels=kernels))
     mlp = built.chunks[0].decoder.layers[0].mlp
     owner = getattr(mlp, "experts", mlp)
     if wrap_fc1:  # as an adapter wraps fc1: its output is no longer the plain GEMM's
@@ -158,19 +159,21 @@ def _mlp_calls(rank: int, world: int, hf_dir: str, family: str, wrap_fc1: bool) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, wrap_fc1, expected_calls", [
-    ("qwen3", False, ["dense"]),
-    ("qwen3", True, []),
-    ("qwen3_moe", False, ["experts"]),
-    ("qwen3_moe", True, []),
-], ids=["dense", "dense-wrapped-fc1", "moe", "moe-wrapped-fc1"])
-def test_the_fused_call_is_taken_only_by_plain_fc1s(tmp_path, family, wrap_fc1, expected_calls):
+@pytest.mark.parametrize("family, wrap_fc1, kernels, expected_calls", [
+    ("qwen3", False, ("swiglu_gemm",), ["dense"]),
+    ("qwen3", True, ("swiglu_gemm",), []),
+    ("qwen3_moe", False, ("swiglu_gemm", "swiglu_gemm_experts"), ["experts"]),
+    ("qwen3_moe", True, ("swiglu_gemm", "swiglu_gemm_experts"), []),
+    ("qwen3_moe", False, ("swiglu_gemm",), []),  # the default: the experts keep Megatron's path
+], ids=["dense", "dense-wrapped-fc1", "moe", "moe-wrapped-fc1", "moe-default"])
+def test_the_fused_call_is_taken_only_by_plain_fc1s_where_asked(tmp_path, family, wrap_fc1, kernels, expected_calls):
     from skyrl_megatron.testing import make_tiny_hf_model
 
     make_tiny_hf_model(family, tmp_path, seed=6)
-    (result,) = run_on_ranks(_mlp_calls, 1, str(tmp_path), family, wrap_fc1, timeout=300)
+    (result,) = run_on_ranks(_mlp_calls, 1, str(tmp_path), family, wrap_fc1, kernels, timeout=300)
     assert result["calls"] == expected_calls
-    assert "swiglu_gemm" in result["kernels"]
+    kernel = "swiglu_gemm" if family == "qwen3" else "swiglu_gemm_experts"
+    assert (kernel in result["kernels"]) == (kernel in kernels)  # as built, whether or not a call could take it
 
 
 def test_the_experts_take_it_only_for_the_plain_weighted_swiglu():

@@ -116,8 +116,9 @@ class BuiltModel:
             "rope": rope.is_fused() and self.provider.position_embedding_type in ("rope", "yarn"),
             "qk_norm_rope": any(isinstance(module, QKNormRopeSelfAttention) for module in modules),
             "swiglu": bool(self.provider.bias_activation_fusion) and _is_swiglu(self.provider),
-            "swiglu_gemm": mlp.has_swiglu_gemm(modules) or experts.has_swiglu_gemm(modules),
+            "swiglu_gemm": mlp.has_swiglu_gemm(modules),
             "swiglu_gemm_training": mlp.has_swiglu_gemm(modules, in_training=True),
+            "swiglu_gemm_experts": experts.has_swiglu_gemm(modules),
             "logprobs": self.fused_logprobs,
             "lse_gemm": self.logprobs_in_gemm,
         }
@@ -227,6 +228,8 @@ def make_provider(spec: ModelSpec, bridge, runtime: Runtime | None = None):
         qk_norm_rope=spec.fused("qk_norm_rope", runtime), swiglu_gemm=_swiglu_in_gemm(spec, runtime),
         swiglu_gemm_training=_quack_kernel_runs(spec, runtime, "swiglu_gemm_training",
                                                 otherwise="dense MLP training: fc1, the SwiGLU kernel, fc2"),
+        swiglu_gemm_experts=_quack_kernel_runs(spec, runtime, "swiglu_gemm_experts",
+                                               otherwise="MoE experts: fc1, then the weighted SwiGLU"),
     )
     provider.finalize()
     return provider
@@ -290,9 +293,9 @@ def _logprobs_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
 
 
 def _swiglu_in_gemm(spec: ModelSpec, runtime: Runtime) -> bool:
-    """`fused_kernels: [swiglu_gemm]`: the dense MLP's and the grouped experts' fc1 and SwiGLU as one quack GEMM in
-    forward-only passes where quack runs on this GPU, else fc1, then the SwiGLU kernel (logged)."""
-    return _quack_kernel_runs(spec, runtime, "swiglu_gemm", otherwise="MLP: fc1, then the SwiGLU kernel")
+    """`fused_kernels: [swiglu_gemm]`: the dense MLP's fc1 and SwiGLU as one quack GEMM in forward-only passes where
+    quack runs on this GPU, else fc1, then the SwiGLU kernel (logged)."""
+    return _quack_kernel_runs(spec, runtime, "swiglu_gemm", otherwise="dense MLP: fc1, then the SwiGLU kernel")
 
 
 def _quack_kernel_runs(spec: ModelSpec, runtime: Runtime, kernel: str, otherwise: str) -> bool:

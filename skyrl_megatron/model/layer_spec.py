@@ -103,12 +103,13 @@ def _with_swiglu_gemm(layer, in_training: bool):
 
 
 def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = False, attention_kernel: str = AUTO,
-                     qk_norm_rope: bool = False, swiglu_gemm: bool = False, swiglu_gemm_training: bool = False):
+                     qk_norm_rope: bool = False, swiglu_gemm: bool = False, swiglu_gemm_training: bool = False,
+                     swiglu_gemm_experts: bool = False):
     """TransformerBlockSubmodules for this PP/VPP stage: local layers, our torch norms and core attention
     (its segment kernel from `attention_kernel`, `megatron_config.attention_kernel`); with `qk_norm_rope`
-    (and query/key norms in the model) the norms run inside the rotation; with `swiglu_gemm` the dense MLP's and the
-    grouped experts' forward-only passes take fc1 and the SwiGLU from one GEMM; with `swiglu_gemm_training` the dense
-    MLP's training passes too.
+    (and query/key norms in the model) the norms run inside the rotation; with `swiglu_gemm` the dense MLP's
+    forward-only passes take fc1 and the SwiGLU from one GEMM, with `swiglu_gemm_training` its training passes too,
+    with `swiglu_gemm_experts` the grouped experts' forward-only passes.
 
     MoE layers with `moe_grouped_gemm` run their experts as grouped GEMMs (Megatron's local spec
     would run them one by one, whatever the flag says).
@@ -137,19 +138,21 @@ def local_block_spec(config, vp_stage: int | None = None, fused_norms: bool = Fa
     if swiglu_gemm or swiglu_gemm_training:
         layer = _with_swiglu_gemm(layer, in_training=swiglu_gemm_training)
     if config.num_moe_experts and config.moe_grouped_gemm:
-        layer = _with_grouped_experts(layer, swiglu_gemm)
+        layer = _with_grouped_experts(layer, swiglu_gemm_experts)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
 def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attention_kernel: str = AUTO,
-                   qk_norm_rope: bool = False, swiglu_gemm: bool = False, swiglu_gemm_training: bool = False):
+                   qk_norm_rope: bool = False, swiglu_gemm: bool = False, swiglu_gemm_training: bool = False,
+                   swiglu_gemm_experts: bool = False):
     """The spec (or spec factory) to set as `provider.transformer_layer_spec`.
 
     `fused_norms`: RMSNorm as a generated kernel in the local spec (TE brings its own).
     `qk_norm_rope`: the query/key norms inside the rotation's kernel (local spec).
-    `swiglu_gemm`: the dense MLP's and the grouped experts' fc1 and SwiGLU as one GEMM in forward-only passes (local
-    spec; the caller decides that quack runs here); `swiglu_gemm_training`: the dense MLP's in training passes too.
+    `swiglu_gemm`: the dense MLP's fc1 and SwiGLU as one GEMM in forward-only passes (local spec; the caller decides
+    that quack runs here); `swiglu_gemm_training`: in training passes too; `swiglu_gemm_experts`: the grouped MoE
+    experts' in forward-only passes.
     `attention_kernel`: the packed segment kernel of our core attention; refused here, at model build,
     where it cannot run (e.g. flash4 on a GPU older than Hopper).
     """
@@ -171,4 +174,4 @@ def layer_spec_for(provider, runtime: Runtime, fused_norms: bool = False, attent
     )
     return functools.partial(local_block_spec, fused_norms=fused_norms, attention_kernel=attention_kernel,
                              qk_norm_rope=qk_norm_rope, swiglu_gemm=swiglu_gemm,
-                             swiglu_gemm_training=swiglu_gemm_training)
+                             swiglu_gemm_training=swiglu_gemm_training, swiglu_gemm_experts=swiglu_gemm_experts)

@@ -20,11 +20,12 @@ torch.compile unless Inductor's was slow (then hand-written), or a maintained li
   dense MLP's call runs `swiglu_kernels.py` (hand-written, routed by `swiglu.install`), the MoE experts'
   Megatron's torch.compile'd functions;
 - `swiglu_gemm`: in forward-only passes (scoring), the dense MLP's fc1 GEMM with the SwiGLU in quack-kernels'
-  epilogue, writing only silu(gate) * up (`mlp.SwiGLUGemmMLP` over `swiglu_gemm.py`, where quack runs), and the
-  grouped MoE experts' (`moe/experts.py` over `moe/expert_gemm.py`, the routing probability multiplied after it);
-  training passes keep fc1, then the `swiglu` kernels;
+  epilogue, writing only silu(gate) * up (`mlp.SwiGLUGemmMLP` over `swiglu_gemm.py`, where quack runs); training
+  passes keep fc1, then the `swiglu` kernels;
 - `swiglu_gemm_training` (opt-in): the dense MLP's gated GEMM in every pass, training ones through
   `swiglu_gemm.SwiGLUMLPFunction` (the SwiGLU's backward in fc2's input-gradient GEMM; `mlp.SwiGLUGemmTrainingMLP`);
+- `swiglu_gemm_experts` (opt-in): the grouped MoE experts' fc1 with the SwiGLU in quack's gated GEMM in forward-only
+  passes (`moe/experts.py` over `moe/expert_gemm.py`, the routing probability multiplied after it);
 - `logprobs`: the logprob/entropy head's softmax statistics and logit gradient, one pass over each
   chunk's bf16 logits (hand-written in `compute/logprob_kernels.py`; the runner takes it from
   `BuiltModel.fused_logprobs`);

@@ -8,8 +8,9 @@ for the GPU, not its autotuner: the autotuner keys on the operands' shapes, and 
 with every micro-batch.
 
 In forward-only passes fc1 can also take the SwiGLU into its epilogue (`fc1_swiglu`, quack's gated GEMM over the same
-varying M: `fused_kernels: [swiglu_gemm]`): silu(gate) * up from the fp32 accumulator, rounded once, and no
-[rows, 2 * ffn] buffer written and read back.
+varying M; `fused_kernels: [swiglu_gemm_experts]`): silu(gate) * up from the fp32 accumulator, rounded once, and no
+[rows, 2 * ffn] buffer written and read back. Opt-in: at quack's default configuration it ran 14% slower than the GEMM
+and Megatron's weighted SwiGLU at Qwen3-30B-A3B's widths (H100, 2026-12-07).
 
 `bench/gpu_expert_gemm.py` times both libraries at MoE widths and checks them against fp64 (the gated GEMM too).
 Hopper and later only (`quack_support.missing_reason`); quack is imported only where it runs.

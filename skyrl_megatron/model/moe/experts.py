@@ -451,7 +451,7 @@ def grouped_experts_class():
         class GroupedExperts(TEGroupedMLP):
             def __init__(self, *args, swiglu_in_gemm: bool = False, **kwargs):
                 super().__init__(*args, **kwargs)
-                # fc1 and the SwiGLU in one GEMM in forward-only passes (`fused_kernels: [swiglu_gemm]`, where quack runs)
+                # fc1 and the SwiGLU in one GEMM in forward-only passes (`fused_kernels: [swiglu_gemm_experts]`)
                 self.swiglu_in_gemm = swiglu_in_gemm and swiglu_epilogue_applies(self.config)
 
             def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, **buffers):
@@ -541,7 +541,8 @@ def run_gemms_on_quack(chunks) -> int:
 
 def grouped_experts_builder(swiglu_in_gemm: bool = False):
     """The experts entry of a local MoE layer spec: `GroupedExperts` (TEGroupedMLP) over our grouped linears;
-    `swiglu_in_gemm`: fc1 and the SwiGLU as one GEMM in forward-only passes (the caller decides that quack runs)."""
+    `swiglu_in_gemm`: fc1 and the SwiGLU as one GEMM in forward-only passes (`fused_kernels: [swiglu_gemm_experts]`;
+    the caller decides that quack runs)."""
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
 
     _register_with_bridge()
