@@ -173,6 +173,15 @@ def test_fused_swiglu_saves_one_ffn_wide_tensor_per_layer():
     assert unfused - fused == model.num_layers * 8192 * (model.ffn_hidden_size // 2) * 2  # bf16, TP-split
 
 
+def test_the_training_side_gated_gemms_keep_one_ffn_wide_tensor_less_per_dense_layer():
+    model, layout = arch("Qwen3-1.7B"), Layout(gpus_per_node=8, tp=2)
+    default, gated = (estimate(model, layout, BatchPlan(8192, swiglu_gemm_training=g)).activations for g in (False, True))
+    assert default - gated == model.num_layers * 8192 * (model.ffn_hidden_size // 2) * 2  # bf16, TP-split
+    moe = arch("Qwen3-30B-A3B")  # the experts keep Megatron's path
+    assert (estimate(moe, Layout(gpus_per_node=8, ep=8), BatchPlan(8192, swiglu_gemm_training=True)).activations
+            == estimate(moe, Layout(gpus_per_node=8, ep=8), BatchPlan(8192)).activations)
+
+
 def test_sequence_and_context_parallelism_shrink_activations():
     model = arch("Qwen3-1.7B")
     with_sp, without_sp = (
@@ -312,13 +321,15 @@ def test_plan_bounds_the_policy_peak_measured_on_gpus_within_ten_percent(directo
 # micro-batch then falls short of the budget, and the plan is made for the largest one that ran; before, first-fit
 # filled them to the budget), the logits a training forward kept for its backward (MiB; from 2026-12-02 on), and
 # whether the head's output weight gradient went straight into main_grad (from 2026-12-02 on; before, the head
-# accumulated it in an fp32 buffer of its own, as it does today without gradient_accumulation_fusion)
-BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False, "0", False),
-                      "2026-11-27_new_defaults": ("1024", False, False, "0", False),
-                      "2026-11-27_two_gpu_rows": ("1024", True, False, "0", False),
-                      "2026-11-28_spread_plans": ("1024", True, True, "0", False),
-                      "2026-12-06_three_sides_library_norm": ("1024", True, True, "4096", True),
-                      "2026-12-07_compact_adam": ("1024", True, True, "4096", True)}
+# accumulated it in an fp32 buffer of its own, as it does today without gradient_accumulation_fusion), and whether
+# compact adam was the default (from 2026-12-07 on: `auto`)
+BENCH_RUN_DEFAULTS = {"2026-11-27_true_peaks": ("256", False, False, "0", False, False),
+                      "2026-11-27_new_defaults": ("1024", False, False, "0", False, False),
+                      "2026-11-27_two_gpu_rows": ("1024", True, False, "0", False, False),
+                      "2026-11-28_spread_plans": ("1024", True, True, "0", False, False),
+                      "2026-12-06_three_sides_library_norm": ("1024", True, True, "4096", True, False),
+                      "2026-12-07_compact_adam": ("1024", True, True, "4096", True, False),
+                      "2026-12-07_swiglu_gemm_end_to_end": ("1024", True, True, "4096", True, True)}
 # Not here: the runs with the Triton kernels (docs/results/2026-11-28_triton_kernels/) and the others between
 # 2026-11-28 and 2026-12-02, whose code read query and key in place but still accumulated the head's weight gradient
 # apart and kept no logits.
@@ -350,7 +361,7 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
         shape["num_hidden_layers"] = report["layers"]
         config = tmp_path / f"{path.stem}.json"
         config.write_text(json.dumps(shape))
-    default_chunk, compact_by_default, spread, kept, head_into_main_grad = BENCH_RUN_DEFAULTS[path.parent.name]
+    default_chunk, compact_by_default, spread, kept, head_into_main_grad, adam_by_default = BENCH_RUN_DEFAULTS[path.parent.name]
     peaks = []
     for case in report["cases"]:
         if case["backend"] != "megatron":
@@ -366,8 +377,11 @@ def _bench_training_peaks(path: Path, tmp_path: Path) -> list[tuple[str, int, li
                 "--micro-batch-tokens", str(budget), "--logits-chunk-mib", chunk, "--logits-kept-mib", kept]
         compact = compact_by_default or any(o.endswith("compact_master_weights=true") for o in overrides)
         argv += ["--compact-master-weights", "true" if compact else "false"]
-        # compact adam became the default after every run listed here: on only where a variant turned it on
-        argv += ["--compact-adam", "true" if any(o.endswith("compact_adam=true") for o in overrides) else "false"]
+        # before it became the default, compact adam was on only where a variant turned it on
+        adam = adam_by_default or any(o.endswith("compact_adam=true") for o in overrides)
+        argv += ["--compact-adam", "true" if adam else "false"]
+        if any("swiglu_gemm_training" in o for o in overrides):
+            argv += ["--swiglu-gemm-training"]
         if not head_into_main_grad:  # the head then: three chunk buffers and its own weight-gradient accumulator
             argv += ["--unfused-logprobs", "--no-gradient-accumulation-fusion"]
         peaks.append((case["case"], gpus, argv, case["phases"]["train"]["peak_gib"]))

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="eager SwiGLU (swiglu not in megatron_config.fused_kernels, or bias_activation_fusion=false)",
     )
     training.add_argument(
+        "--swiglu-gemm-training",
+        action="store_true",
+        help="swiglu_gemm_training in megatron_config.fused_kernels: the dense MLP keeps fc1's output only",
+    )
+    training.add_argument(
         "--unfused-logprobs",
         action="store_true",
         help="the logprob head's eager chain (logprobs not in megatron_config.fused_kernels): fp32 copies of each chunk",
@@ -129,6 +134,7 @@ def _batch_plan(args: argparse.Namespace) -> BatchPlan:
         recompute=args.recompute,
         recompute_modules=tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip()),
         swiglu_fusion=not args.unfused_swiglu,
+        swiglu_gemm_training=args.swiglu_gemm_training,
         logprobs_fusion=not args.unfused_logprobs,
         logits_chunk_bytes=args.logits_chunk_mib * 2**20,
         logits_kept_bytes=args.logits_kept_mib * 2**20,

@@ -75,6 +75,9 @@ class BatchPlan:
     # Megatron's fused SwiGLU (on by default: megatron_config.fused_kernels): the unfused
     # silu(a) * b keeps silu(a), one more [tokens, ffn] tensor per layer.
     swiglu_fusion: bool = True
+    # `swiglu_gemm_training` in megatron_config.fused_kernels: the dense MLP keeps fc1's output only (the SwiGLU's
+    # output is written again by fc2's input-gradient GEMM in the backward)
+    swiglu_gemm_training: bool = False
     # the logprob head's kernels (`logprobs` in megatron_config.fused_kernels, the default): they write a chunk's
     # logit gradient over its logits; the eager chain holds fp32 copies of each chunk
     logprobs_fusion: bool = True
@@ -294,7 +297,7 @@ def layer_activation_bytes(
     if moe_layer:
         mlp = _moe_bytes(arch, layout, tokens, modules, batch.swiglu_fusion)
     else:
-        mlp = _dense_mlp_bytes(arch, layout, tokens, modules, batch.swiglu_fusion)
+        mlp = _dense_mlp_bytes(arch, layout, tokens, modules, batch.swiglu_fusion, batch.swiglu_gemm_training)
     return _norm_bytes(arch, tokens, modules) + _attention_bytes(arch, layout, tokens, modules) + mlp
 
 
@@ -325,10 +328,13 @@ def _swiglu_saved(ffn: int, fused: bool) -> int:
     return ffn if fused else 2 * ffn
 
 
-def _dense_mlp_bytes(arch: ModelArch, layout: Layout, tokens: _Tokens, modules: frozenset[str], fused: bool) -> float:
+def _dense_mlp_bytes(arch: ModelArch, layout: Layout, tokens: _Tokens, modules: frozenset[str], fused: bool,
+                     gated_gemms: bool = False) -> float:
     if "mlp" in modules:
         return 0.0  # checkpointed whole: only its input, the norm output, is kept
     f = arch.ffn_hidden_size // layout.tp
+    if gated_gemms:
+        return BF16 * 2 * f * tokens.local  # fc1 output only
     return BF16 * (2 * f + _swiglu_saved(f, fused)) * tokens.local  # fc1 output (SwiGLU input) + SwiGLU
 
 
