@@ -42,6 +42,8 @@ def describe_training(batch: BatchPlan, training: TrainingSetup) -> list[str]:
         recompute += f" ({', '.join(batch.recompute_modules)})"
     tuning = f"LoRA rank {training.lora_rank} (frozen base)" if training.lora_rank else "full fine-tune"
     swiglu = "fused" if batch.swiglu_fusion else "unfused"
+    if batch.swiglu_gemm_training:
+        swiglu = "GEMM-fused"  # swiglu_gemm_training: the dense MLP keeps fc1's output only
     first = f"{batch.micro_batch_tokens} tokens per micro-batch (packed), recompute {recompute}, {swiglu} SwiGLU, {tuning}"
     grads = "fp32" if training.grad_reduce_in_fp32 else "bf16"
     optimizer = "distributed" if training.distributed_optimizer else "unsharded"
