@@ -30,14 +30,15 @@ from cuda_timing import median_event_ms
 from gpu_expert_wgrad import parse_layer_args, quack_importable, routed_rows
 
 
-def _max_relative_error(out, a, b_of_expert, cu_seqlens, experts: int) -> float:
-    """Largest over experts of max |out_e - A_e B_e| / max |A_e B_e|, the product in fp64."""
+def _max_relative_error(out, exact, cu_seqlens, experts: int) -> float:
+    """Largest over experts with rows of max |out_e - exact_e| / max |exact_e|; `exact(lo, hi, e)`: expert e's rows
+    [lo, hi) in fp64."""
     worst = 0.0
     for expert in range(experts):
         lo, hi = int(cu_seqlens[expert]), int(cu_seqlens[expert + 1])
         if hi == lo:
             continue
-        want = a[lo:hi].double() @ b_of_expert(expert).double()
+        want = exact(lo, hi, expert)
         error = (out[lo:hi].double() - want).abs().max() / want.abs().max().clamp_min(1e-30)
         worst = max(worst, float(error))
     return worst
@@ -67,6 +68,10 @@ def main() -> None:
             "input_grad": (grad_output, weight, lambda e: weight[e]),
         }
         for direction, (a, b, b_of_expert) in directions.items():
+
+            def product(lo: int, hi: int, expert: int, a=a, b_of_expert=b_of_expert):
+                return a[lo:hi].double() @ b_of_expert(expert).double()
+
             routes = {
                 "grouped_mm": lambda a=a, b=b: torch._grouped_mm(a, b, offs=offsets),
                 "quack": lambda a=a, b=b: expert_gemm.matmul(a, b, offsets),  # what the layers call where `takes`
@@ -88,7 +93,7 @@ def main() -> None:
                 flops = 2 * rows * out.shape[1] * a.shape[1]
                 results[label] = {"ms": round(ms, 3), "first_call_s": round(first_call_s, 2),
                                   "tflops": round(flops / ms / 1e9, 1),
-                                  "max_rel_error": _max_relative_error(out, a, b_of_expert, cu_seqlens, args.experts)}
+                                  "max_rel_error": _max_relative_error(out, product, cu_seqlens, args.experts)}
             if "ms" in results.get("quack_tuned", {}):  # the configuration the autotuner chose, to pin it by shape
                 results["quack_tuned"]["config"] = str(getattr(gemm_tuned, "best_config", None))
             print(json.dumps({"projection": name, "direction": direction, "experts": args.experts, "rows": rows,
@@ -110,6 +115,11 @@ def _gated_fc1(args, offsets, cu_seqlens, rows: int, device) -> None:
     x = torch.randn(rows, args.hidden, device=device, dtype=torch.bfloat16)
     probs = torch.rand(rows, 1, device=device, dtype=torch.float32)
     assert expert_gemm.takes_fc1_swiglu(x, weight)
+
+    def weighted_swiglu(lo: int, hi: int, expert: int):
+        gate, up = (x[lo:hi].double() @ weight[expert].double().t()).chunk(2, dim=-1)
+        return F.silu(gate) * up * probs[lo:hi].double()
+
     routes = {
         "two_kernels": lambda: weighted_bias_swiglu_impl(expert_gemm.matmul(x, weight.transpose(1, 2), offsets), None,
                                                          probs),
@@ -125,16 +135,7 @@ def _gated_fc1(args, offsets, cu_seqlens, rows: int, device) -> None:
             result = {"first_call_s": round(time.perf_counter() - started, 2),
                       "ms": round(median_event_ms(fn, args.repeats), 3)}
             if label != "gemm_alone":
-                worst = 0.0
-                for expert in range(args.experts):
-                    lo, hi = int(cu_seqlens[expert]), int(cu_seqlens[expert + 1])
-                    if hi == lo:
-                        continue
-                    gate, up = (x[lo:hi].double() @ weight[expert].double().t()).chunk(2, dim=-1)
-                    exact = F.silu(gate) * up * probs[lo:hi].double()
-                    error = (out[lo:hi].double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)
-                    worst = max(worst, float(error))
-                result["max_rel_error"] = worst
+                result["max_rel_error"] = _max_relative_error(out, weighted_swiglu, cu_seqlens, args.experts)
             record[label] = result
     print(json.dumps(record), flush=True)
 

@@ -69,6 +69,12 @@ def aligned(*tensors: Tensor) -> bool:
     )
 
 
+def gate_up_halves(rows: int, weight: Tensor) -> bool:
+    """Whether `rows` rows of a SwiGLU fc1 weight split into [gate; up] halves whose output columns quack's gated GEMM
+    writes 16-byte aligned."""
+    return rows % 2 == 0 and (rows // 2) * weight.element_size() % ALIGNMENT_BYTES == 0
+
+
 def rows_and_weight(rows: Tensor, weight: Tensor) -> bool:
     """Whether a dense quack GEMM of `rows` by a weight's transpose takes them: CUDA half-precision rows [n >= 1, k]
     and a weight [m, k] of the same dtype and device, both contiguous and 16-byte aligned."""

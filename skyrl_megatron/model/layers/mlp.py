@@ -16,7 +16,6 @@ linears, run first as their `__call__` would. A model built with it scores and t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -55,17 +54,7 @@ class SwiGLUGemmMLP(MLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        c = self.config
-        self.swiglu_epilogue_applies = (
-            c.gated_linear_unit
-            and c.activation_func is F.silu
-            and not c.add_bias_linear
-            and c.activation_func_clamp_value is None
-            and not c.glu_linear_offset
-            and not c.use_te_activation_func
-            and c.fp8 is None
-            and getattr(c, "fp4", None) is None
-        )
+        self.swiglu_epilogue_applies = swiglu_gemm.plain_swiglu(self.config)
 
     def forward(self, hidden_states: Tensor, per_token_scale: Tensor | None = None, **kwargs):
         fc1 = self.linear_fc1

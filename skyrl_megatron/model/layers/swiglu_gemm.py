@@ -31,17 +31,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, rows_and_weight
+from skyrl_megatron.model.quack_support import gate_up_halves, rows_and_weight
+
+
+def plain_swiglu(config) -> bool:
+    """Whether a TransformerConfig's MLP activation is what the gated GEMM's epilogue computes: silu(gate) * up with no
+    bias, clamp, offset, TE activation module or low-precision GEMM."""
+    return (
+        config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.add_bias_linear
+        and config.activation_func_clamp_value is None
+        and not config.glu_linear_offset
+        and not config.use_te_activation_func
+        and config.fp8 is None
+        and getattr(config, "fp4", None) is None
+    )
 
 
 def takes(x: Tensor, weight: Tensor) -> bool:
     """Whether `fc1_swiglu` runs these operands: CUDA half-precision rows [n >= 1, h] and an fc1 weight [2 * f, h] of
     the same dtype, both contiguous and 16-byte aligned."""
-    return (
-        rows_and_weight(x, weight)
-        and weight.shape[0] % 2 == 0
-        and (weight.shape[0] // 2) * weight.element_size() % ALIGNMENT_BYTES == 0
-    )
+    return rows_and_weight(x, weight) and gate_up_halves(weight.shape[0], weight)
 
 
 def fc1_swiglu(x: Tensor, weight: Tensor) -> Tensor:

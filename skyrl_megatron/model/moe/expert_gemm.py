@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned, cu_seqlens
+from skyrl_megatron.model.quack_support import ALIGNMENT_BYTES, HALF_DTYPES, aligned, cu_seqlens, gate_up_halves
 
 
 def takes(a: Tensor, b: Tensor) -> bool:
@@ -56,12 +56,7 @@ def matmul(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
 def takes_fc1_swiglu(a: Tensor, weight: Tensor) -> bool:
     """Whether `fc1_swiglu` runs these operands: as `takes(a, weight.mT)`, with fc1's stacked weight [E, 2 * f, K] in
     [gate; up] halves of 16-byte aligned rows."""
-    return (
-        weight.dim() == 3
-        and weight.shape[1] % 2 == 0
-        and (weight.shape[1] // 2) * weight.element_size() % ALIGNMENT_BYTES == 0
-        and takes(a, weight.mT)
-    )
+    return weight.dim() == 3 and gate_up_halves(weight.shape[1], weight) and takes(a, weight.mT)
 
 
 def fc1_swiglu(a: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:

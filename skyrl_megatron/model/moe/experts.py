@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from skyrl_megatron.model.layers import forward_only
+from skyrl_megatron.model.layers import forward_only, swiglu_gemm
 from skyrl_megatron.model.moe import expert_gemm, expert_wgrad
 from skyrl_megatron.model.moe.grad_accumulate import accumulate_
 
@@ -476,21 +476,12 @@ def grouped_experts_class():
 
 
 def swiglu_epilogue_applies(config) -> bool:
-    """Whether the experts' activation is the plain SwiGLU weighted by the routing probability after it (what the fused
-    call computes): no bias, clamp, offset, interleaving, TE activation, low-precision GEMM or probabilities on the
-    input, and no activation offloading."""
-    import torch.nn.functional as F
-
+    """Whether the experts' activation is the plain SwiGLU (`swiglu_gemm.plain_swiglu`) weighted by the routing
+    probability after it (what the fused call computes): besides, no interleaving, no probabilities on the input and
+    no activation offloading."""
     return (
-        config.gated_linear_unit
-        and config.activation_func is F.silu
-        and not config.add_bias_linear
-        and config.activation_func_clamp_value is None
-        and not config.glu_linear_offset
+        swiglu_gemm.plain_swiglu(config)
         and getattr(config, "moe_mlp_glu_interleave_size", None) is None
-        and not config.use_te_activation_func
-        and config.fp8 is None
-        and getattr(config, "fp4", None) is None
         and not config.moe_apply_probs_on_input
         and not getattr(config, "fine_grained_activation_offloading", False)
     )
