@@ -13,8 +13,12 @@ the SwiGLU and fc2 forward and backward, weight gradients added into fp32 `main_
 fc1's gradients through `concat_layout`), each way's milliseconds and its output's, input gradient's and weight
 gradients' largest error against fp64 in units of each one's largest magnitude.
 
+With `--tuned`, quack's autotuned kernels as a third way (the scoring GEMM and all five of the training pass), each
+with the configuration its autotuner chose (`config`, to pin per width: the autotuner keys on shapes and tunes again for
+every token count, so the product runs quack's default configuration).
+
     python bench/gpu_swiglu_gemm.py [--shapes 23057:2048:6144,8192:2048:6144,23057:2560:9728]
-                                    [--training-shapes 8192:2048:6144,8192:2560:9728]
+                                    [--training-shapes 8192:2048:6144,8192:2560:9728] [--tuned]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--exact-rows", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--training-shapes", default=TRAINING_SHAPES)
+    parser.add_argument("--tuned", action="store_true", help="add quack's autotuned kernels as a third way")
     args = parser.parse_args()
 
     import torch
@@ -58,10 +63,16 @@ def main() -> None:
         exact = F.silu(gate) * up
         scale = exact.abs().max().item()
         results = {}
+        ways = [("two_kernels", lambda: swiglu_gemm.two_kernel_fc1_swiglu(x, weight)),
+                ("epilogue", lambda: swiglu_gemm.fc1_swiglu(x, weight)),
+                ("gemm_alone", lambda: x @ weight.t())]
+        if args.tuned:
+            from quack.gemm_interface import gemm_gated
+
+            ways.append(("epilogue_tuned", lambda: gemm_gated(x, weight.mT, activation="swiglu", concat_layout=("B",),
+                                                                store_preact=False, tuned=True)[1]))
         with torch.no_grad():
-            for name, fn in (("two_kernels", lambda: swiglu_gemm.two_kernel_fc1_swiglu(x, weight)),
-                             ("epilogue", lambda: swiglu_gemm.fc1_swiglu(x, weight)),
-                             ("gemm_alone", lambda: x @ weight.t())):
+            for name, fn in ways:
                 started = time.perf_counter()
                 out = fn()
                 torch.cuda.synchronize()
@@ -72,6 +83,8 @@ def main() -> None:
                 if name != "gemm_alone":
                     results[name] = out
                     record["max_error_vs_fp64_of_max"] = (out[rows].double() - exact).abs().max().item() / scale
+                if name == "epilogue_tuned":
+                    record["config"] = _chosen_configs()
                 print(json.dumps(record), flush=True)
         print(json.dumps({"tokens": tokens, "hidden": hidden, "ffn": ffn,
                           "epilogue_vs_two_kernels_max_of_max":
@@ -79,10 +92,18 @@ def main() -> None:
               flush=True)
 
     for shape in filter(None, args.training_shapes.split(",")):
-        _training_pass(*(int(part) for part in shape.split(":")), repeats=args.repeats)
+        _training_pass(*(int(part) for part in shape.split(":")), repeats=args.repeats, tuned=args.tuned)
 
 
-def _training_pass(tokens: int, hidden: int, ffn: int, repeats: int) -> None:
+def _chosen_configs() -> dict[str, str]:
+    """The configuration each of quack's autotuned GEMMs chose at its last call."""
+    from quack import gemm_interface
+
+    return {name: str(getattr(getattr(gemm_interface, name), "best_config", None))
+            for name in ("gemm_tuned", "gemm_gated_tuned", "gemm_dgated_tuned")}
+
+
+def _training_pass(tokens: int, hidden: int, ffn: int, repeats: int, tuned: bool) -> None:
     """One MLP training pass both ways (one JSON line per way)."""
     import torch
     import torch.nn.functional as F
@@ -108,8 +129,10 @@ def _training_pass(tokens: int, hidden: int, ffn: int, repeats: int) -> None:
         wgrad.wgrad_gemm_accum_fp32(x, grad_y, main_grad1)
         return out, grad_x
 
-    def gated():
-        kernels = swiglu_gemm.QuackKernels
+    class TunedKernels(swiglu_gemm.QuackKernels):
+        tuned = True
+
+    def gated(kernels=swiglu_gemm.QuackKernels):
         preact, act = kernels.fc1_gated(x, w1)
         out = act @ w2.t()
         grad_preact, act_again = kernels.fc2_dgated(grad_out, w2, preact)
@@ -128,7 +151,10 @@ def _training_pass(tokens: int, hidden: int, ffn: int, repeats: int) -> None:
     def error(got, want):
         return ((got.double() - want).abs().max() / want.abs().max()).item()
 
-    for name, fn in (("megatron", megatrons), ("swiglu_gemm_training", gated)):
+    ways = [("megatron", megatrons), ("swiglu_gemm_training", gated)]
+    if tuned:
+        ways.append(("swiglu_gemm_training_tuned", lambda: gated(TunedKernels)))
+    for name, fn in ways:
         main_grad1.zero_()
         main_grad2.zero_()
         started = time.perf_counter()
@@ -140,7 +166,8 @@ def _training_pass(tokens: int, hidden: int, ffn: int, repeats: int) -> None:
         ms = median_event_ms(fn, repeats, warmup=3)
         print(json.dumps({"training_case": name, "tokens": tokens, "hidden": hidden, "ffn": ffn, "ms": round(ms, 4),
                           "first_call_s": round(first_call_s, 2),
-                          **{f"max_error_{key}_of_max": value for key, value in errors.items()}}), flush=True)
+                          **{f"max_error_{key}_of_max": value for key, value in errors.items()},
+                          **({"config": _chosen_configs()} if name.endswith("_tuned") else {})}), flush=True)
 
 
 if __name__ == "__main__":

@@ -93,42 +93,47 @@ def _concatenated(interleaved: Tensor) -> Tensor:
 
 
 class QuackKernels:
-    """The five GEMMs of `SwiGLUMLPFunction` that see fc1's output, on quack-kernels (its default configuration)."""
+    """The five GEMMs of `SwiGLUMLPFunction` that see fc1's output, on quack-kernels (its default configuration; a
+    subclass with `tuned = True` takes quack's autotuner, which tunes again for every new shape: `bench/gpu_swiglu_gemm.py
+    --tuned`)."""
 
-    @staticmethod
-    def fc1_gated(x: Tensor, w1: Tensor) -> tuple[Tensor, Tensor]:
+    tuned = False
+
+    @classmethod
+    def fc1_gated(cls, x: Tensor, w1: Tensor) -> tuple[Tensor, Tensor]:
         """(fc1's output, interleaved, and silu(gate) * up) from one GEMM over x [n, h] and w1 [gate; up] ([2f, h])."""
         from quack.gemm_interface import gemm_gated
 
-        return gemm_gated(x, w1.mT, activation="swiglu", concat_layout=("B",), store_preact=True, tuned=False)
+        return gemm_gated(x, w1.mT, activation="swiglu", concat_layout=("B",), store_preact=True, tuned=cls.tuned)
 
-    @staticmethod
-    def fc2_dgated(grad_out: Tensor, w2: Tensor, preact: Tensor) -> tuple[Tensor, Tensor]:
+    @classmethod
+    def fc2_dgated(cls, grad_out: Tensor, w2: Tensor, preact: Tensor) -> tuple[Tensor, Tensor]:
         """(the gradient of fc1's output, interleaved, and fc2's input again): grad_out [n, h] @ w2 [h, f] with the
         SwiGLU's backward at `preact` in the epilogue."""
         from quack.gemm_interface import gemm_dgated
 
-        return gemm_dgated(grad_out, w2, preact, activation="swiglu", dynamic_scheduler=True, tuned=False)
+        return gemm_dgated(grad_out, w2, preact, activation="swiglu", dynamic_scheduler=True, tuned=cls.tuned)
 
-    @staticmethod
-    def fc1_input_grad(grad_preact: Tensor, w1: Tensor) -> Tensor:
+    @classmethod
+    def fc1_input_grad(cls, grad_preact: Tensor, w1: Tensor) -> Tensor:
         from quack.gemm_interface import gemm
 
-        return gemm(grad_preact, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=False)
+        return gemm(grad_preact, w1, concat_layout=("B",), dynamic_scheduler=True, tuned=cls.tuned)
 
-    @staticmethod
-    def fc1_weight_grad(grad_preact: Tensor, x: Tensor) -> Tensor:
+    @classmethod
+    def fc1_weight_grad(cls, grad_preact: Tensor, x: Tensor) -> Tensor:
         """[2f, h] in Megatron's [gate; up] rows."""
         from quack.gemm_interface import gemm
 
-        return gemm(grad_preact.mT, x, concat_layout=("out",), dynamic_scheduler=True, tuned=False)
+        return gemm(grad_preact.mT, x, concat_layout=("out",), dynamic_scheduler=True, tuned=cls.tuned)
 
-    @staticmethod
-    def fc1_weight_grad_add_(grad_preact: Tensor, x: Tensor, main_grad: Tensor) -> None:
+    @classmethod
+    def fc1_weight_grad_add_(cls, grad_preact: Tensor, x: Tensor, main_grad: Tensor) -> None:
         """main_grad [2f, h] ([gate; up] rows, fp32 or the weights' dtype) += the weight gradient, in the GEMM."""
         from quack.gemm_interface import gemm_add_inplace
 
-        gemm_add_inplace(grad_preact.mT, x, main_grad, concat_layout=("C", "out"), dynamic_scheduler=True, tuned=False)
+        gemm_add_inplace(grad_preact.mT, x, main_grad, concat_layout=("C", "out"), dynamic_scheduler=True,
+                         tuned=cls.tuned)
 
 
 class ReferenceKernels:

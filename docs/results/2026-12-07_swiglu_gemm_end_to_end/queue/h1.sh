@@ -1,6 +1,7 @@
 # On a 141 GB card (an H200), what the H100 run of 2026-12-07 14:51 could not reach: Qwen3-4B with `@two` (the defaults
 # without swiglu_gemm) first and last around the defaults and `@train` (swiglu_gemm_training added), both FSDP2 sides;
-# then the MoE widths at 8 layers, ours first and last beside both FSDP2 sides; the 1.7B three sides last
+# then the MoE widths at 8 layers, ours first and last beside both FSDP2 sides; the 1.7B three sides; quack's autotuned
+# SwiGLU GEMMs against its default configuration last
 (setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 T='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]'
@@ -15,3 +16,4 @@ python bench/policy_bench.py --model Qwen3-30B-A3B --layers 8 --token-budget 163
 python bench/policy_bench.py --model Qwen3-1.7B --steps 3 --fsdp-packed-rows 4 --fsdp-forward-rows 32 \
   --cases megatron:world1,fsdp2:world1,fsdp2_loop:world1,megatron:world1@again --variant again="$A" \
   --out $JOBS/out/dense17_three.json --markdown $JOBS/out/dense17_three.md
+python bench/gpu_swiglu_gemm.py --tuned --shapes 23057:2048:6144,23057:2560:9728 > $JOBS/out/swiglu_gemm_tuned.jsonl 2>&1
