@@ -6,10 +6,12 @@ bf16 values that the add reads back. quack's `gemm_add_inplace` with `cu_seqlens
 the varying K; A = dY^T m-major, B = X n-major, both as they lie) accumulates into the fp32 buffer in its epilogue,
 with the products summed in fp32 before the single rounding. This script times both at MoE shapes and compares each
 with an fp64 reference per expert (the fused one must be no further from it than today's path), including experts
-that receive no token. quack runs twice: with its default configuration (through `model/moe/expert_wgrad.py`: the
-token total changes every micro-batch, and the autotuner keys on shapes) and autotuned at this shape (the best one
-configuration could do; its `first_call_s` is mostly the tuning, paid again for every new token total). It decides
-whether the experts' backward should take quack where it is installed.
+that receive no token. quack runs three ways: through `model/moe/expert_wgrad.py` (`quack_add`: the configuration
+pinned for these widths on this GPU where `expert_wgrad.PINNED_CONFIGS` has one, else quack's default; the token total
+changes every micro-batch, and the autotuner keys on shapes), with quack's default configuration (`quack_add_default`),
+and autotuned at this shape (the best one configuration could do, with the configuration it chose: the one to pin; its
+`first_call_s` is mostly the tuning, paid again for every new token total). It decides whether the experts' backward
+should take quack where it is installed, and which configuration to pin.
 
     python bench/gpu_expert_wgrad.py [--tokens 16384 --topk 8 --experts 128 --hidden 2048 --ffn 768]
 """
@@ -100,11 +102,16 @@ def main() -> None:
         def fused(target):  # through the layer's own entry point
             expert_wgrad.add_(target, grad_output, x, offsets)
 
+        def fused_default(target):
+            gemm_add_inplace(grad_output.t(), x, target, cu_seqlens_k=cu_seqlens, tuned=False)
+
         def fused_tuned(target):
             gemm_add_inplace(grad_output.t(), x, target, cu_seqlens_k=cu_seqlens, tuned=True)
 
         results = {}
-        for label, fn in (("grouped_mm+add", today), ("quack_add", fused), ("quack_add_tuned", fused_tuned)):
+        ways = (("grouped_mm+add", today), ("quack_add", fused), ("quack_add_default", fused_default),
+                ("quack_add_tuned", fused_tuned))
+        for label, fn in ways:
             target = start_grad.clone()
             try:
                 started = time.perf_counter()
@@ -131,8 +138,9 @@ def main() -> None:
             from quack.gemm_interface import gemm_tuned
 
             results["quack_add_tuned"]["config"] = str(getattr(gemm_tuned, "best_config", None))
+        pinned = expert_wgrad.pinned_config(None, out_features, in_features)
         print(json.dumps({"projection": name, "experts": args.experts, "rows": rows, "out": out_features,
-                          "in": in_features, **results}))
+                          "in": in_features, "pinned": str(pinned), **results}))
         if "ms" in results.get("quack_add", {}) and "ms" in results["grouped_mm+add"]:
             today_error = results["grouped_mm+add"]["max_rel_error"]
             assert results["quack_add"]["max_rel_error"] <= today_error * 1.05 + 1e-6, results

@@ -1,9 +1,11 @@
-# On a 141 GB card (an H200), what the H100 run of 2026-12-07 14:51 could not reach: Qwen3-4B with `@two` (the defaults
+# The experts' weight-gradient GEMM with the configurations pinned in expert_wgrad.PINNED_CONFIGS first; then,
+# on a 141 GB card (an H200), what the H100 run of 2026-12-07 14:51 could not reach: Qwen3-4B with `@two` (the defaults
 # without swiglu_gemm) first and last around the defaults and `@train` (swiglu_gemm_training added), both FSDP2 sides;
 # then the MoE widths at 8 layers, ours first and last beside both FSDP2 sides; the 1.7B three sides; quack's autotuned
 # SwiGLU GEMMs against its default configuration last
 (setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
+python bench/gpu_expert_wgrad.py > $JOBS/out/ewg.jsonl 2>&1
 T='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]'
 R='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,swiglu_gemm,swiglu_gemm_training,logprobs,lse_gemm]'
 A='trainer.policy.megatron_config.compact_adam=auto'
