@@ -29,7 +29,7 @@ from torch import Tensor
 from skyrl_megatron.master_weights_kernels import block_stats, first_tie_slots, rounded_upper, store_split
 
 BLOCK = 4096  # elements per program (a block never straddles two tensors: `Blocks`)
-_WORDS = BLOCK // 16  # one 16-bit word of tie bits per 16 elements, in int32
+_WORDS = BLOCK // 16  # one int16 word of tie bits per 16 elements: 1/8 byte an element, every run's until `settle`
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def _adam_round_split_kernel(upper_ptr, remainder_ptr, grad_ptr, exp_avg_ptr, ex
     tie = (diff == 32768).to(tl.int32)
     if tl.sum(tie, axis=0) > 0:  # about one block in thirty: the others write no bits
         shifts = tl.arange(0, 16)
-        words = tl.sum(tl.reshape(tie, (BLOCK // 16, 16)) << shifts[None, :], axis=1)
+        words = tl.sum(tl.reshape(tie, (BLOCK // 16, 16)) << shifts[None, :], axis=1).to(tl.int16)  # bit 15: sign
         tl.store(tie_bits_ptr + block * (BLOCK // 16) + tl.arange(0, BLOCK // 16), words)
 
 
@@ -123,7 +123,7 @@ def adam_round_split(upper: Tensor, remainder: Tensor, grad: Tensor, exp_avg: Te
     Returns (remainder, stats int64 [worst status, ties] as the split's, what `tie_indices` needs)."""
     count = blocks.starts.numel()
     partials = torch.empty(count, 2, dtype=torch.int32, device=upper.device)
-    tie_bits = torch.empty(count, _WORDS, dtype=torch.int32, device=upper.device)
+    tie_bits = torch.empty(count, _WORDS, dtype=torch.int16, device=upper.device)
     if count:
         _adam_round_split_kernel[(count,)](
             upper, remainder, grad, exp_avg, exp_avg_sq, blocks.starts, blocks.counts, blocks.groups, hyper, skip,

@@ -138,10 +138,13 @@ for sizes, aligned in (([1, 70, B - 1, B, B + 3, 2 * B + 17, 500], False),
     grad[still[0]:still[1]] = 0.0
     exp_avg[still[0]:still[1]] = 0.0
     exp_avg_sq[still[0]:still[1]] = 0.0
+    # ties at all sixteen bit positions of one word of tie bits (the word's top bit is its int16's sign)
+    word = masters.view(torch.int32)[still[0] + 48:still[0] + 64]
+    word.copy_((word & ~0x1FFFF) | 0x8000)
     model = masters.to(torch.bfloat16)
     remainder, ties = master_weights.split_master(masters, model)
     planted_in_still = int(((ties >= still[0]) & (ties < still[1])).sum())
-    assert planted_in_still >= 2, planted_in_still
+    assert planted_in_still >= 16 + 2, planted_in_still
     table = kernels.block_table(spans, torch.device("cpu"))
     assert table.aligned == aligned
     assert torch.equal(table.starts, torch.sort(table.starts).values) and int(table.counts.max()) <= B

@@ -21,7 +21,7 @@
 #     optimizer       2.00 GiB  compact main params + Adam m, v; dense / 8 (DP x CP)
 #     activations    15.33 GiB  saved for backward: 28 layers x 1 micro-batch in flight
 #     transient       2.38 GiB  largest backward transient: logprob head
-#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.03 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          32.32 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
 set -euo pipefail

@@ -28,7 +28,7 @@
 #     optimizer      34.23 GiB  compact main params + Adam m, v; dense / 16 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.47 GiB  saved for backward: 94 layers x 1 micro-batch in flight
 #     transient       0.70 GiB  largest backward transient: logprob head
-#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.43 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          70.62 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail

@@ -26,7 +26,7 @@
 #     optimizer      35.54 GiB  compact main params + Adam m, v; dense / 8 (DP x CP), experts / 1 (expert-DP)
 #     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
 #     transient       2.38 GiB  largest backward transient: logprob head
-#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.44 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          71.29 GiB  fits 141 GiB (limit 126.90 GiB at 90% usable)
 set -euo pipefail

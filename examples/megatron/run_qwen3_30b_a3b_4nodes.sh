@@ -24,7 +24,7 @@
 #     optimizer       8.89 GiB  compact main params + Adam m, v; dense / 16 (DP x CP), experts / 4 (expert-DP)
 #     activations     1.50 GiB  saved for backward: 48 layers x 1 micro-batch in flight
 #     transient       2.44 GiB  largest backward transient: logprob head
-#     opt. step       0.00 GiB  the step's temporaries over the shard; peaks apart from the two above
+#     opt. step       0.11 GiB  the step's temporaries over the shard; peaks apart from the two above
 #     overhead        3.00 GiB  CUDA context, cuBLAS/NCCL workspaces (fixed allowance)
 #     total          40.42 GiB  fits 80 GiB (limit 72.00 GiB at 90% usable)
 set -euo pipefail

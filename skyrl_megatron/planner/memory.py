@@ -28,7 +28,8 @@ opt. step    the optimizer step's temporaries, after backward freed activations 
              steps with it (`fused_adam=False`; our optimizer switches to torch's fused kernel, which
              updates in place: optim.use_fused_torch_adam), plus with compact master weights their 2 B
              rebuild to fp32, unless compact adam steps them in place (compact_adam.py, on where the
-             masters are compact and the gradients fp32: no temporaries of a shard's size). The peak is
+             masters are compact and the gradients fp32: no fp32 temporaries, only every run's tie bits
+             until the step's one host read, 1/8 B an element). The peak is
              the larger of this and activations + transient (measured on H200s: with foreach AdamW,
              2026-11-26, the step set the policy's peak in both scaled MoE examples; with fused Adam,
              2026-11-27, backward set it at Qwen3-4B and an 8-layer Qwen3-30B-A3B).
@@ -53,6 +54,9 @@ BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = 3 * FP32  # fp32 main param, exp_avg, exp_avg_sq
 # a compact master between steps: its bf16 model weight (counted under params) plus an int16 remainder
 COMPACT_MASTER_SAVING = FP32 - 2
+# compact adam's step: one int16 word of tie bits per 16 elements of every run, kept until the step's one host read
+# (compact_adam_kernels.adam_round_split)
+COMPACT_ADAM_TIE_BITS_BYTES = 2 / 16
 FIXED_OVERHEAD_BYTES = 3 * GIB
 # The caching allocator rounds block sizes and fragments, so reserved memory runs above allocated.
 USABLE_FRACTION = 0.9
@@ -407,10 +411,10 @@ def _stage_estimate(arch: ModelArch, layout: Layout, batch: BatchPlan, training:
     )
 
 
-def _step_temporary_bytes(training: TrainingSetup) -> int:
+def _step_temporary_bytes(training: TrainingSetup) -> float:
     """Bytes per element of the GPU's optimizer shard that the optimizer step adds (module docstring)."""
     if training.steps_compact_masters_in_place:
-        return 0  # one pass over each run of compact masters, no torch AdamW, no rebuild
+        return COMPACT_ADAM_TIE_BITS_BYTES  # one pass over each run of compact masters, no torch AdamW, no rebuild
     fp32_temporaries = int(not training.grad_reduce_in_fp32) + int(not training.fused_adam)
     return FP32 * fp32_temporaries + COMPACT_MASTER_SAVING * training.compacts_masters
 

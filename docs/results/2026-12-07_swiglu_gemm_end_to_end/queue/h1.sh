@@ -1,4 +1,5 @@
-# The experts' weight-gradient GEMM with the configurations pinned in expert_wgrad.PINNED_CONFIGS first; then,
+# The experts' weight-gradient GEMM with the configurations pinned in expert_wgrad.PINNED_CONFIGS and compact adam's pass
+# (its tie bits now int16 words) against its definition first; then,
 # on a 141 GB card (an H200), what the H100 run of 2026-12-07 14:51 could not reach: Qwen3-4B with `@two` (the defaults
 # without swiglu_gemm) first and last around the defaults and `@train` (swiglu_gemm_training added), both FSDP2 sides;
 # then the MoE widths at 8 layers, ours first and last beside both FSDP2 sides; the 1.7B three sides; quack's autotuned
@@ -6,6 +7,7 @@
 (setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 python bench/gpu_expert_wgrad.py > $JOBS/out/ewg.jsonl 2>&1
+python bench/gpu_compact_adam_check.py --model Qwen3-1.7B --steps 3 --out $JOBS/out/ca_dense17.json > $JOBS/out/ca_dense17.log 2>&1
 T='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,logprobs,lse_gemm]'
 R='trainer.policy.megatron_config.fused_kernels=[rope,qk_norm_rope,swiglu,swiglu_gemm,swiglu_gemm_training,logprobs,lse_gemm]'
 A='trainer.policy.megatron_config.compact_adam=auto'
