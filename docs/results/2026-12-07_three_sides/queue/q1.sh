@@ -1,8 +1,8 @@
 # The experts' weight-gradient GEMM with the configurations pinned in expert_wgrad.PINNED_CONFIGS (against quack's default
 # and autotuned ones) and compact adam's pass (its tie bits now int16 words) against its definition first; then the
-# three sides with today's defaults (swiglu_gemm on, the pinned configurations) in one invocation each, ours first and last around the host's FSDP2 worker and the plain FSDP2 loop: the MoE widths at
-# 4 layers, then Qwen3-1.7B (both fit 80 GB); quack's
-# autotuned SwiGLU GEMMs against its default configuration last
+# three sides with today's defaults (swiglu_gemm on, the pinned configurations) in one invocation each, ours first and
+# last around the host's FSDP2 worker and the plain FSDP2 loop: the MoE widths at 4 layers, then Qwen3-1.7B (both fit
+# 80 GB); quack's autotuned SwiGLU GEMMs against its default configuration last
 (setsid nohup bash -c "while true; do date -u +%T; df -m / | tail -1; free -m | sed -n 2p; nvidia-smi --query-gpu=memory.used --format=csv,noheader; sleep 30; done" > $JOBS/out/monitor.log 2>&1 < /dev/null &)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 python bench/gpu_expert_wgrad.py > $JOBS/out/ewg.jsonl 2>&1
