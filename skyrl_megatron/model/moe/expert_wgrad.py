@@ -13,7 +13,7 @@ token total changes with every micro-batch, so each new total would benchmark ev
 configuration would also make the gradients' summation order depend on the run. It runs a configuration fixed by the
 weight's widths instead: the autotuner's pick at that width, measured once and pinned in `PINNED_CONFIGS` (quack's
 `GemmConfig` fields, by GPU architecture and one expert's (out, in)), else quack's default configuration for the GPU.
-The varying token total is the GEMM's inner dimension, which a tile configuration does not depend on.
+The varying token total is the GEMM's inner dimension: the output tiles a configuration sets are the weight's.
 
 Hopper and later only (`quack_support.missing_reason`); quack is imported only where it runs.
 `bench/gpu_expert_wgrad.py` times it against the two-kernel path and checks both against an fp64 reference.
